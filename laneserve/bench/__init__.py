@@ -1,0 +1,1 @@
+"""Benchmark support: metrics, reports, searches (goodput, SLO scale) and result files."""

@@ -1,0 +1,39 @@
+"""Clocks: wall time in the engine and server, virtual time in the simulator (DESIGN.md)."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+
+class WallClock:
+    """Monotonic wall time in seconds since the clock was created."""
+
+    __slots__ = ("_t0",)
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+
+class VirtualClock:
+    """Simulated time; only the event loop advances it, and never backwards."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._t = start
+
+    def now(self) -> float:
+        return self._t
+
+    def advance_to(self, t: float) -> None:
+        if t < self._t:
+            raise ValueError(f"virtual time cannot go backwards: {t} < {self._t}")
+        self._t = t

@@ -1,0 +1,155 @@
+"""The scheduler contract every policy implements (DESIGN.md, "The central contract").
+
+One instance is one loop::
+
+    plan = scheduler.schedule(now)         # who runs, how many tokens, who is preempted
+    result = executor.execute(plan)        # engine (torch) or simulator (cost model)
+    outcome = scheduler.update(plan, result, now)
+
+Schedulers own request state changes (counters, phases, timestamps) and KV admission on their
+instance's :class:`~laneserve.core.kv.KVCacheManager`; executors only read them. Policies are
+event-driven: the loop calls ``schedule`` after an arrival, a finished step, a KV arrival or a
+wake-up the policy asked for with :meth:`InstanceScheduler.next_wakeup`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from laneserve.core.kv import KVCacheManager
+from laneserve.core.plan import PrefillChunk, StepPlan, StepResult
+from laneserve.core.request import Phase, Request
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What a step changed that the instance loop must act on."""
+
+    prefilled: list[Request] = field(default_factory=list)   # prompt done; hand off to decode
+    finished: list[Request] = field(default_factory=list)    # done (all tokens, stop, or abort)
+
+
+class InstanceScheduler(ABC):
+    """Base of prefill, decode and colocated schedulers: queue bookkeeping and the common
+    ``update`` rule (a request is counters over its token list)."""
+
+    role: str = "prefill"
+    name: str = "base"
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.requests: dict[int, Request] = {}     # every request this instance holds
+
+    # ---- events --------------------------------------------------------------------------
+    def add_request(self, req: Request, now: float) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request {req.request_id} already on this instance")
+        self.requests[req.request_id] = req
+        self._enqueue(req, now)
+
+    @abstractmethod
+    def _enqueue(self, req: Request, now: float) -> None: ...
+
+    @abstractmethod
+    def schedule(self, now: float) -> StepPlan | None:
+        """The next step to run, or ``None`` to idle until the next event or wake-up."""
+
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
+        outcome = StepOutcome()
+        if not result.completed:      # stopped at a boundary: nothing advanced, plan is parked
+            self._on_preempted(plan, now)
+            return outcome
+        sampled = result.sampled
+        stop_hit = result.stop_hit
+        for chunk in plan.prefills:
+            self._advance_prefill(chunk, sampled, stop_hit, now, outcome)
+        for req in plan.decodes:
+            self._advance_decode(req, sampled, stop_hit, now, outcome)
+        self._after_update(plan, outcome, now)
+        return outcome
+
+    def abort(self, request_id: int, now: float) -> Request | None:
+        """Drop a request wherever it is on this instance and free its KV."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self._remove(req)
+        self.kv.free(request_id)
+        if not req.is_finished:
+            req.finish(now, "abort")
+        return req
+
+    def release(self, request_id: int) -> None:
+        """Forget a request whose KV has left this instance (transfer done) and free its blocks."""
+        self.requests.pop(request_id, None)
+        self.kv.free(request_id)
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def should_preempt(self, running: StepPlan, now: float) -> bool:
+        """Asked on an arrival while a preemptible step runs (FlowPrefill Algorithm 2)."""
+        return False
+
+    def next_wakeup(self) -> float | None:
+        """A time at which ``schedule`` should be called even without an event (AWD windows)."""
+        return None
+
+    def _on_preempted(self, plan: StepPlan, now: float) -> None:
+        for chunk in plan.prefills:
+            chunk.request.phase = Phase.PREEMPTED
+
+    def _after_update(self, plan: StepPlan, outcome: StepOutcome, now: float) -> None:
+        """Subclass bookkeeping after counters advanced (remove finished from queues...)."""
+
+    @abstractmethod
+    def _remove(self, req: Request) -> None:
+        """Take ``req`` out of this policy's queues."""
+
+    # ---- load figures (routing, pressure, metrics) ---------------------------------------
+    @property
+    @abstractmethod
+    def num_waiting(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_running(self) -> int: ...
+
+    @property
+    def queued_tokens(self) -> int:
+        """Work still to do here, in tokens (prefill: prompt tokens; decode: running requests)."""
+        return sum(r.remaining_prefill for r in self.requests.values())
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the common counter rule ---------------------------------------------------------
+    def _advance_prefill(self, chunk: PrefillChunk, sampled: dict[int, int] | None,
+                         stop_hit: set[int] | None, now: float, outcome: StepOutcome) -> None:
+        req = chunk.request
+        req.num_computed_tokens = chunk.end
+        if req.num_output_tokens:        # a recompute after preemption: KV restored, no new token
+            return
+        if chunk.end < req.prompt_len:
+            req.phase = Phase.PREFILLING
+            return
+        req.times.prefill_end = now
+        rid = req.request_id
+        req.record_token(now, sampled.get(rid) if sampled else None)
+        if req.num_output_tokens >= req.max_output_tokens or (stop_hit and rid in stop_hit):
+            req.finish(now, "stop" if stop_hit and rid in stop_hit else "length")
+            outcome.finished.append(req)
+        else:
+            outcome.prefilled.append(req)
+
+    def _advance_decode(self, req: Request, sampled: dict[int, int] | None,
+                        stop_hit: set[int] | None, now: float, outcome: StepOutcome) -> None:
+        req.num_computed_tokens += 1
+        rid = req.request_id
+        req.record_token(now, sampled.get(rid) if sampled else None)
+        if req.num_output_tokens >= req.max_output_tokens:
+            req.finish(now, "length")
+            outcome.finished.append(req)
+        elif stop_hit and rid in stop_hit:
+            req.finish(now, "stop")
+            outcome.finished.append(req)

@@ -1,0 +1,84 @@
+"""Colocated instances (prefill and decode on one instance, vLLM/Sarathi style): each step runs
+every decode the decode policy picks, then fills the rest of the token budget with prefill chunks
+from the prefill policy. Both share one KV cache; a finished prompt moves to the decode side
+without a transfer."""
+
+from __future__ import annotations
+
+from laneserve.core.kv import HostKVPool, KVCacheManager
+from laneserve.core.plan import StepPlan, StepResult
+from laneserve.core.request import Request
+from laneserve.policies import registry
+from laneserve.policies.base import InstanceScheduler, StepOutcome
+from laneserve.policies.decode.base import DecodeScheduler
+from laneserve.policies.prefill.base import PrefillScheduler
+
+
+@registry.register("colocated", "colocated")
+class ColocatedScheduler(InstanceScheduler):
+    role = "colocated"
+
+    def __init__(self, kv: KVCacheManager, *, prefill: str = "cp-edf:chunk=2048",
+                 decode: str = "continuous", token_budget: int = 2048,
+                 host_pool: HostKVPool | None = None, **prefill_opts) -> None:
+        super().__init__(kv)
+        self.prefill: PrefillScheduler = registry.make("prefill", prefill, kv, **prefill_opts)
+        self.decode: DecodeScheduler = registry.make("decode", decode, kv, host_pool=host_pool)
+        self.token_budget = token_budget
+        self.name = f"colocated({self.prefill.name}+{self.decode.name})"
+        self._prefill_chunks: dict[int, set[int]] = {}   # plan id -> ids of prefill-side chunks
+
+    def add_request(self, req: Request, now: float) -> None:
+        self.prefill.add_request(req, now)
+
+    def _enqueue(self, req: Request, now: float) -> None:  # pragma: no cover - add_request overrides
+        raise NotImplementedError
+
+    def _remove(self, req: Request) -> None:  # pragma: no cover - abort overrides
+        raise NotImplementedError
+
+    def schedule(self, now: float) -> StepPlan | None:
+        plan = self.decode.schedule(now) or StepPlan()
+        budget = self.token_budget - len(plan.decodes) - plan.num_prefill_tokens
+        side = set()
+        if budget > 0:
+            pplan = self.prefill.schedule(now, token_budget=budget)
+            if pplan is not None:
+                plan.prefills.extend(pplan.prefills)
+                side = {c.request.request_id for c in pplan.prefills}
+        if plan.is_empty:
+            return None
+        plan.label = self.name
+        self._prefill_chunks[plan.plan_id] = side
+        return plan
+
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
+        side = self._prefill_chunks.pop(plan.plan_id, set())
+        p_chunks = [c for c in plan.prefills if c.request.request_id in side]
+        d_plan = StepPlan(prefills=[c for c in plan.prefills if c.request.request_id not in side],
+                          decodes=plan.decodes)
+        p_out = self.prefill.update(StepPlan(prefills=p_chunks), result, now)
+        d_out = self.decode.update(d_plan, result, now)
+        for req in p_out.prefilled:          # no transfer: the KV stays, decoding starts here
+            self.prefill.requests.pop(req.request_id, None)
+            self.decode.add_request(req, now)
+        return StepOutcome(prefilled=[], finished=p_out.finished + d_out.finished)
+
+    def abort(self, request_id: int, now: float) -> Request | None:
+        return self.prefill.abort(request_id, now) or self.decode.abort(request_id, now)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.prefill.num_waiting + self.decode.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.decode.num_running
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.prefill.queued_tokens
+
+    @property
+    def has_work(self) -> bool:
+        return self.prefill.has_work or self.decode.has_work

@@ -1,0 +1,7 @@
+"""Decode-instance policies. Baseline: FCFS continuous batching (vLLM). The paper policies
+(Kairos slack-guided decode, AlignedServe aligned batches) register here too."""
+
+from laneserve.policies.decode.base import DecodeScheduler
+from laneserve.policies.decode.continuous import ContinuousBatchingDecode
+
+__all__ = ["ContinuousBatchingDecode", "DecodeScheduler"]

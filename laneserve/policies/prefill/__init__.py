@@ -1,0 +1,8 @@
+"""Prefill-instance policies. Baselines: FCFS (DistServe), chunked prefill with EDF.
+The paper policies (FlowPrefill S-EDF, Kairos urgency, LAPS lanes) register here too."""
+
+from laneserve.policies.prefill.base import PrefillScheduler
+from laneserve.policies.prefill.cp_edf import ChunkedEDFPrefill
+from laneserve.policies.prefill.fcfs import FCFSPrefill
+
+__all__ = ["ChunkedEDFPrefill", "FCFSPrefill", "PrefillScheduler"]

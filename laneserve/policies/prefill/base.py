@@ -1,0 +1,83 @@
+"""Shared machinery of prefill-instance schedulers: the waiting set, first-schedule bookkeeping
+(prefix reuse, timestamps), KV admission of whole prompts, and the token budget."""
+
+from __future__ import annotations
+
+from laneserve.core.kv import KVCacheManager
+from laneserve.core.plan import PrefillChunk
+from laneserve.core.request import Phase, Request
+from laneserve.policies.base import InstanceScheduler, StepOutcome
+
+
+class PrefillScheduler(InstanceScheduler):
+    """Base for policies that only prefill. Requests stay in :attr:`requests` after their prompt
+    is done until the instance loop calls :meth:`release` (their KV left for a decode instance).
+
+    ``token_budget`` caps the new tokens of one step (the first request of a step is always
+    admitted, so a prompt larger than the budget still runs alone). ``prefix_caching`` treats a
+    request's ``prefix_len`` tokens as already cached (multi-turn history kept on the instance).
+    """
+
+    role = "prefill"
+
+    def __init__(self, kv: KVCacheManager, *, token_budget: int = 8192, max_batch_size: int = 256,
+                 prefix_caching: bool = False) -> None:
+        super().__init__(kv)
+        if token_budget < 1 or max_batch_size < 1:
+            raise ValueError("token_budget and max_batch_size must be >= 1")
+        self.token_budget = token_budget
+        self.max_batch_size = max_batch_size
+        self.prefix_caching = prefix_caching
+        self.pending: set[int] = set()      # ids whose prompt is not finished yet
+
+    def _enqueue(self, req: Request, now: float) -> None:
+        req.phase = Phase.WAITING
+        self.pending.add(req.request_id)
+        self._push(req, now)
+
+    def _push(self, req: Request, now: float) -> None:
+        raise NotImplementedError
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.pending)
+
+    @property
+    def num_running(self) -> int:
+        return 0
+
+    @property
+    def queued_tokens(self) -> int:
+        reqs = self.requests
+        return sum(reqs[i].remaining_prefill for i in self.pending)
+
+    def admit(self, req: Request, now: float) -> bool:
+        """Reserve KV for the whole prompt the first time ``req`` is scheduled; False if it does
+        not fit now (the caller decides whether to wait or skip)."""
+        if req.times.prefill_start is not None:
+            return True
+        if not self.kv.can_admit(req.request_id, req.prompt_len):
+            return False
+        self.kv.allocate(req.request_id, req.prompt_len)
+        req.times.prefill_start = now
+        if self.prefix_caching and req.prefix_len and req.num_computed_tokens == 0:
+            cached = min(req.prefix_len, req.prompt_len - 1)
+            req.num_computed_tokens = req.num_cached_tokens = cached
+        req.phase = Phase.PREFILLING
+        return True
+
+    def chunk(self, req: Request, max_tokens: int) -> PrefillChunk:
+        n = req.remaining_prefill
+        return PrefillChunk(req, req.num_computed_tokens, n if n <= max_tokens else max_tokens)
+
+    def _after_update(self, plan, outcome: StepOutcome, now: float) -> None:
+        for chunk in plan.prefills:
+            if chunk.request.prefill_done:
+                self.pending.discard(chunk.request.request_id)
+                self._remove(chunk.request)
+        for req in outcome.finished:      # one-token outputs end here: nothing to hand off
+            self.release(req.request_id)
+
+    def abort(self, request_id: int, now: float) -> Request | None:
+        self.pending.discard(request_id)
+        return super().abort(request_id, now)

@@ -1,0 +1,58 @@
+"""Chunked prefill with earliest-deadline-first ordering (the CP-EDF baseline of FlowPrefill §6).
+
+Each step fills a fixed chunk budget (2048 or 8192 tokens in the paper) with prompt tokens taken
+in order of TTFT deadline; the last request may take a partial chunk and continues next step. A
+request whose KV does not fit is skipped for this step (order is not admission).
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+
+from laneserve.core.plan import StepPlan
+from laneserve.core.request import Request
+from laneserve.policies.prefill.base import PrefillScheduler
+from laneserve.policies.registry import register
+
+
+def _edf_key(req: Request) -> tuple[float, float, int]:
+    return (req.ttft_deadline, req.arrival_time, req.request_id)
+
+
+@register("prefill", "cp-edf", aliases={"cp-edf-2k": {"chunk": 2048}, "cp-edf-8k": {"chunk": 8192},
+                                         "cp2k": {"chunk": 2048}, "cp8k": {"chunk": 8192}})
+class ChunkedEDFPrefill(PrefillScheduler):
+    name = "cp-edf"
+
+    def __init__(self, kv, *, chunk: int = 2048, **opts) -> None:
+        opts.setdefault("token_budget", chunk)
+        super().__init__(kv, **opts)
+        if chunk < 1:
+            raise ValueError("chunk must be >= 1")
+        self.chunk_size = chunk
+        self.name = f"cp-edf-{chunk}"
+        self.order: list[Request] = []
+
+    def _push(self, req: Request, now: float) -> None:
+        insort(self.order, req, key=_edf_key)
+
+    def _remove(self, req: Request) -> None:
+        try:
+            self.order.remove(req)
+        except ValueError:
+            pass
+
+    def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
+        if not self.order:
+            return None
+        plan = StepPlan(label=self.name)
+        budget = self.chunk_size if token_budget is None else token_budget
+        for req in self.order:
+            if budget <= 0 or len(plan.prefills) >= self.max_batch_size:
+                break
+            if not self.admit(req, now):
+                continue
+            chunk = self.chunk(req, budget)
+            plan.prefills.append(chunk)
+            budget -= chunk.num_new_tokens
+        return plan if plan.prefills else None

@@ -1,0 +1,77 @@
+"""Request routers: which prefill (or colocated) instance takes an arriving request, and which
+decode instance takes a finished prefill. Baselines: round-robin and least-loaded. Routers see
+instances only through :class:`InstanceLoad`, so the engine cluster and the simulator share them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from laneserve.core.request import Request
+from laneserve.policies.registry import register
+
+
+class InstanceLoad(Protocol):
+    """What a router may look at on an instance."""
+
+    instance_id: int
+    role: str
+
+    @property
+    def queued_tokens(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def kv_usage(self) -> float: ...
+    @property
+    def accepting(self) -> bool: ...
+
+
+class Router:
+    name = "router"
+
+    def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
+        """Index into ``instances`` of the chosen one."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _candidates(instances: Sequence[InstanceLoad]) -> list[int]:
+        live = [i for i, inst in enumerate(instances) if inst.accepting]
+        if not live:
+            raise RuntimeError("no instance is accepting requests")
+        return live
+
+
+@register("router", "round-robin", aliases={"rr": {}})
+class RoundRobinRouter(Router):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
+        n = len(instances)
+        for k in range(n):
+            i = (self._next + k) % n
+            if instances[i].accepting:
+                self._next = i + 1
+                return i
+        raise RuntimeError("no instance is accepting requests")
+
+
+@register("router", "least-loaded", aliases={"ll": {}})
+class LeastLoadedRouter(Router):
+    """Prefill side: fewest queued prompt tokens. Decode side: lowest KV usage, then fewest
+    requests. Ties go to the lowest index, so the choice is deterministic."""
+
+    name = "least-loaded"
+
+    def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
+        live = self._candidates(instances)
+        if instances[live[0]].role == "decode":
+            return min(live, key=lambda i: (instances[i].kv_usage,
+                                            instances[i].num_running + instances[i].num_waiting, i))
+        return min(live, key=lambda i: (instances[i].queued_tokens, instances[i].num_waiting, i))

@@ -1,0 +1,56 @@
+"""Cluster shape and policy selection for a simulation run (frozen; the CLI maps flags here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    #: "disaggregated" (prefill and decode instances, KV transfer) or "colocated"
+    mode: str = "disaggregated"
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_colocated: int = 1
+    prefill_policy: str = "fcfs"
+    decode_policy: str = "continuous"
+    colocated_policy: str = "colocated"
+    router: str = "round-robin"          # arrivals -> prefill (or colocated) instances
+    decode_router: str = "least-loaded"  # finished prefills -> decode instances
+    #: KV capacity per instance in tokens; None derives it from the cost model's memory
+    prefill_kv_tokens: int | None = None
+    decode_kv_tokens: int | None = None
+    host_kv_tokens: int = 0              # host-memory pool per decode instance (swap, AlignedServe)
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_link: str = "nvlink"              # prefill -> decode transfer link
+    prefill_opts: dict[str, Any] = field(default_factory=dict)
+    decode_opts: dict[str, Any] = field(default_factory=dict)
+    record_token_times: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {self.mode!r}")
+        counts = (self.num_prefill, self.num_decode) if self.mode == "disaggregated" else (self.num_colocated,)
+        if min(counts) < 1:
+            raise ValueError(f"a {self.mode} cluster needs at least one instance of each role")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+    def describe(self) -> str:
+        if self.mode == "colocated":
+            return f"{self.num_colocated}x colocated [{self.colocated_policy}] router={self.router}"
+        return (f"{self.num_prefill}P[{self.prefill_policy}] + {self.num_decode}D[{self.decode_policy}]"
+                f" router={self.router}")
+
+
+def kv_capacity_tokens(cost_model: Any, utilization: float) -> int:
+    """KV tokens that fit on one instance: memory left after the weights (per tensor-parallel
+    group), at ``utilization``. Falls back to a large default when the model says nothing."""
+    fn = getattr(cost_model, "kv_capacity_tokens", None)
+    if callable(fn):
+        return int(fn(utilization))
+    return 1 << 20

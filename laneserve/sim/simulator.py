@@ -1,0 +1,279 @@
+"""Discrete-event simulation of a PD-disaggregated (or colocated) cluster.
+
+Events: request arrival, step finished (or stopped at an operator boundary), KV transfer done,
+and policy wake-ups. Each instance is an event-driven loop over the scheduler contract; KV
+transfers queue per destination link; every instance has a KV memory limit (prefill admission
+waits for memory, decode reservations wait, decode growth preempts). Deterministic: ties break by
+event sequence number, and nothing here draws random numbers.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+from laneserve.core.kv import HostKVPool, KVCacheManager, blocks_for
+from laneserve.core.plan import StepPlan, StepResult
+from laneserve.core.request import Phase, Request, RequestSpec
+from laneserve.costmodel.base import CostModel
+from laneserve.policies import registry
+from laneserve.policies.base import InstanceScheduler
+from laneserve.sim.config import ClusterConfig, kv_capacity_tokens
+from laneserve.sim.executor import SimExecutor
+
+_STEP, _TRANSFER, _WAKEUP = 0, 1, 2
+
+
+@dataclass(slots=True, eq=False)
+class SimInstance:
+    instance_id: int
+    role: str
+    scheduler: InstanceScheduler
+    plan: StepPlan | None = None
+    result: StepResult | None = None
+    step_start: float = 0.0
+    step_token: int = 0
+    preempt_at: int | None = None         # op count at which the running step will stop
+    wakeup_at: float | None = None
+    link_free_at: float = 0.0             # incoming KV link (decode instances)
+    pending: deque = field(default_factory=deque)   # prefilled requests waiting to transfer in
+    accepting: bool = True
+    busy_time: float = 0.0
+    steps: int = 0
+    preemptions: int = 0
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.scheduler.queued_tokens
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting + len(self.pending)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def kv_usage(self) -> float:
+        return self.scheduler.kv.usage
+
+
+@dataclass(slots=True)
+class SimResult:
+    requests: list[Request]
+    duration: float
+    config: ClusterConfig
+    instances: list[dict]
+    events: int
+    wall_seconds: float
+    unfinished: int = 0
+
+    @property
+    def finished(self) -> list[Request]:
+        return [r for r in self.requests if r.phase is Phase.FINISHED]
+
+
+class Simulator:
+    def __init__(self, config: ClusterConfig, cost: CostModel) -> None:
+        self.config = config
+        self.cost = cost
+        self.executor = SimExecutor(cost)
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def _make_instances(self) -> tuple[list[SimInstance], list[SimInstance]]:
+        cfg = self.config
+        default_tokens = kv_capacity_tokens(self.cost, cfg.gpu_memory_utilization)
+        bs = cfg.block_size
+
+        def kv(tokens: int | None) -> KVCacheManager:
+            return KVCacheManager(blocks_for(tokens or default_tokens, bs), bs)
+
+        def host() -> HostKVPool | None:
+            return HostKVPool(blocks_for(cfg.host_kv_tokens, bs), bs) if cfg.host_kv_tokens else None
+
+        if cfg.mode == "colocated":
+            front = [SimInstance(i, "colocated", registry.make(
+                "colocated", cfg.colocated_policy, kv(cfg.prefill_kv_tokens), host_pool=host(),
+                **cfg.prefill_opts)) for i in range(cfg.num_colocated)]
+            return front, []
+        front = [SimInstance(i, "prefill", registry.make("prefill", cfg.prefill_policy,
+                                                         kv(cfg.prefill_kv_tokens), **cfg.prefill_opts))
+                 for i in range(cfg.num_prefill)]
+        back = [SimInstance(cfg.num_prefill + j, "decode", registry.make(
+                    "decode", cfg.decode_policy, kv(cfg.decode_kv_tokens), host_pool=host(),
+                    **cfg.decode_opts))
+                for j in range(cfg.num_decode)]
+        return front, back
+
+    # ---- the run -----------------------------------------------------------------------------
+    def run(self, specs: Iterable[RequestSpec], *, slo_scale: float = 1.0,
+            progress: Callable[[int, int], None] | None = None) -> SimResult:
+        wall0 = time.perf_counter()
+        cfg = self.config
+        requests = [Request.from_spec(s, slo_scale=slo_scale, record_token_times=cfg.record_token_times)
+                    for s in specs]
+        requests.sort(key=lambda r: (r.arrival_time, r.request_id))
+        front, back = self._make_instances()
+        self.front, self.back = front, back
+        router = registry.make("router", cfg.router)
+        decode_router = registry.make("router", cfg.decode_router)
+        executor, cost, link = self.executor, self.cost, cfg.kv_link
+        heap: list[tuple] = []
+        seq = 0
+        push = heapq.heappush
+        now = 0.0
+        events = 0
+
+        def start_step(inst: SimInstance, t: float) -> None:
+            nonlocal seq
+            plan = inst.scheduler.schedule(t)
+            if plan is None:
+                wake = inst.scheduler.next_wakeup()
+                if wake is not None and wake != inst.wakeup_at:
+                    inst.wakeup_at = wake
+                    seq += 1
+                    push(heap, (max(wake, t), seq, _WAKEUP, inst, 0))
+                return
+            result = executor.execute(plan)
+            inst.plan, inst.result, inst.step_start = plan, result, t
+            inst.step_token += 1
+            inst.preempt_at = None
+            seq += 1
+            push(heap, (t + result.duration, seq, _STEP, inst, inst.step_token))
+
+        def try_preempt(inst: SimInstance, t: float) -> None:
+            nonlocal seq
+            plan = inst.plan
+            if inst.preempt_at is not None or not inst.scheduler.should_preempt(plan, t):
+                return
+            bounds = SimExecutor.boundaries(plan)
+            if not bounds:
+                return
+            cum = list(accumulate(plan.op_times[plan.ops_done:]))
+            for k in bounds:
+                end = inst.step_start + cum[k - plan.ops_done - 1]
+                if end >= t:
+                    inst.preempt_at = k
+                    inst.step_token += 1
+                    seq += 1
+                    push(heap, (end, seq, _STEP, inst, inst.step_token))
+                    return
+
+        def try_transfers(dec: SimInstance, t: float) -> None:
+            nonlocal seq
+            sched = dec.scheduler
+            pending = dec.pending
+            while pending:
+                req = pending[0]
+                if not sched.kv.fits_ever(req.context_len + 1):
+                    pending.popleft()
+                    fail(req, t)
+                    continue
+                if not sched.can_reserve(req):
+                    return
+                pending.popleft()
+                sched.reserve(req)
+                start = dec.link_free_at if dec.link_free_at > t else t
+                end = start + cost.kv_transfer_time(req.num_computed_tokens, link)
+                dec.link_free_at = end
+                req.times.transfer_start = start
+                seq += 1
+                push(heap, (end, seq, _TRANSFER, dec, req))
+
+        def fail(req: Request, t: float) -> None:
+            """A request that can never fit an instance's KV memory ends with an error."""
+            if req.prefill_instance is not None:
+                front[req.prefill_instance].scheduler.release(req.request_id)
+            req.finish(t, "error")
+
+        def arrive(req: Request, t: float) -> None:
+            i = router.route(req, front, t)
+            inst = front[i]
+            req.prefill_instance = i
+            if not inst.scheduler.kv.fits_ever(req.prompt_len + 1):
+                req.finish(t, "error")
+                return
+            inst.scheduler.add_request(req, t)
+            if inst.plan is None:
+                start_step(inst, t)
+            elif inst.plan.preemptible:
+                try_preempt(inst, t)
+
+        total = len(requests)
+        next_arrival = 0
+        while True:
+            if next_arrival < total and (not heap or requests[next_arrival].arrival_time <= heap[0][0]):
+                req = requests[next_arrival]
+                next_arrival += 1
+                now = req.arrival_time
+                arrive(req, now)
+                events += 1
+                if progress is not None and next_arrival % 1000 == 0:
+                    progress(next_arrival, total)
+                continue
+            if not heap:
+                break
+            now, _, kind, inst, payload = heapq.heappop(heap)
+            events += 1
+            if kind == _STEP:
+                if payload != inst.step_token:
+                    continue                      # superseded by a preemption
+                plan, result = inst.plan, inst.result
+                if inst.preempt_at is not None:   # stopped at an operator boundary
+                    result = StepResult(duration=now - inst.step_start, completed=False)
+                    plan.ops_done = inst.preempt_at
+                    inst.preemptions += 1
+                inst.busy_time += now - inst.step_start
+                inst.steps += 1
+                inst.plan = inst.result = None
+                outcome = inst.scheduler.update(plan, result, now)
+                for req in outcome.prefilled:
+                    req.phase = Phase.TRANSFERRING
+                    d = decode_router.route(req, back, now)
+                    req.decode_instance = back[d].instance_id
+                    back[d].pending.append(req)
+                    try_transfers(back[d], now)
+                if inst.role != "prefill" and outcome.finished:
+                    try_transfers(inst, now)
+                start_step(inst, now)
+            elif kind == _TRANSFER:
+                req = payload
+                req.times.transfer_end = now
+                src = front[req.prefill_instance]
+                src.scheduler.release(req.request_id)
+                if src.plan is None:
+                    start_step(src, now)
+                inst.scheduler.add_request(req, now)
+                if inst.plan is None:
+                    start_step(inst, now)
+            else:  # _WAKEUP
+                if inst.wakeup_at is not None and now >= inst.wakeup_at:
+                    inst.wakeup_at = None
+                if inst.plan is None:
+                    start_step(inst, now)
+
+        unfinished = 0
+        for req in requests:
+            if not req.is_finished:
+                unfinished += 1
+                req.finish(now, "error")
+        if progress is not None:
+            progress(total, total)
+        first = requests[0].arrival_time if requests else 0.0
+        stats = [{"instance": inst.instance_id, "role": inst.role, "steps": inst.steps,
+                  "busy_time": inst.busy_time, "utilization": inst.busy_time / max(now - first, 1e-9),
+                  "preemptions": inst.preemptions + getattr(inst.scheduler, "num_preemptions", 0)}
+                 for inst in (*front, *back)]
+        return SimResult(requests=requests, duration=now - first, config=cfg, instances=stats,
+                         events=events, wall_seconds=time.perf_counter() - wall0, unfinished=unfinished)
+
+
+def simulate(specs: Sequence[RequestSpec], cost: CostModel, config: ClusterConfig | None = None,
+             **kwargs) -> SimResult:
+    """One-call convenience: ``simulate(workload.specs, make_cost_model(), ClusterConfig(...))``."""
+    return Simulator(config or ClusterConfig(), cost).run(specs, **kwargs)
