@@ -1,0 +1,86 @@
+"""Cost models: one latency interface (:class:`CostModel`) with analytic (roofline, calibrated on
+measured H100 profiles) and fitted (engine profile, FlowPrefill / Kairos / LAPS predictors)
+implementations (DESIGN.md, "Cost models"). Pure Python + numpy; never imports torch.
+
+    >>> cm = make_cost_model("analytic", model="llama-3-8b", hardware="h100")
+    >>> cm.prefill_time([(1024, 0)]) > cm.decode_step_time([1024])
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .analytic import AnalyticCostModel
+from .base import LAYER_OPERATORS, CostModel, PrefillBatch
+from .fitted import FittedCostModel, PolynomialTTFT, StepTimeLUT
+from .laps_fit import LapsPrefillModel
+from .linear import LinearCostModel
+from .profile import Profile, load_profile, save_profile, synthesize_profile
+from .specs import HARDWARE, MODELS, HardwareSpec, LinkSpec, ModelSpec
+
+__all__ = [
+    "CostModel", "PrefillBatch", "LAYER_OPERATORS", "AnalyticCostModel", "FittedCostModel",
+    "PolynomialTTFT", "StepTimeLUT", "LapsPrefillModel", "ModelSpec", "HardwareSpec", "LinkSpec",
+    "MODELS", "HARDWARE", "Profile", "load_profile", "save_profile", "synthesize_profile",
+    "make_cost_model", "available_models", "available_hardware", "available_kinds",
+    "get_model_spec", "get_hardware_spec",
+]
+
+
+def available_models() -> list[str]:
+    return sorted(MODELS)
+
+
+def available_hardware() -> list[str]:
+    return sorted(HARDWARE)
+
+
+def _lookup(table: dict, name: str, what: str):
+    key = name.strip().lower()
+    if key not in table:
+        raise ValueError(f"unknown {what} {name!r}; valid: {', '.join(sorted(table))}")
+    return table[key]
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    return _lookup(MODELS, name, "model")
+
+
+def get_hardware_spec(name: str) -> HardwareSpec:
+    return _lookup(HARDWARE, name, "hardware")
+
+
+def _make_analytic(*, model: str, hardware: str, tp: int, attention: str,
+                   profile: str | None) -> CostModel:
+    return AnalyticCostModel(get_model_spec(model), get_hardware_spec(hardware), tp=tp,
+                             attention=attention.lower())
+
+
+def _make_fitted(*, model: str, hardware: str, tp: int, attention: str,
+                 profile: str | None) -> CostModel:
+    if profile is None:
+        raise ValueError("kind='fitted' needs profile=<path to an engine profile JSON>")
+    return FittedCostModel(load_profile(profile), links=dict(get_hardware_spec(hardware).links))
+
+
+def _make_linear(*, model: str, hardware: str, tp: int, attention: str,
+                 profile: str | None) -> CostModel:
+    return LinearCostModel(attention=attention.lower())
+
+
+_KINDS: dict[str, Callable[..., CostModel]] = {"analytic": _make_analytic, "fitted": _make_fitted,
+                                               "linear": _make_linear}
+
+
+def available_kinds() -> list[str]:
+    return sorted(_KINDS)
+
+
+def make_cost_model(kind: str = "analytic", *, model: str = "llama-3-8b", hardware: str = "h100",
+                    tp: int = 1, attention: str = "ragged", profile: str | None = None) -> CostModel:
+    """Build a cost model by name. ``analytic``: roofline of ``model`` on ``hardware`` with tensor
+    parallelism ``tp``; ``fitted``: fitted from the engine profile at ``profile`` (its own
+    attention kind; ``hardware`` supplies the links the profile did not measure)."""
+    return _lookup(_KINDS, kind, "cost model kind")(model=model, hardware=hardware, tp=tp,
+                                                     attention=attention, profile=profile)

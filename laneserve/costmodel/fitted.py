@@ -1,0 +1,263 @@
+"""Fitted latency predictors: the policies' online predictors and the engine-twin cost model
+(DESIGN.md, "Cost models").
+
+* :class:`PolynomialTTFT` - FlowPrefill §5 (TTFT prediction): a polynomial of TTFT in the token
+  count, least-squares fitted to a prefill profile.
+* :class:`StepTimeLUT` - Kairos §3 (Algorithm 3): a (batch size, sequence length) table of decode
+  step times, profiled once and updated online with the running mean of observed steps.
+* :class:`~laneserve.costmodel.laps_fit.LapsPrefillModel` - LAPS §2.1 (re-exported here).
+* :class:`FittedCostModel` - the full :class:`~laneserve.costmodel.base.CostModel` from an engine
+  profile (:mod:`laneserve.costmodel.profile`), so the simulator can be the engine's twin.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .base import LAYER_OPERATORS, CostModel, PrefillBatch
+from .laps_fit import LapsPrefillModel, nnls
+from .profile import Profile
+from .specs import H100_SXM, LinkSpec, fit_link
+
+__all__ = ["PolynomialTTFT", "StepTimeLUT", "LapsPrefillModel", "FittedCostModel", "nnls"]
+
+
+@dataclass(slots=True)
+class PolynomialTTFT:
+    """TTFT(tokens) = sum_k coefficients[k] * tokens**k (ascending powers), clamped at 0."""
+
+    degree: int = 2
+    coefficients: list[float] = field(default_factory=list)
+
+    def fit(self, samples: Iterable[tuple[float, float]], *, relative: bool = True) -> PolynomialTTFT:
+        """Least squares over (tokens, seconds); ``relative`` weighs each sample by 1/seconds so
+        short prefills are predicted as well as long ones."""
+        data = np.asarray(list(samples), dtype=float)
+        if len(data) < self.degree + 1:
+            raise ValueError(f"need at least {self.degree + 1} samples for degree {self.degree}")
+        scale = float(np.max(np.abs(data[:, 0]))) or 1.0
+        design = np.vander(data[:, 0] / scale, self.degree + 1, increasing=True)
+        target = data[:, 1]
+        if relative:
+            weights = 1.0 / np.maximum(np.abs(target), 1e-12)
+            design, target = design * weights[:, None], target * weights
+        coef, *_ = np.linalg.lstsq(design, target, rcond=None)
+        self.coefficients = [float(c / scale**k) for k, c in enumerate(coef)]
+        return self
+
+    def predict_batch(self, tokens: Sequence[float] | np.ndarray) -> np.ndarray:
+        if not self.coefficients:
+            raise RuntimeError("PolynomialTTFT is not fitted")
+        x = np.asarray(tokens, dtype=float)
+        return np.maximum(np.polynomial.polynomial.polyval(x, self.coefficients), 0.0)
+
+    def predict(self, tokens: float) -> float:
+        return float(self.predict_batch([tokens])[0])
+
+    def to_dict(self) -> dict:
+        return {"degree": self.degree, "coefficients": list(self.coefficients)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PolynomialTTFT:
+        return cls(int(data["degree"]), [float(c) for c in data["coefficients"]])
+
+    @classmethod
+    def from_cost_model(cls, model: CostModel, token_grid: Sequence[int] = tuple(2**k for k in range(4, 16)),
+                        degree: int = 2) -> PolynomialTTFT:
+        return cls(degree).fit((n, model.prefill_time([(n, 0)])) for n in token_grid)
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    return tuple(2**k for k in range(int(math.log2(lo)), int(math.log2(hi)) + 1))
+
+
+@dataclass(slots=True)
+class StepTimeLUT:
+    """Kairos' step-time table. Cell ``(i, j)`` holds the mean step time of batches of up to
+    ``batch_edges[i]`` requests whose longest sequence is up to ``length_edges[j]`` tokens (an
+    observation goes to the smallest edge >= its value). ``lookup`` interpolates bilinearly in
+    log2 space between filled grid points, falls back to the nearest filled cell, and clamps
+    beyond the last edges."""
+
+    batch_edges: tuple[int, ...] = _powers_of_two(1, 2048)
+    length_edges: tuple[int, ...] = _powers_of_two(16, 2**20)
+    interpolate: bool = True
+    means: np.ndarray = field(init=False, repr=False)
+    counts: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for edges in (self.batch_edges, self.length_edges):
+            if not edges or list(edges) != sorted(set(edges)) or edges[0] < 1:
+                raise ValueError("edges must be increasing positive integers")
+        self.batch_edges, self.length_edges = tuple(self.batch_edges), tuple(self.length_edges)
+        self.means = np.full((len(self.batch_edges), len(self.length_edges)), np.nan)
+        self.counts = np.zeros(self.means.shape, dtype=np.int64)
+
+    @staticmethod
+    def _bucket(edges: tuple[int, ...], value: float) -> int:
+        return min(int(np.searchsorted(edges, value, side="left")), len(edges) - 1)
+
+    def set(self, batch_size: int, length: int, seconds: float, count: int = 1) -> None:
+        i, j = self._bucket(self.batch_edges, batch_size), self._bucket(self.length_edges, length)
+        self.means[i, j], self.counts[i, j] = seconds, count
+
+    def observe(self, batch_size: int, length: int, seconds: float) -> None:
+        """Fold an observed step time into its cell's running (historical) mean."""
+        i, j = self._bucket(self.batch_edges, batch_size), self._bucket(self.length_edges, length)
+        n = self.counts[i, j]
+        self.means[i, j] = seconds if n == 0 else self.means[i, j] + (seconds - self.means[i, j]) / (n + 1)
+        self.counts[i, j] = n + 1
+
+    def lookup(self, batch_size: float, length: float) -> float:
+        filled = ~np.isnan(self.means)
+        if not filled.any():
+            raise LookupError("StepTimeLUT is empty")
+        bi, bw = self._position(self.batch_edges, batch_size)
+        li, lw = self._position(self.length_edges, length)
+        corners = [(bi, li), (bi + 1, li), (bi, li + 1), (bi + 1, li + 1)]
+        weights = [(1 - bw) * (1 - lw), bw * (1 - lw), (1 - bw) * lw, bw * lw]
+        if self.interpolate and all(filled[c] or w == 0 for c, w in zip(corners, weights)):
+            return float(sum(w * self.means[c] for c, w in zip(corners, weights) if w))
+        target = (bi + bw, li + lw)
+        cells = np.argwhere(filled)
+        nearest = cells[np.argmin(np.abs(cells - np.asarray(target)).sum(axis=1))]
+        return float(self.means[tuple(nearest)])
+
+    @staticmethod
+    def _position(edges: tuple[int, ...], value: float) -> tuple[int, float]:
+        """Index of the grid point at or below ``value`` and the log2 weight of the next one."""
+        if value <= edges[0] or len(edges) == 1:
+            return 0, 0.0
+        if value >= edges[-1]:
+            return len(edges) - 2, 1.0
+        i = int(np.searchsorted(edges, value, side="right")) - 1
+        lo, hi = math.log2(edges[i]), math.log2(edges[i + 1])
+        return i, (math.log2(value) - lo) / (hi - lo)
+
+    @classmethod
+    def from_cost_model(cls, model: CostModel, *, prior_count: int = 1, **edges) -> StepTimeLUT:
+        """Fill every cell with the step time of a uniform batch at the cell's edges."""
+        lut = cls(**edges)
+        for b in lut.batch_edges:
+            for n in lut.length_edges:
+                lut.set(b, n, model.decode_step_time([n] * b), prior_count)
+        return lut
+
+    @classmethod
+    def from_samples(cls, samples: Iterable[tuple[int, int, float]], **edges) -> StepTimeLUT:
+        lut = cls(**edges)
+        for b, n, s in samples:
+            lut.observe(b, n, s)
+        return lut
+
+    @classmethod
+    def from_profile(cls, profile: Profile, **edges) -> StepTimeLUT:
+        return cls.from_samples(((len(d.context_lens), max(d.context_lens), d.seconds)
+                                 for d in profile.decode if d.context_lens), **edges)
+
+    def to_dict(self) -> dict:
+        return {"batch_edges": list(self.batch_edges), "length_edges": list(self.length_edges),
+                "interpolate": self.interpolate,
+                "means": [[None if math.isnan(v) else float(v) for v in row] for row in self.means],
+                "counts": self.counts.tolist()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StepTimeLUT:
+        lut = cls(tuple(data["batch_edges"]), tuple(data["length_edges"]), bool(data["interpolate"]))
+        lut.means = np.array([[np.nan if v is None else v for v in row] for row in data["means"]], float)
+        lut.counts = np.asarray(data["counts"], dtype=np.int64)
+        return lut
+
+
+class FittedCostModel:
+    """:class:`CostModel` fitted from an engine profile.
+
+    prefill: non-negative weighted least squares of seconds over
+    ``(sum new, sum new*(cached+new/2), requests, 1)``; decode: over ``(batch, kv tokens, 1)`` with
+    kv tokens = ``sum(ctx)`` (ragged) or ``batch*max(ctx)`` (padded). A mixed step is the prefill
+    fit over the chunks plus one ``(1, ctx-1)`` chunk per decode, never below the pure decode step.
+    Operator times split the step by ``profile.op_fractions`` (evenly when absent). KV transfer
+    fits ``profile.kv_copy`` for its link and uses ``links`` (H100 defaults) for the others.
+    """
+
+    def __init__(self, profile: Profile, *, links: dict[str, LinkSpec] | None = None) -> None:
+        if not profile.prefill or not profile.decode:
+            raise ValueError("a profile needs at least one prefill and one decode sample")
+        self.profile = profile
+        self.name = f"fitted:{profile.model}@{profile.device}"
+        self.attention = profile.attention
+        self.num_layers = profile.num_layers
+        self.kv_bytes_per_token = profile.kv_bytes_per_token
+        self.prefill_coef = _fit_relative(
+            np.array([self._prefill_features(list(zip(s.new_tokens, s.cached_tokens)))
+                      for s in profile.prefill]),
+            np.array([s.seconds for s in profile.prefill]))
+        self.decode_coef = _fit_relative(
+            np.array([self._decode_features(d.context_lens) for d in profile.decode]),
+            np.array([d.seconds for d in profile.decode]))
+        fractions = np.asarray(profile.op_fractions or [1.0] * len(LAYER_OPERATORS), float)
+        if len(fractions) != len(LAYER_OPERATORS) or (fractions < 0).any() or fractions.sum() <= 0:
+            raise ValueError(f"op_fractions must be {len(LAYER_OPERATORS)} non-negative numbers")
+        self._op_share = np.tile(fractions / fractions.sum() / self.num_layers, self.num_layers)
+        self.links = dict(links or H100_SXM.links)
+        if len({s.tokens for s in profile.kv_copy}) >= 2:
+            self.links[profile.kv_copy_link] = fit_link(
+                (s.tokens * self.kv_bytes_per_token, s.seconds) for s in profile.kv_copy)
+
+    def _prefill_features(self, batch: list[tuple[int, int]]) -> list[float]:
+        pairs = [(n, c) for n, c in batch if n > 0]
+        if self.attention == "padded" and pairs:
+            new, total = max(n for n, _ in pairs), max(n + c for n, c in pairs)
+            attn = len(pairs) * new * (total - new / 2)
+        else:
+            attn = sum(n * (c + n / 2) for n, c in pairs)
+        return [sum(n for n, _ in pairs), attn, len(pairs), 1.0]
+
+    def _decode_features(self, context_lens: Sequence[int]) -> list[float]:
+        b = len(context_lens)
+        kv = b * max(context_lens) if self.attention == "padded" else sum(context_lens)
+        return [b, kv, 1.0]
+
+    def prefill_time(self, batch: PrefillBatch) -> float:
+        batch = list(batch)
+        if not any(n > 0 for n, _ in batch):
+            return 0.0
+        return float(np.dot(self.prefill_coef, self._prefill_features(batch)))
+
+    def prefill_op_times(self, batch: PrefillBatch) -> list[float]:
+        return (self.prefill_time(batch) * self._op_share).tolist()
+
+    def decode_step_time(self, context_lens: Sequence[int]) -> float:
+        if not context_lens:
+            return 0.0
+        return float(np.dot(self.decode_coef, self._decode_features(context_lens)))
+
+    def mixed_step_time(self, prefill: PrefillBatch, context_lens: Sequence[int]) -> float:
+        chunks = list(prefill) + [(1, max(c - 1, 0)) for c in context_lens]
+        return max(self.prefill_time(chunks), self.decode_step_time(context_lens))
+
+    def kv_transfer_time(self, tokens: int, link: str = "nvlink") -> float:
+        key = {"rdma": "infiniband", "ib": "infiniband"}.get(link.lower(), link.lower())
+        if key not in self.links:
+            raise ValueError(f"unknown link {link!r}; valid: {sorted(self.links) + ['rdma']}")
+        return self.links[key].transfer_time(tokens * self.kv_bytes_per_token)
+
+    @classmethod
+    def from_file(cls, path: str, **kwargs) -> FittedCostModel:
+        from .profile import load_profile
+        return cls(load_profile(path), **kwargs)
+
+
+def _fit_relative(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Non-negative least squares of relative error; columns constant across samples (other than
+    the intercept, the last one) are dropped so they cannot trade off against the intercept."""
+    keep = [i for i in range(features.shape[1] - 1) if np.ptp(features[:, i]) > 0]
+    keep.append(features.shape[1] - 1)
+    weights = 1.0 / np.maximum(seconds, 1e-12)
+    coef = np.zeros(features.shape[1])
+    coef[keep] = nnls(features[:, keep] * weights[:, None], seconds * weights)
+    return coef

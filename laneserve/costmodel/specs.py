@@ -1,0 +1,228 @@
+"""Model and hardware specifications for the analytic (roofline) cost model (DESIGN.md, "Cost
+models"; the roofline view of LAPS §2.1: the compute/memory boundary sits where the arithmetic
+intensity reaches P_peak / B_mem).
+
+Model shapes are the published Hugging Face ``config.json`` values. Hardware numbers are vendor peak
+figures; the efficiency terms and overheads are *calibrated* on the measured H100 profiles in
+``shared/data/profiles`` by :mod:`laneserve.costmodel.calibrate` and recorded here as defaults
+(:data:`H100_CALIBRATION`). Link bandwidths/latencies come from a fit of Vidur's H100 DGX
+send/recv profile (:func:`fit_send_recv`), kept as constants so nothing reads a file at import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer (one replica, before tensor parallelism)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_context: int
+    dtype_bytes: int = 2
+    gated_mlp: bool = True          # SwiGLU gate+up (Llama/Qwen); OPT has fc1 -> act -> fc2
+    activation: str = "silu"
+    rope: bool = True                # rotary embeddings (OPT uses learned positions)
+    tied_embeddings: bool = False
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def qkv_params(self) -> int:
+        return self.hidden_size * (self.q_dim + 2 * self.kv_dim)
+
+    @property
+    def o_params(self) -> int:
+        return self.q_dim * self.hidden_size
+
+    @property
+    def gate_up_params(self) -> int:
+        return self.hidden_size * self.intermediate_size * (2 if self.gated_mlp else 1)
+
+    @property
+    def down_params(self) -> int:
+        return self.intermediate_size * self.hidden_size
+
+    @property
+    def layer_params(self) -> int:
+        return self.qkv_params + self.o_params + self.gate_up_params + self.down_params
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def params(self) -> int:
+        """Weight count (norms and biases ignored: < 0.1%)."""
+        heads = 1 if self.tied_embeddings else 2
+        return self.num_layers * self.layer_params + heads * self.embedding_params
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def linear_flops_per_token(self) -> int:
+        """Matmul FLOPs per token through all layers (2 per multiply-add), LM head excluded."""
+        return 2 * self.num_layers * self.layer_params
+
+    @property
+    def lm_head_flops_per_token(self) -> int:
+        return 2 * self.embedding_params
+
+    def attention_flops(self, new_tokens: int, cached_tokens: int) -> float:
+        """Causal attention FLOPs of one request over all layers: QK^T and PV, each
+        2*heads*head_dim per (query, key) pair, new*(cached + new/2) pairs."""
+        pairs = new_tokens * (cached_tokens + new_tokens / 2)
+        return 4.0 * self.num_layers * self.q_dim * pairs
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSpec:
+    """A point-to-point link: time(bytes) = latency + bytes / bandwidth."""
+
+    bandwidth: float    # bytes/s
+    latency: float      # s
+
+    def transfer_time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareSpec:
+    """One accelerator plus its links.
+
+    Efficiency terms (calibrated, see :data:`H100_CALIBRATION`):
+    ``gemm_efficiency_max * n / (n + gemm_half_tokens)`` is the achieved fraction of peak FLOP/s
+    of a GEMM with ``n`` rows; ``memory_efficiency`` the achieved fraction of HBM bandwidth when
+    streaming weights or KV; ``attention_efficiency`` the fraction of peak reached by prefill
+    attention; ``elementwise_bytes_per_element`` the effective HBM traffic of the norm / rotary /
+    activation kernels per element; ``gemm_overhead_s`` a fixed cost per GEMM kernel;
+    ``layer_overhead_s`` the remaining fixed cost of one layer (launches of the small kernels).
+    """
+
+    name: str
+    peak_flops: float               # dense bf16 FLOP/s
+    hbm_bandwidth: float            # bytes/s
+    memory_bytes: int
+    gemm_efficiency_max: float
+    gemm_half_tokens: float
+    memory_efficiency: float
+    attention_efficiency: float
+    elementwise_bytes_per_element: float
+    gemm_overhead_s: float
+    layer_overhead_s: float
+    links: dict[str, LinkSpec] = field(default_factory=dict)
+
+    def gemm_efficiency(self, tokens: float) -> float:
+        return self.gemm_efficiency_max * tokens / (tokens + self.gemm_half_tokens)
+
+    def link(self, name: str) -> LinkSpec:
+        key = {"rdma": "infiniband", "ib": "infiniband"}.get(name.lower(), name.lower())
+        if key not in self.links:
+            raise ValueError(f"unknown link {name!r}; valid: {sorted(self.links) + ['rdma']}")
+        return self.links[key]
+
+    def with_calibration(self, **terms: float) -> HardwareSpec:
+        return replace(self, **terms)
+
+
+def fit_link(samples: Iterable[tuple[float, float]]) -> LinkSpec:
+    """Least-squares fit of ``seconds = latency + bytes / bandwidth`` to (bytes, seconds) pairs."""
+    import numpy as np
+
+    data = np.asarray(list(samples), dtype=float)
+    design = np.column_stack([np.ones(len(data)), data[:, 0]])
+    (latency, inv_bw), *_ = np.linalg.lstsq(design, data[:, 1], rcond=None)
+    return LinkSpec(bandwidth=float(1.0 / inv_bw), latency=float(max(latency, 0.0)))
+
+
+def fit_send_recv(path: str) -> dict[str, LinkSpec]:
+    """Fit Vidur's send/recv profile: ``devices_per_node == 2`` is two GPUs of one DGX (NVLink),
+    ``devices_per_node == 1`` two GPUs on different nodes (InfiniBand)."""
+    from .profile import load_vidur_send_recv
+
+    rows = load_vidur_send_recv(path)
+    return {"nvlink": fit_link((r.nbytes, r.seconds) for r in rows if r.devices_per_node > 1),
+            "infiniband": fit_link((r.nbytes, r.seconds) for r in rows if r.devices_per_node == 1)}
+
+
+# Fit of vidur_h100_dgx_send_recv.csv (fit_send_recv), rounded.
+H100_NVLINK = LinkSpec(bandwidth=362e9, latency=8.0e-6)
+H100_INFINIBAND = LinkSpec(bandwidth=34.5e9, latency=7.1e-6)
+# Nominal, not measured here: PCIe Gen5 x16 (~64 GB/s raw) and pinned host copies over it.
+PCIE5 = LinkSpec(bandwidth=50e9, latency=10e-6)
+HOST5 = LinkSpec(bandwidth=40e9, latency=20e-6)
+
+# Output of `python -m laneserve.costmodel.calibrate` on the shared H100 profiles (rounded).
+H100_CALIBRATION: dict[str, float] = {
+    "gemm_efficiency_max": 0.828,
+    "gemm_half_tokens": 140.0,
+    "memory_efficiency": 0.888,
+    "attention_efficiency": 0.155,
+    "elementwise_bytes_per_element": 20.8,
+    "gemm_overhead_s": 5.45e-6,
+    "layer_overhead_s": 98.3e-6,
+}
+
+_H100_LINKS = {"nvlink": H100_NVLINK, "infiniband": H100_INFINIBAND, "pcie": PCIE5, "host": HOST5}
+
+H100_SXM = HardwareSpec(name="h100", peak_flops=989.4e12, hbm_bandwidth=3.35e12,
+                        memory_bytes=80 * 10**9, links=_H100_LINKS, **H100_CALIBRATION)
+
+H200_SXM = replace(H100_SXM, name="h200", hbm_bandwidth=4.8e12, memory_bytes=141 * 10**9)
+
+A100_SXM_80GB = replace(
+    H100_SXM, name="a100", peak_flops=312e12, hbm_bandwidth=2.039e12, memory_bytes=80 * 10**9,
+    links={"nvlink": LinkSpec(250e9, 8e-6), "infiniband": LinkSpec(24e9, 17e-6),
+           "pcie": LinkSpec(25e9, 10e-6), "host": LinkSpec(20e9, 20e-6)})
+
+#: Registry of hardware. H200 = H100 compute (same peak FLOP/s, same calibrated efficiencies) with
+#: 4.8 TB/s instead of 3.35 TB/s HBM and 141 GB. *Assumption*: there is no H200 profile anywhere we
+#: looked, so memory-bound terms scale by bandwidth alone; the same holds for the A100 numbers,
+#: which reuse the H100 efficiency terms with A100 peaks (312 TFLOP/s, 2.039 TB/s).
+HARDWARE: dict[str, HardwareSpec] = {"h100": H100_SXM, "h200": H200_SXM, "a100": A100_SXM_80GB}
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int,
+           ctx: int, head_dim: int = 128, tied: bool = False) -> ModelSpec:
+    return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads,
+                     num_kv_heads=kv, head_dim=head_dim, intermediate_size=inter,
+                     vocab_size=vocab, max_context=ctx, tied_embeddings=tied)
+
+
+#: Registry of models, from the published HF configs.
+MODELS: dict[str, ModelSpec] = {m.name: m for m in [
+    _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    _llama("llama-2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+    _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    _llama("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072),
+    _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    _llama("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072),
+    _llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 32768),
+    _llama("qwen2.5-14b", 48, 5120, 40, 8, 13824, 152064, 32768),
+    _llama("qwen2.5-32b", 64, 5120, 40, 8, 27648, 152064, 32768),
+    _llama("qwen3-8b", 36, 4096, 32, 8, 12288, 151936, 40960),
+    ModelSpec(name="opt-13b", num_layers=40, hidden_size=5120, num_heads=40, num_kv_heads=40,
+              head_dim=128, intermediate_size=20480, vocab_size=50272, max_context=2048,
+              gated_mlp=False, activation="relu", rope=False, tied_embeddings=True),
+]}
