@@ -65,13 +65,24 @@ class RoundRobinRouter(Router):
 @register("router", "least-loaded", aliases={"ll": {}})
 class LeastLoadedRouter(Router):
     """Prefill side: fewest queued prompt tokens. Decode side: lowest KV usage, then fewest
-    requests. Ties go to the lowest index, so the choice is deterministic."""
+    requests. Ties go to the instance chosen least recently, so an idle cluster still spreads
+    requests; the choice is deterministic."""
 
     name = "least-loaded"
 
+    def __init__(self) -> None:
+        self._last_pick: dict[int, int] = {}
+        self._picks = 0
+
     def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
         live = self._candidates(instances)
+        last = self._last_pick
         if instances[live[0]].role == "decode":
-            return min(live, key=lambda i: (instances[i].kv_usage,
-                                            instances[i].num_running + instances[i].num_waiting, i))
-        return min(live, key=lambda i: (instances[i].queued_tokens, instances[i].num_waiting, i))
+            key = lambda i: (instances[i].kv_usage, instances[i].num_running + instances[i].num_waiting,
+                             last.get(i, -1), i)
+        else:
+            key = lambda i: (instances[i].queued_tokens, instances[i].num_waiting, last.get(i, -1), i)
+        choice = min(live, key=key)
+        self._picks += 1
+        last[choice] = self._picks
+        return choice
