@@ -1,0 +1,25 @@
+# Set-up is part of every target: a fresh machine needs only `make demo` or `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# torch is pinned exactly so pip takes the local CPU build, never the CUDA wheels.
+	$(BIN)/pip install -q --disable-pip-version-check "torch==2.13.0"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[data,engine,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/laneserve sim --output out/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

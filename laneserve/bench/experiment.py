@@ -1,0 +1,75 @@
+"""Simulation experiments shared by ``laneserve sim`` and the benchmark scripts: named policy
+sets, rate sweeps, goodput and SLO-scale searches over a workload."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from laneserve.bench.metrics import summarize
+from laneserve.bench.search import SearchResult, goodput_search, slo_scale_search
+from laneserve.costmodel.base import CostModel
+from laneserve.sim import ClusterConfig, Simulator
+from laneserve.workloads import Workload
+
+ROW_KEYS = ("request_throughput", "output_throughput", "attainment_ttft", "attainment_tpot",
+            "attainment_both", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+            "p90_tpot_ms", "p99_tpot_ms", "mean_queue_ms", "completed", "failed")
+
+
+def policy_config(spec: str, base: ClusterConfig) -> ClusterConfig:
+    """A cluster config for a policy-set spec: ``PREFILL+DECODE`` for a disaggregated cluster
+    (e.g. ``cp-edf-2k+continuous``), ``PREFILL`` alone (decode from ``base``), or
+    ``colocated[:opts]`` for colocated instances."""
+    spec = spec.strip()
+    if spec.split(":", 1)[0] == "colocated":
+        return replace(base, mode="colocated", colocated_policy=spec)
+    prefill, _, decode = spec.partition("+")
+    return replace(base, mode="disaggregated", prefill_policy=prefill,
+                   decode_policy=decode or base.decode_policy)
+
+
+def run_point(workload: Workload, config: ClusterConfig, cost: CostModel, *, rate: float | None = None,
+              slo_scale: float = 1.0) -> tuple[dict[str, Any], Any]:
+    """Simulate ``workload`` (rescaled to ``rate`` if given) and summarise it."""
+    wl = workload.with_rate(rate) if rate is not None else workload
+    result = Simulator(config, cost).run(wl.specs, slo_scale=slo_scale)
+    summary = summarize(result.requests, duration=result.duration)
+    summary["sim_wall_seconds"] = result.wall_seconds
+    summary["instances"] = result.instances
+    return summary, result
+
+
+def row(policy: str, rate: float, summary: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"policy": policy, "rate": rate, **{k: summary.get(k) for k in ROW_KEYS}, **extra}
+
+
+def sweep(workload: Workload, policies: Mapping[str, ClusterConfig], rates: Sequence[float],
+          cost: CostModel, *, slo_scale: float = 1.0,
+          on_point: Callable[[str, float], None] | None = None) -> list[dict[str, Any]]:
+    rows = []
+    for name, config in policies.items():
+        for rate in rates:
+            summary, _ = run_point(workload, config, cost, rate=rate, slo_scale=slo_scale)
+            rows.append(row(name, rate, summary))
+            if on_point is not None:
+                on_point(name, rate)
+    return rows
+
+
+def goodput(workload: Workload, config: ClusterConfig, cost: CostModel, *, lo: float, hi: float,
+            target: float = 0.9, metric: str = "attainment_both", slo_scale: float = 1.0,
+            rel_tol: float = 0.02, max_evals: int = 20) -> SearchResult:
+    """Highest request rate at which ``metric`` stays ≥ ``target`` (DistServe's goodput)."""
+    def attainment(rate: float) -> float:
+        return run_point(workload, config, cost, rate=rate, slo_scale=slo_scale)[0][metric]
+    return goodput_search(attainment, lo=lo, hi=hi, target=target, rel_tol=rel_tol, max_evals=max_evals)
+
+
+def tightest_slo_scale(workload: Workload, config: ClusterConfig, cost: CostModel, *, rate: float,
+                       lo: float = 0.05, hi: float = 20.0, target: float = 0.9,
+                       metric: str = "attainment_both", rel_tol: float = 0.02) -> SearchResult:
+    def attainment(scale: float) -> float:
+        return run_point(workload, config, cost, rate=rate, slo_scale=scale)[0][metric]
+    return slo_scale_search(attainment, lo=lo, hi=hi, target=target, rel_tol=rel_tol)

@@ -1,0 +1,1 @@
+"""Sub-commands of the ``laneserve`` CLI, one module each."""

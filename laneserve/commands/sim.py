@@ -1,0 +1,163 @@
+"""``laneserve sim``: compare scheduling policies on a workload in the simulator.
+
+With no arguments: the first 3,000 requests of the bundled Azure 2023 conversation trace, Llama-3-8B
+on the H100 cost model, 1 prefill + 1 decode instance, FCFS vs chunked-prefill EDF (2K, 8K)
+with continuous-batching decode, at four request rates; prints a table and writes JSON, markdown
+and a PNG plot into ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from laneserve.core import SLO
+
+DEFAULT_POLICIES = "fcfs+continuous,cp-edf-2k+continuous,cp-edf-8k+continuous"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sim", help="simulate a cluster and compare scheduling policies",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    w = p.add_argument_group("workload")
+    src = w.add_mutually_exclusive_group()
+    src.add_argument("--trace", type=Path, help="Azure-format CSV or Mooncake-format JSONL (.gz ok)")
+    src.add_argument("--workload", default="azure_conv",
+                     help="named workload (default azure_conv); see --list")
+    w.add_argument("--workload-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="option of a named workload, e.g. long_share=0.2 (repeatable)")
+    w.add_argument("--num-requests", type=int, default=3000,
+                   help="use the first N requests (default 3000; 0 = all)")
+    w.add_argument("--rates", default=None,
+                   help="comma-separated request rates (req/s) to sweep; default: 4 rates around "
+                        "the workload's own")
+    w.add_argument("--rate", type=float, help="a single request rate")
+    w.add_argument("--ttft-slo", type=float, help="TTFT target in seconds (overrides the workload's)")
+    w.add_argument("--tpot-slo", type=float, help="TPOT target in seconds (overrides the workload's)")
+    w.add_argument("--slo-scale", type=float, default=1.0, help="multiply every SLO by this factor")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--policies", default=DEFAULT_POLICIES,
+                   help="comma-separated policy sets to compare: PREFILL+DECODE, or colocated[:opts] "
+                        f"(default {DEFAULT_POLICIES})")
+    c.add_argument("--prefill", type=int, default=1, help="prefill instances (or colocated instances)")
+    c.add_argument("--decode", type=int, default=1, help="decode instances")
+    c.add_argument("--router", default="round-robin", help="prefill router")
+    c.add_argument("--decode-router", default="least-loaded", help="decode router")
+    c.add_argument("--host-kv-tokens", type=int, default=0, help="host KV pool per decode instance")
+    c.add_argument("--kv-link", default="nvlink", help="prefill->decode KV link (nvlink, infiniband, pcie)")
+    m = p.add_argument_group("cost model")
+    m.add_argument("--cost-model", default="analytic", help="analytic | fitted | linear")
+    m.add_argument("--model", default="llama-3-8b", help="model spec (see --list)")
+    m.add_argument("--hardware", default="h100", help="h100 | h200 | a100")
+    m.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per instance")
+    m.add_argument("--attention", default="ragged", help="decode attention kernel: ragged | padded")
+    m.add_argument("--profile", type=Path, help="engine profile JSON for --cost-model fitted")
+    o = p.add_argument_group("output")
+    o.add_argument("--goodput", action="store_true",
+                   help="also search each policy's goodput (highest rate with >= 90%% attainment)")
+    o.add_argument("--target", type=float, default=0.9, help="attainment target for --goodput")
+    o.add_argument("--output", type=Path, default=Path("out/sim"), help="folder for JSON/markdown/PNG")
+    o.add_argument("--name", default="sim", help="file name stem of the report")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--list", action="store_true", help="list workloads, policies, models and exit")
+    p.set_defaults(func=run)
+
+
+def _list() -> None:
+    from laneserve.costmodel import available_hardware, available_models
+    from laneserve.policies import available
+    from laneserve.workloads import available_workloads, workload_options
+    print("workloads:")
+    for name in available_workloads():
+        print(f"  {name:18s} options: {', '.join(workload_options(name))}")
+    for kind in ("prefill", "decode", "colocated", "router"):
+        print(f"{kind} policies: {', '.join(available(kind))}")
+    print(f"models: {', '.join(available_models())}")
+    print(f"hardware: {', '.join(available_hardware())}")
+
+
+def _load_workload(args):
+    from laneserve.policies.registry import parse_spec
+    from laneserve.workloads import load_trace, make_workload
+    if args.trace is not None:
+        if not args.trace.exists():
+            raise SystemExit(f"error: trace file not found: {args.trace}")
+        wl = load_trace(args.trace)
+    else:
+        opts = parse_spec("x:" + ",".join(args.workload_opt))[1] if args.workload_opt else {}
+        wl = make_workload(args.workload, **opts)
+    if args.num_requests:
+        wl = wl.head(args.num_requests)
+    if args.ttft_slo is not None or args.tpot_slo is not None:
+        wl = wl.with_slo(SLO(args.ttft_slo, args.tpot_slo))
+    return wl
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        _list()
+        return 0
+    from laneserve.bench.experiment import goodput, policy_config, row, run_point
+    from laneserve.bench.progress import progress_bar
+    from laneserve.bench.report import format_console_table, write_report
+    from laneserve.costmodel import make_cost_model
+    from laneserve.sim import ClusterConfig
+
+    try:
+        wl = _load_workload(args)
+        cost = make_cost_model(args.cost_model, model=args.model, hardware=args.hardware, tp=args.tp,
+                               attention=args.attention,
+                               profile=str(args.profile) if args.profile else None)
+        base = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.prefill,
+                             router=args.router, decode_router=args.decode_router,
+                             host_kv_tokens=args.host_kv_tokens, kv_link=args.kv_link)
+        policies = {spec.strip(): policy_config(spec, base) for spec in args.policies.split(",") if spec.strip()}
+        if args.rate is not None:
+            rates = [args.rate]
+        elif args.rates:
+            rates = [float(x) for x in args.rates.split(",")]
+        else:
+            r0 = wl.mean_rate * max(1, args.prefill)
+            rates = [round(r0 * f, 2) for f in (1, 2, 4, 6)]
+        if not rates or min(rates) <= 0:
+            raise ValueError("request rates must be > 0")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    print(f"workload: {wl.name}, {len(wl)} requests, native rate {wl.mean_rate:.2f} req/s; "
+          f"cost model: {cost!r}", file=sys.stderr)
+    t0 = time.perf_counter()
+    rows = []
+    bar = progress_bar(total=len(policies) * len(rates), desc="simulating",
+                       enabled=False if args.no_progress else None)
+    for name, config in policies.items():
+        for rate in rates:
+            summary, _ = run_point(wl, config, cost, rate=rate, slo_scale=args.slo_scale)
+            rows.append(row(name, rate, summary))
+            bar.update(1)
+    bar.close()
+    goodputs = {}
+    if args.goodput:
+        for name, config in policies.items():
+            res = goodput(wl, config, cost, lo=min(rates) / 4, hi=max(rates) * 4, target=args.target,
+                          slo_scale=args.slo_scale)
+            goodputs[name] = res.value
+            print(f"goodput[{name}] = {res.value if res.value is not None else 'not met'} req/s "
+                  f"({res.evals} runs)", file=sys.stderr)
+    cols = ["policy", "rate", "attainment_ttft", "attainment_tpot", "attainment_both", "p90_ttft_ms",
+            "p99_ttft_ms", "p90_tpot_ms", "output_throughput"]
+    print(format_console_table(rows, cols))
+    paths = write_report(args.output, args.name, rows, y_keys=("attainment_ttft", "attainment_both"),
+                         title=f"{wl.name} on {cost!r}")
+    if goodputs:
+        import json
+        data = json.loads(paths["json"].read_text())
+        data["metrics"]["goodput"] = goodputs
+        paths["json"].write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {', '.join(str(p) for p in paths.values())} in {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr)
+    return 0
