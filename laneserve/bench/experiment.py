@@ -3,6 +3,7 @@ sets, rate sweeps, goodput and SLO-scale searches over a workload."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -28,6 +29,26 @@ def policy_config(spec: str, base: ClusterConfig) -> ClusterConfig:
     prefill, _, decode = spec.partition("+")
     return replace(base, mode="disaggregated", prefill_policy=prefill,
                    decode_policy=decode or base.decode_policy)
+
+
+def split_policy_sets(text: str) -> list[str]:
+    """Split ``a+b,c:k=v,k2=v2`` into policy sets: a comma followed by ``key=value`` continues
+    the previous set's options."""
+    sets: list[str] = []
+    for piece in text.split(","):
+        if sets and re.match(r"^\s*[A-Za-z_][\w-]*=", piece):
+            sets[-1] += "," + piece
+        elif piece.strip():
+            sets.append(piece.strip())
+    return sets
+
+
+def validate(config: ClusterConfig, cost: CostModel) -> None:
+    """Build the cluster's policies once, so a bad name or option fails before a long run."""
+    from laneserve.policies import registry
+    Simulator(config, cost)._make_instances()
+    registry.make("router", config.router)
+    registry.make("router", config.decode_router)
 
 
 def run_point(workload: Workload, config: ClusterConfig, cost: CostModel, *, rate: float | None = None,

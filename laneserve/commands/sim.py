@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         _list()
         return 0
-    from laneserve.bench.experiment import goodput, policy_config, row, run_point
+    from laneserve.bench.experiment import (goodput, policy_config, row, run_point,
+                                           split_policy_sets, validate)
     from laneserve.bench.progress import progress_bar
     from laneserve.bench.report import format_console_table, write_report
     from laneserve.costmodel import make_cost_model
@@ -114,7 +115,11 @@ def run(args: argparse.Namespace) -> int:
         base = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.prefill,
                              router=args.router, decode_router=args.decode_router,
                              host_kv_tokens=args.host_kv_tokens, kv_link=args.kv_link)
-        policies = {spec.strip(): policy_config(spec, base) for spec in args.policies.split(",") if spec.strip()}
+        policies = {spec: policy_config(spec, base) for spec in split_policy_sets(args.policies)}
+        if not policies:
+            raise ValueError("--policies names no policy set")
+        for config in policies.values():
+            validate(config, cost)
         if args.rate is not None:
             rates = [args.rate]
         elif args.rates:

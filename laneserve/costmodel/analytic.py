@@ -45,6 +45,7 @@ class AnalyticCostModel:
         self._q_local = model.q_dim // tp
         self._kv_local = max(model.num_kv_heads // tp, 1) * model.head_dim
         self._op_overhead = hw.layer_overhead_s / len(LAYER_OPERATORS)
+        self._fixed_cache: dict[tuple[float, int], float] = {}
 
     # --- building blocks (per layer, seconds) ----------------------------------------------------
 
@@ -144,8 +145,16 @@ class AnalyticCostModel:
     def _step_time(self, tokens: float, attention_s: float, rows: int) -> float:
         if tokens <= 0:
             return 0.0
-        embed, head = self._head_times(tokens, rows)
-        return self.num_layers * sum(self._layer_ops(tokens, attention_s)) + embed + head
+        # everything but attention depends on (tokens, rows) alone: memoised, since a simulation
+        # asks for the same decode batch sizes millions of times
+        key = (tokens, rows)
+        fixed = self._fixed_cache.get(key)
+        if fixed is None:
+            embed, head = self._head_times(tokens, rows)
+            fixed = self.num_layers * sum(self._layer_ops(tokens, 0.0)) + embed + head
+            if len(self._fixed_cache) < 1 << 16:
+                self._fixed_cache[key] = fixed
+        return fixed + self.num_layers * attention_s
 
     # --- CostModel protocol ----------------------------------------------------------------------
 

@@ -77,10 +77,15 @@ class DecodeScheduler(InstanceScheduler):
         """Make room for one more token in every running request, preempting the newest
         running requests (vLLM's rule) until the rest fit."""
         kv = self.kv
+        tables, bs = kv.tables, kv.block_size
         running = self.running
         i = 0
         while i < len(running):
             req = running[i]
+            # fast path: the next token still fits in the blocks the request holds
+            if len(tables[req.request_id]) * bs >= req.prompt_len + req.num_output_tokens:
+                i += 1
+                continue
             if kv.can_grow(req.request_id, req.context_len):
                 kv.allocate(req.request_id, req.context_len)
                 i += 1

@@ -1,0 +1,45 @@
+import json
+
+from laneserve.cli import main
+
+
+def test_sim_cli_writes_report(tmp_path, capsys):
+    out = tmp_path / "o"
+    rc = main(["sim", "--num-requests", "300", "--rates", "5,40", "--no-progress",
+               "--policies", "fcfs+continuous,cp-edf-2k+continuous", "--output", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "fcfs+continuous" in table and "cp-edf-2k+continuous" in table
+    data = json.loads((out / "sim.json").read_text())
+    assert {"command", "machine", "metrics"} <= set(data)
+    rows = data["rows"]
+    assert len(rows) == 4
+    by = {(r["policy"], r["rate"]): r for r in rows}
+    # overload hurts: attainment at 40 req/s is below that at 5 req/s
+    assert by[("fcfs+continuous", 40.0)]["attainment_ttft"] < by[("fcfs+continuous", 5.0)]["attainment_ttft"]
+    assert (out / "sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| policy" in (out / "sim.md").read_text()
+
+
+def test_sim_cli_trace_and_colocated(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     + "".join(f"2023-11-16 18:15:{i:02d}.0000000,{100 + 50 * i},{5 + i}\n" for i in range(40)))
+    rc = main(["sim", "--trace", str(trace), "--rate", "2", "--no-progress", "--policies",
+               "colocated:prefill=fcfs,token_budget=1024", "--output", str(tmp_path / "o")])
+    assert rc == 0
+    rows = json.loads((tmp_path / "o" / "sim.json").read_text())["rows"]
+    assert rows[0]["completed"] == 40
+
+
+def test_sim_cli_bad_input_is_a_clear_error(tmp_path, capsys):
+    assert main(["sim", "--policies", "nope+continuous", "--output", str(tmp_path)]) == 2
+    assert "unknown prefill policy 'nope'" in capsys.readouterr().err
+    assert main(["sim", "--workload", "nope", "--output", str(tmp_path)]) == 2
+    assert main(["sim", "--rates", "0", "--output", str(tmp_path)]) == 2
+
+
+def test_sim_cli_list(capsys):
+    assert main(["sim", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "azure_conv" in out and "cp-edf-2k" in out and "llama-3-8b" in out
