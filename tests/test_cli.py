@@ -43,3 +43,15 @@ def test_sim_cli_list(capsys):
     assert main(["sim", "--list"]) == 0
     out = capsys.readouterr().out
     assert "azure_conv" in out and "cp-edf-2k" in out and "llama-3-8b" in out
+
+
+def test_sim_cli_goodput_and_slo_scale_search(tmp_path):
+    out = tmp_path / "o"
+    rc = main(["sim", "--num-requests", "200", "--rates", "10", "--no-progress", "--goodput",
+               "--slo-scale-search", "--policies", "fcfs+continuous", "--output", str(out)])
+    assert rc == 0
+    metrics = json.loads((out / "sim.json").read_text())["metrics"]
+    goodput = metrics["goodput"]["fcfs+continuous"]
+    scale = metrics["tightest_slo_scale"]["fcfs+continuous"]
+    assert goodput is not None and goodput > 0
+    assert scale is not None and 0 < scale <= 20

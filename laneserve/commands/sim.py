@@ -58,7 +58,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--goodput", action="store_true",
                    help="also search each policy's goodput (highest rate with >= 90%% attainment)")
-    o.add_argument("--target", type=float, default=0.9, help="attainment target for --goodput")
+    o.add_argument("--slo-scale-search", action="store_true",
+                   help="also search each policy's tightest SLO scale reaching the target at the "
+                        "first rate")
+    o.add_argument("--target", type=float, default=0.9,
+                   help="attainment target for the searches (default 0.9)")
     o.add_argument("--output", type=Path, default=Path("out/sim"), help="folder for JSON/markdown/PNG")
     o.add_argument("--name", default="sim", help="file name stem of the report")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -101,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         _list()
         return 0
     from laneserve.bench.experiment import (goodput, policy_config, row, run_point,
+                                           tightest_slo_scale,
                                            split_policy_sets, validate)
     from laneserve.bench.progress import progress_bar
     from laneserve.bench.report import format_console_table, write_report
@@ -153,15 +158,25 @@ def run(args: argparse.Namespace) -> int:
             goodputs[name] = res.value
             print(f"goodput[{name}] = {res.value if res.value is not None else 'not met'} req/s "
                   f"({res.evals} runs)", file=sys.stderr)
+    scales = {}
+    if args.slo_scale_search:
+        for name, config in policies.items():
+            res = tightest_slo_scale(wl, config, cost, rate=rates[0], target=args.target)
+            scales[name] = res.value
+            print(f"tightest SLO scale[{name}] at {rates[0]} req/s = "
+                  f"{res.value if res.value is not None else 'not met'} ({res.evals} runs)", file=sys.stderr)
     cols = ["policy", "rate", "attainment_ttft", "attainment_tpot", "attainment_both", "p90_ttft_ms",
             "p99_ttft_ms", "p90_tpot_ms", "output_throughput"]
     print(format_console_table(rows, cols))
     paths = write_report(args.output, args.name, rows, y_keys=("attainment_ttft", "attainment_both"),
                          title=f"{wl.name} on {cost!r}")
-    if goodputs:
+    if goodputs or scales:
         import json
         data = json.loads(paths["json"].read_text())
-        data["metrics"]["goodput"] = goodputs
+        if goodputs:
+            data["metrics"]["goodput"] = goodputs
+        if scales:
+            data["metrics"]["tightest_slo_scale"] = {"rate": rates[0], **scales}
         paths["json"].write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {', '.join(str(p) for p in paths.values())} in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
