@@ -1,0 +1,259 @@
+"""Attention over the paged KV cache, two interchangeable paths (DESIGN.md, AlignedServe note:
+"a padded batch pays for its longest member, a ragged one for the sum").
+
+* ``"padded"``: one batched SDPA call over every sequence of the step, queries padded to the
+  longest chunk and contexts padded to the longest context, with a boolean mask — the cost of the
+  whole batch follows ``batch_size x longest context``.
+* ``"ragged"``: one SDPA call per sequence over exactly its own context — the cost follows the sum
+  of context lengths (plus a per-call overhead).
+
+Both handle prefill chunks on top of cached tokens (causal within the chunk, full over the cached
+prefix) and decode (one query over the whole context). New K/V are written into the cache by the
+runner before attention; each layer then gathers the contexts it needs from the cache into a
+preallocated workspace with ``index_select(..., out=)`` (DESIGN.md facts: fresh allocation is 3–10x
+slower). A sequence without cached tokens attends to its fresh K/V directly (no gather).
+Backends are selected by name through :data:`ATTENTION_BACKENDS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """The sequences of one step, in the order of the step's flat token rows."""
+
+    q_lens: list[int]            # new tokens per sequence
+    starts: list[int]            # cached tokens per sequence (position of its first new token)
+    block_tables: list[list[int]]
+    block_size: int
+
+    @property
+    def ctx_lens(self) -> list[int]:
+        return [s + n for s, n in zip(self.starts, self.q_lens)]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+
+class GatherWorkspace:
+    """Preallocated K/V gather buffers shared by every layer and step; grown (to the next power of
+    two) only when a step needs more rows. Only used *within* one attention call, so a parked
+    (preempted) step never holds on to them.
+
+    ``gather`` fills the compact buffers (real context rows only); ``scatter_padded`` places those
+    rows into the zero-initialised padded buffers, whose padding rows keep stale but finite values
+    that the mask hides — so padding costs attention FLOPs, not gather bandwidth."""
+
+    __slots__ = ("k", "v", "pad_k", "pad_v", "_kv_heads", "_head_dim", "_dtype", "_device")
+
+    def __init__(self, rows: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._kv_heads, self._head_dim, self._dtype, self._device = kv_heads, head_dim, dtype, device
+        self.k, self.v = self._alloc(rows)
+        self.pad_k, self.pad_v = self._alloc(0)
+
+    def _alloc(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cap = 1 << max(rows - 1, 1).bit_length() if rows else 0
+        shape = (cap, self._kv_heads, self._head_dim)
+        return (torch.zeros(shape, dtype=self._dtype, device=self._device),
+                torch.zeros(shape, dtype=self._dtype, device=self._device))
+
+    def take(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if rows > self.k.shape[0]:
+            self.k, self.v = self._alloc(rows)
+        return self.k[:rows], self.v[:rows]
+
+    def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k_out, v_out = self.take(index.shape[0])
+        torch.index_select(k_cache, 0, index, out=k_out)
+        torch.index_select(v_cache, 0, index, out=v_out)
+        return k_out, v_out
+
+    def scatter_padded(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                       total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if total > self.pad_k.shape[0]:
+            self.pad_k, self.pad_v = self._alloc(total)
+        pad_k, pad_v = self.pad_k[:total], self.pad_v[:total]
+        pad_k.index_copy_(0, rows, k)
+        pad_v.index_copy_(0, rows, v)
+        return pad_k, pad_v
+
+
+def context_slots(table: list[int], ctx_len: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots (``block * block_size + offset``) of positions ``[0, ctx_len)``."""
+    num_blocks = -(-ctx_len // block_size)
+    if num_blocks > len(table):
+        raise ValueError(f"block table holds {len(table)} blocks, context of {ctx_len} tokens needs {num_blocks}")
+    blocks = torch.tensor(table[:num_blocks], dtype=torch.long)
+    return (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).view(-1)[:ctx_len]
+
+
+class AttentionBackend:
+    """``prepare`` builds per-step metadata once; ``forward`` runs one layer's attention.
+
+    ``forward(q, k_new, v_new, k_cache, v_cache, meta)``: q ``[T, heads, d]``, new K/V
+    ``[T, kv_heads, d]`` (already written to the cache), caches flattened to
+    ``[num_blocks * block_size, kv_heads, d]``; returns ``[T, heads, d]``.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, workspace: GatherWorkspace) -> None:
+        self.workspace = workspace
+
+    def prepare(self, batch: AttentionBatch, device: torch.device) -> Any:
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_attention(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    ATTENTION_BACKENDS[cls.name] = cls
+    return cls
+
+
+def make_attention(name: str, workspace: GatherWorkspace) -> AttentionBackend:
+    try:
+        return ATTENTION_BACKENDS[name](workspace)
+    except KeyError:
+        raise ValueError(f"unknown attention path {name!r}; registered: {sorted(ATTENTION_BACKENDS)}") from None
+
+
+def _chunk_mask(start: int, n: int) -> torch.Tensor:
+    """``[n, start + n]``: query i (position start+i) sees keys 0..start+i."""
+    return torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]
+
+
+# ---- ragged: one SDPA per sequence ------------------------------------------------------------
+@dataclass(slots=True)
+class _RaggedSeq:
+    q_offset: int
+    q_len: int
+    k_offset: int          # row in the gather buffer, -1 = attend to the fresh K/V
+    ctx_len: int
+    mask: torch.Tensor | None
+    causal: bool
+
+
+@dataclass(slots=True)
+class _RaggedMeta:
+    seqs: list[_RaggedSeq]
+    gather_index: torch.Tensor | None
+
+
+@register_attention
+class RaggedAttention(AttentionBackend):
+    name = "ragged"
+
+    def prepare(self, batch: AttentionBatch, device: torch.device) -> _RaggedMeta:
+        seqs, slots = [], []
+        q_off = k_off = 0
+        for n, start, table in zip(batch.q_lens, batch.starts, batch.block_tables):
+            ctx = start + n
+            if start == 0:
+                seqs.append(_RaggedSeq(q_off, n, -1, ctx, None, n > 1))
+            else:
+                mask = None if n == 1 else _chunk_mask(start, n).to(device)
+                seqs.append(_RaggedSeq(q_off, n, k_off, ctx, mask, False))
+                slots.append(context_slots(table, ctx, batch.block_size))
+                k_off += ctx
+            q_off += n
+        index = torch.cat(slots).to(device) if slots else None
+        return _RaggedMeta(seqs, index)
+
+    def forward(self, q, k_new, v_new, k_cache, v_cache, meta: _RaggedMeta) -> torch.Tensor:
+        out = torch.empty_like(q)
+        kv_heads, dim = k_new.shape[1], q.shape[2]
+        if meta.gather_index is not None:
+            k_ctx, v_ctx = self.workspace.gather(k_cache, v_cache, meta.gather_index)
+        for s in meta.seqs:
+            q_end = s.q_offset + s.q_len
+            if s.k_offset < 0:
+                k, v = k_new[s.q_offset:q_end], v_new[s.q_offset:q_end]
+            else:
+                k, v = k_ctx[s.k_offset:s.k_offset + s.ctx_len], v_ctx[s.k_offset:s.k_offset + s.ctx_len]
+            if s.q_len == 1:   # decode: fold the query heads onto their KV head (no K/V expansion)
+                o = F.scaled_dot_product_attention(
+                    q[s.q_offset].view(1, kv_heads, -1, dim), k.transpose(0, 1).unsqueeze(0),
+                    v.transpose(0, 1).unsqueeze(0))
+                out[s.q_offset] = o.view(-1, dim)
+                continue
+            o = F.scaled_dot_product_attention(
+                q[s.q_offset:q_end].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0), attn_mask=s.mask, is_causal=s.causal, enable_gqa=True)
+            out[s.q_offset:q_end] = o[0].transpose(0, 1)
+        return out
+
+
+# ---- padded: one batched SDPA over the longest context ---------------------------------------
+@dataclass(slots=True)
+class _PaddedMeta:
+    batch: int
+    q_pad: int
+    k_pad: int
+    q_rows: torch.Tensor | None      # row of each real query in the padded [B * q_pad] layout
+    gather_index: torch.Tensor | None   # cache slots of every real context row; None = use the fresh K/V
+    k_rows: torch.Tensor | None      # row of each gathered context row in the padded [B * k_pad] layout
+    mask: torch.Tensor | None        # [B, 1, q_pad, k_pad]
+    causal: bool
+
+
+@register_attention
+class PaddedAttention(AttentionBackend):
+    name = "padded"
+
+    def prepare(self, batch: AttentionBatch, device: torch.device) -> _PaddedMeta:
+        q_lens, starts = batch.q_lens, batch.starts
+        ctx_lens = batch.ctx_lens
+        b, q_pad, k_pad = len(q_lens), max(q_lens), max(ctx_lens)
+        if b == 1 and starts[0] == 0:   # a single fresh prefill: plain causal attention
+            return _PaddedMeta(1, q_pad, k_pad, None, None, None, None, q_pad > 1)
+        q_rows = None
+        if any(n != q_pad for n in q_lens):
+            q_rows = torch.cat([torch.arange(n) + i * q_pad for i, n in enumerate(q_lens)]).to(device)
+        index = torch.cat([context_slots(t, c, batch.block_size) for t, c in zip(batch.block_tables, ctx_lens)])
+        k_rows = None
+        if any(c != k_pad for c in ctx_lens):
+            k_rows = torch.cat([torch.arange(c) + i * k_pad for i, c in enumerate(ctx_lens)]).to(device)
+        start_t = torch.tensor(starts)[:, None, None]
+        q_len_t = torch.tensor(q_lens)[:, None, None]
+        qi = torch.arange(q_pad)[None, :, None]
+        kj = torch.arange(k_pad)[None, None, :]
+        mask = (kj <= start_t + qi) | ((qi >= q_len_t) & (kj == 0))   # padded query rows see key 0
+        return _PaddedMeta(b, q_pad, k_pad, q_rows, index.to(device), k_rows, mask.unsqueeze(1).to(device), False)
+
+    def forward(self, q, k_new, v_new, k_cache, v_cache, meta: _PaddedMeta) -> torch.Tensor:
+        b, q_pad, k_pad = meta.batch, meta.q_pad, meta.k_pad
+        heads, dim = q.shape[1], q.shape[2]
+        if meta.q_rows is None:
+            qp = q.view(b, q_pad, heads, dim)
+        else:
+            qp = q.new_zeros(b * q_pad, heads, dim).index_copy_(0, meta.q_rows, q).view(b, q_pad, heads, dim)
+        if meta.gather_index is None:
+            k, v = k_new.view(1, k_pad, *k_new.shape[1:]), v_new.view(1, k_pad, *v_new.shape[1:])
+        else:
+            k, v = self.workspace.gather(k_cache, v_cache, meta.gather_index)
+            if meta.k_rows is not None:
+                k, v = self.workspace.scatter_padded(k, v, meta.k_rows, b * k_pad)
+            k, v = k.view(b, k_pad, *k.shape[1:]), v.view(b, k_pad, *v.shape[1:])
+        if q_pad == 1:   # decode batch: fold the query heads onto their KV head (no K/V expansion)
+            kv_heads = k.shape[2]
+            o = F.scaled_dot_product_attention(qp.view(b, kv_heads, heads // kv_heads, dim), k.transpose(1, 2),
+                                               v.transpose(1, 2), attn_mask=meta.mask)
+            o = o.reshape(b, heads, dim)
+        else:
+            o = F.scaled_dot_product_attention(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=meta.mask, is_causal=meta.causal, enable_gqa=True)
+            o = o.transpose(1, 2).reshape(b * q_pad, heads, dim)
+        return o if meta.q_rows is None else o.index_select(0, meta.q_rows)

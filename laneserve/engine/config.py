@@ -1,0 +1,83 @@
+"""Engine configuration (DESIGN.md, "Habits": config as frozen dataclasses; derived values are
+computed, not mutated into the config).
+
+The engine defaults to fp32 on CPU ("Facts measured on this machine": bf16 changes logits and is
+2x slower for batched decode on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_GRANULARITIES = ("operator", "layer", "chunk")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    device: str = "cpu"
+    #: "auto" takes the checkpoint's dtype on CUDA and float32 on CPU (fp16 is CUDA-only)
+    dtype: str = "float32"
+    block_size: int = 16
+    #: device KV blocks; ``None`` derives them from ``kv_memory_fraction`` (see :meth:`resolve_num_kv_blocks`)
+    num_kv_blocks: int | None = None
+    kv_memory_fraction: float = 0.3
+    #: attention path by registry name: "padded" (pays the longest context) or "ragged" (pays the sum)
+    attention: str = "ragged"
+    #: sizes the preallocated workspaces; larger steps still run (the workspaces grow once)
+    max_num_batched_tokens: int = 2048
+    #: host-pool KV blocks (AlignedServe §3 host tier); 0 = no host pool
+    num_host_blocks: int = 0
+    seed: int = 0
+    #: torch intra-op threads on CPU (``None`` = leave torch's default)
+    num_threads: int | None = None
+    #: record per-operator durations on every plan (they are always recorded on preemptible plans)
+    record_op_times: bool = False
+    #: CUDA graphs for decode / short-prefill shape buckets (CUDA only; currently a hook, see runner.py)
+    cuda_graphs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError("kv_memory_fraction must be in (0, 1]")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.num_host_blocks < 0:
+            raise ValueError("num_host_blocks must be >= 0")
+        if self.dtype == "float16" and not self.device.startswith("cuda"):
+            raise ValueError("float16 is only supported on CUDA; use float32 or bfloat16 on CPU")
+
+    def resolve_num_kv_blocks(self, kv_bytes_per_token: int, free_bytes: int | None = None) -> int:
+        """Device KV blocks: ``num_kv_blocks`` when set, else ``kv_memory_fraction`` of the free
+        device memory (CUDA: ``torch.cuda.mem_get_info``; CPU: available RAM)."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        if free_bytes is None:
+            free_bytes = _free_memory_bytes(self.device)
+        blocks = int(free_bytes * self.kv_memory_fraction) // (kv_bytes_per_token * self.block_size)
+        if blocks < 1:
+            raise ValueError(f"no room for a single KV block ({kv_bytes_per_token} B/token) "
+                             f"in {free_bytes} B x {self.kv_memory_fraction}")
+        return blocks
+
+
+def _free_memory_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

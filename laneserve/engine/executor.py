@@ -1,0 +1,219 @@
+"""The engine's executor: ``result = executor.execute(plan)`` on tensors (DESIGN.md, "The central
+contract"). The simulator implements the same call with a cost model.
+
+The executor never changes request counters; ``scheduler.update(plan, result, now)`` does. It
+writes KV into the paged cache, performs the plan's swaps (host pool, AlignedServe §3), runs the
+forward and samples one token per sequence that needs one (a chunk completing its prompt: the first
+output token; a decode: the next token).
+
+Preemptible plans (FlowPrefill §4): the forward is a generator yielding after every operator. At
+each boundary allowed by ``plan.preempt_granularity`` — "operator": after each of
+``LAYER_OPERATORS``; "layer": after each layer; "chunk": none inside a step (the scheduler preempts
+between chunk-sized steps) — the executor calls ``should_stop()``; when it returns True the
+generator is parked under ``plan.plan_id``, ``plan.ops_done`` is set (operators finished, out of
+``num_layers * 5``) and ``StepResult(completed=False)`` returned. Executing the same plan object
+again resumes it with identical results. The KV blocks of a parked plan must stay allocated and
+unmoved until it resumes (or :meth:`EngineExecutor.discard` drops it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from laneserve.core.kv import HostKVPool, KVCacheManager
+from laneserve.core.plan import StepPlan, StepResult
+from laneserve.engine.config import EngineConfig
+from laneserve.engine.kv_cache import KVPayload, PagedKVCache
+from laneserve.engine.models.llama import LlamaModel
+from laneserve.engine.runner import ModelRunner, SeqInput, plan_sequences
+from laneserve.engine.sampler import GREEDY, Sampler, TokenLogprobs, token_stops
+
+
+@dataclass(slots=True)
+class EngineStepResult(StepResult):
+    """``StepResult`` plus the engine-only outputs: ``logprobs[req_id]`` for requests that asked
+    for them (``SamplingParams.logprobs``)."""
+
+    logprobs: dict[int, TokenLogprobs] | None = None
+
+
+@dataclass(slots=True)
+class _Parked:
+    plan: StepPlan
+    forward: object            # the suspended generator
+    seqs: list[SeqInput]
+
+
+class EngineExecutor:
+    def __init__(self, model: LlamaModel, kv: KVCacheManager, config: EngineConfig,
+                 host_pool: HostKVPool | None = None) -> None:
+        if config.num_threads is not None and model.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.model = model
+        self.kv = kv
+        self.config = config
+        self.runner = ModelRunner(model, kv, config)
+        self.host_pool = host_pool
+        self.host_cache: PagedKVCache | None = None
+        if host_pool is not None:
+            if host_pool.block_size != kv.block_size:
+                raise ValueError("host pool and device KV must share a block size")
+            cfg = model.config
+            self.host_cache = PagedKVCache(cfg.num_layers, host_pool.num_blocks, host_pool.block_size,
+                                           cfg.num_kv_heads, cfg.head_dim, model.dtype, "cpu",
+                                           pin_memory=model.device.type == "cuda")
+        self.sampler = Sampler(config.seed)
+        eos = set(model.config.eos_token_ids)
+        tok_eos = getattr(model.tokenizer, "eos_token_id", None)
+        if isinstance(tok_eos, int):
+            eos.add(tok_eos)
+        self.eos_token_ids = frozenset(eos)
+        self._parked: dict[int, _Parked] = {}
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> EngineExecutor:
+        """Load a checkpoint and size the device KV (``config.num_kv_blocks`` or the memory
+        fraction) and the host pool (``config.num_host_blocks``)."""
+        from laneserve.engine.models.loader import load_model
+
+        config = config or EngineConfig()
+        model = load_model(path, config.device, config.dtype)
+        per_token = model.config.kv_bytes_per_token(model.embed.element_size())
+        kv = KVCacheManager(config.resolve_num_kv_blocks(per_token), config.block_size)
+        host = HostKVPool(config.num_host_blocks, config.block_size) if config.num_host_blocks else None
+        return cls(model, kv, config, host)
+
+    @property
+    def num_operators(self) -> int:
+        return self.model.num_operators
+
+    @property
+    def parked_plan_ids(self) -> list[int]:
+        return list(self._parked)
+
+    # ---- the step --------------------------------------------------------------------------
+    def execute(self, plan: StepPlan, should_stop: Callable[[], bool] | None = None) -> EngineStepResult:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            parked = self._parked.pop(plan.plan_id, None)
+            if parked is None:
+                if plan.ops_done:
+                    raise ValueError(f"plan {plan.plan_id} has ops_done={plan.ops_done} but nothing is parked for it")
+                self._swap(plan)
+                seqs = plan_sequences(plan, self.kv)
+                if not seqs:
+                    self._sync()
+                    return EngineStepResult(time.perf_counter() - t0, True, {}, set())
+                forward = self.runner.forward(self.runner.prepare(seqs, plan.padded_shape))
+            else:
+                if parked.plan is not plan:
+                    raise ValueError(f"plan {plan.plan_id} resumed with a different plan object")
+                seqs, forward = parked.seqs, parked.forward
+            logits = self._advance(plan, forward, seqs, should_stop, t0)
+            if logits is None:
+                self._sync()
+                return EngineStepResult(time.perf_counter() - t0, completed=False)
+            sampled, stop_hit, logprobs = self._sample(seqs, logits)
+        self._sync()
+        return EngineStepResult(time.perf_counter() - t0, True, sampled, stop_hit, logprobs or None)
+
+    def _advance(self, plan: StepPlan, forward, seqs: list[SeqInput],
+                 should_stop: Callable[[], bool] | None, t0: float) -> torch.Tensor | None:
+        """Run the generator to its end (returns the logits) or to an accepted stop (parks it, returns None)."""
+        total = self.model.num_operators
+        granularity = plan.preempt_granularity
+        if granularity not in ("operator", "layer", "chunk"):
+            raise ValueError(f"unknown preempt_granularity {granularity!r}")
+        check = plan.preemptible and should_stop is not None and granularity != "chunk"
+        timed = plan.preemptible or self.config.record_op_times
+        if timed and plan.op_times is None:
+            plan.op_times = []
+        cuda = self.model.device.type == "cuda"
+        last = t0
+        try:
+            while True:
+                next(forward)
+                plan.ops_done += 1
+                if timed:
+                    if cuda and self.config.record_op_times:
+                        torch.cuda.synchronize()
+                    now = time.perf_counter()
+                    plan.op_times.append(now - last)  # type: ignore[union-attr]
+                    last = now
+                if check and plan.ops_done < total and (granularity == "operator" or plan.ops_done % 5 == 0):
+                    if should_stop():  # type: ignore[misc]
+                        self._parked[plan.plan_id] = _Parked(plan, forward, seqs)
+                        return None
+        except StopIteration as done:
+            return done.value
+
+    def _sample(self, seqs: list[SeqInput], logits: torch.Tensor):
+        sampled_seqs = [s for s in seqs if s.sample]
+        if not sampled_seqs:
+            return {}, set(), {}
+        params = [s.request.sampling or GREEDY for s in sampled_seqs]
+        tokens, logprobs = self.sampler.sample(logits, params, [s.request.num_output_tokens for s in sampled_seqs])
+        sampled: dict[int, int] = {}
+        stop_hit: set[int] = set()
+        lp_out: dict[int, TokenLogprobs] = {}
+        for s, p, tok, lp in zip(sampled_seqs, params, tokens, logprobs):
+            rid = s.request.request_id
+            sampled[rid] = tok
+            if token_stops(tok, p, self.eos_token_ids):
+                stop_hit.add(rid)
+            if lp is not None:
+                lp_out[rid] = lp
+        return sampled, stop_hit, lp_out
+
+    def discard(self, plan: StepPlan) -> bool:
+        """Drop a parked plan (its request was aborted or will be recomputed); True if one was parked."""
+        return self._parked.pop(plan.plan_id, None) is not None
+
+    def _sync(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # ---- KV movement -----------------------------------------------------------------------
+    def _swap(self, plan: StepPlan) -> None:
+        """Swap-outs first: the core frees their device blocks at planning time, so a swap-in of
+        the same plan may already reuse them."""
+        if not (plan.swap_out or plan.swap_in):
+            return
+        if self.host_cache is None:
+            raise ValueError("plan has swaps but the executor has no host pool")
+        for copy in plan.swap_out:
+            self.runner.cache.apply_copy(self.host_cache, copy)
+        for copy in plan.swap_in:
+            self.host_cache.apply_copy(self.runner.cache, copy)
+
+    def _tier(self, host: bool) -> tuple[KVCacheManager, PagedKVCache]:
+        if not host:
+            return self.kv, self.runner.cache
+        if self.host_pool is None or self.host_cache is None:
+            raise ValueError("the executor has no host pool")
+        return self.host_pool, self.host_cache
+
+    def export_kv(self, request_id: int, num_tokens: int | None = None, *, from_host: bool = False) -> KVPayload:
+        """A request's first ``num_tokens`` KV entries (default: every allocated slot) as a CPU
+        tensor bundle, for prefill -> decode transfer."""
+        manager, cache = self._tier(from_host)
+        table = manager.table(request_id)
+        if not table:
+            raise KeyError(f"request {request_id} holds no KV blocks")
+        if num_tokens is None:
+            num_tokens = len(table) * manager.block_size
+        self._sync()
+        return cache.export_tokens(table, num_tokens)
+
+    def import_kv(self, request_id: int, payload: KVPayload, *, into_host: bool = False) -> None:
+        """Write ``payload`` into the blocks already allocated for ``request_id`` (device KV, or
+        the host pool with ``into_host``)."""
+        manager, cache = self._tier(into_host)
+        with torch.inference_mode():
+            cache.import_tokens(manager.table(request_id), payload)

@@ -1,0 +1,139 @@
+"""Model configuration read from a Hugging Face ``config.json`` (Llama family: Llama 2/3,
+Qwen2/2.5, Qwen3, Mistral without sliding window).
+
+transformers 5.x writes the rotary settings under ``rope_parameters`` (``rope_theta``,
+``rope_type`` and the scaling keys); 4.x wrote ``rope_theta`` and ``rope_scaling`` at the top
+level. Both are read (DESIGN.md, "Facts measured on this machine").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or one of its options is not implemented by the engine."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArchSpec:
+    """What distinguishes one member of the family from another."""
+
+    qkv_bias_default: bool = False   # Qwen2 always has q/k/v biases
+    qk_norm: bool = False            # Qwen3 RMS-normalises q and k per head
+
+
+#: architecture name (config.json ``architectures[0]``) -> its spec
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "LlamaForCausalLM": ArchSpec(),
+    "MistralForCausalLM": ArchSpec(),
+    "Qwen2ForCausalLM": ArchSpec(qkv_bias_default=True),
+    "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    #: rotary scaling parameters (``rope_type`` plus its keys) or ``None`` for plain RoPE
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    checkpoint_dtype: str = "float32"
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        return 2 * self.num_layers * self.kv_size * element_size
+
+    @classmethod
+    def from_dict(cls, raw: dict, generation: dict | None = None) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else ""
+        if arch not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {arch or '(none in config.json)'!r} is not supported; "
+                f"supported: {', '.join(sorted(ARCHITECTURES))}")
+        spec = ARCHITECTURES[arch]
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
+        if raw.get("use_sliding_window") or (arch == "MistralForCausalLM" and raw.get("sliding_window")):
+            raise UnsupportedModelError("sliding-window attention is not supported")
+        if raw.get("pretraining_tp", 1) not in (1, None):
+            raise UnsupportedModelError("pretraining_tp > 1 is not supported")
+        rope_params = dict(raw.get("rope_parameters") or {})
+        theta = rope_params.pop("rope_theta", None)
+        if theta is None:
+            theta = raw.get("rope_theta", 10000.0)
+        scaling = rope_params or raw.get("rope_scaling") or None
+        if scaling is not None:
+            scaling = dict(scaling)
+            rope_type = scaling.pop("rope_type", None) or scaling.pop("type", "default")
+            scaling.pop("type", None)
+            scaling["rope_type"] = rope_type
+            if rope_type == "default":
+                scaling = None
+        heads = raw["num_attention_heads"]
+        hidden = raw["hidden_size"]
+        eos = _as_ids(raw.get("eos_token_id")) + _as_ids((generation or {}).get("eos_token_id"))
+        return cls(
+            architecture=arch, model_type=raw.get("model_type", ""), vocab_size=raw["vocab_size"],
+            hidden_size=hidden, intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or hidden // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=bool(raw.get("attention_bias", spec.qkv_bias_default)) or spec.qkv_bias_default,
+            o_bias=bool(raw.get("attention_bias", False)) and arch != "Qwen2ForCausalLM",
+            mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=spec.qk_norm,
+            eos_token_ids=tuple(dict.fromkeys(eos)), bos_token_id=raw.get("bos_token_id"),
+            checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            extra={k: raw[k] for k in ("name_or_path",) if k in raw},
+        )
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> ModelConfig:
+        folder = Path(path)
+        cfg_path = folder / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"{folder}: no config.json (is this a Hugging Face checkpoint folder?)")
+        raw = json.loads(cfg_path.read_text())
+        gen_path = folder / "generation_config.json"
+        generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+        return cls.from_dict(raw, generation)
+
+
+def _as_ids(value: object) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]  # type: ignore[union-attr]

@@ -1,0 +1,139 @@
+"""Hand-written forward of the Llama family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral) over a flat
+token stream, written as a generator that yields after every operator so a prefill can be
+preempted and resumed at operator boundaries (FlowPrefill §4; DESIGN.md, "The central contract").
+
+Per layer the operators are those of ``laneserve.costmodel.base.LAYER_OPERATORS``:
+
+* ``qkv_proj``  input RMSNorm, fused Q/K/V projection (+bias for Qwen2), per-head q/k RMSNorm
+  (Qwen3), rotary embedding. The embedding lookup is folded into the first one.
+* ``attention`` write the new K/V into the paged cache, attention over the cached context.
+* ``o_proj``    output projection + residual.
+* ``gate_up``   post-attention RMSNorm, fused gate/up projection, SiLU(gate) * up.
+* ``down``      down projection + residual. The final norm + LM head run after the last one.
+
+All tokens of a step (several prefill chunks and decodes) are rows of one ``[T, hidden]`` tensor;
+only attention looks at sequence boundaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from laneserve.engine.attention import AttentionBackend
+from laneserve.engine.kv_cache import PagedKVCache
+from laneserve.engine.models.config import ModelConfig
+from laneserve.engine.models.rope import Rotary, apply_rotary
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor                  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None        # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor              # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class StepTensors:
+    """The device tensors of one step (built once, shared by every layer)."""
+
+    input_ids: torch.Tensor       # [T_rows] (rows beyond num_tokens are shape-bucket padding)
+    positions: torch.Tensor       # [T_rows]
+    slots: torch.Tensor           # [num_tokens] flat cache slots of the real tokens
+    num_tokens: int
+    logit_rows: torch.Tensor      # rows whose logits are needed (last token of sampled sequences)
+    attn_meta: object
+
+
+class LlamaModel:
+    """Weights plus the operator-by-operator forward. Not an ``nn.Module``: plain tensors and
+    ``torch.nn.functional`` calls, run under ``torch.inference_mode``."""
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 final_norm: torch.Tensor, lm_head: torch.Tensor, tokenizer: object | None = None,
+                 path: str | None = None) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.tokenizer = tokenizer
+        self.path = path
+        self.rotary = Rotary(config, embed.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def num_operators(self) -> int:
+        return self.config.num_layers * 5
+
+    def steps(self, batch: StepTensors, kv: PagedKVCache,
+              attention: AttentionBackend) -> Generator[str, None, torch.Tensor]:
+        """Yields the name of each finished operator; returns the logits ``[len(logit_rows), vocab]``."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        hidden_size, head_dim = cfg.hidden_size, cfg.head_dim
+        n = batch.num_tokens
+        h = F.embedding(batch.input_ids, self.embed)
+        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
+        for index, w in enumerate(self.layers):
+            # qkv_proj
+            x = F.rms_norm(h, (hidden_size,), w.input_norm, eps)
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+            q = q.view(-1, cfg.num_heads, head_dim)
+            k = k.view(-1, cfg.num_kv_heads, head_dim)
+            v = v.view(-1, cfg.num_kv_heads, head_dim)
+            if w.q_norm is not None:
+                q = F.rms_norm(q, (head_dim,), w.q_norm, eps)
+                k = F.rms_norm(k, (head_dim,), w.k_norm, eps)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            yield "qkv_proj"
+            # attention (only the real rows; shape-bucket padding rows get zeros)
+            k_real, v_real = k[:n], v[:n].contiguous()
+            kv.write(index, batch.slots, k_real, v_real)
+            k_cache, v_cache = kv.layer(index)
+            attn = attention.forward(q[:n], k_real, v_real, k_cache, v_cache, batch.attn_meta)
+            attn = attn.reshape(n, cfg.q_size)
+            if attn.shape[0] != h.shape[0]:
+                attn = torch.cat([attn, attn.new_zeros(h.shape[0] - n, cfg.q_size)])
+            del q, k, v, qkv, x, k_real, v_real
+            yield "attention"
+            # o_proj
+            h = h + F.linear(attn, w.o_proj, w.o_bias)
+            del attn
+            yield "o_proj"
+            # gate_up
+            x = F.rms_norm(h, (hidden_size,), w.post_norm, eps)
+            gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            del x, gate, up
+            yield "gate_up"
+            # down (+ final norm and LM head after the last layer)
+            h = h + F.linear(act, w.down, w.down_bias)
+            del act
+            if index == len(self.layers) - 1:
+                break
+            yield "down"
+        last = h.index_select(0, batch.logit_rows)
+        logits = F.linear(F.rms_norm(last, (hidden_size,), self.final_norm, eps), self.lm_head)
+        yield "down"
+        return logits.float()

@@ -1,0 +1,128 @@
+"""From a core ``StepPlan`` to the tensors of one forward pass, and the resumable forward itself
+(DESIGN.md, "The central contract"; FlowPrefill §4 operator-level preemption).
+
+The runner reads, never writes, the request counters: a prefill chunk computes prompt tokens
+``[chunk.start, chunk.end)`` on top of ``chunk.start`` cached tokens; a decode processes the newest
+output token at position ``req.context_len - 1``. Block tables come from the ``KVCacheManager``
+the scheduler allocated in.
+
+CUDA graphs (LAPS §3 shape buckets) are a hook here: on CUDA the step runs eagerly through the
+same code (SDPA on GPU); ``EngineConfig.cuda_graphs`` only logs that capture is not implemented.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+
+from laneserve.core.kv import KVCacheManager
+from laneserve.core.plan import StepPlan
+from laneserve.core.request import Request
+from laneserve.engine.attention import AttentionBatch, GatherWorkspace, make_attention
+from laneserve.engine.config import EngineConfig
+from laneserve.engine.kv_cache import PagedKVCache
+from laneserve.engine.models.llama import LlamaModel, StepTensors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SeqInput:
+    """One sequence of a step: ``token_ids`` at positions ``start ..``, sampled if ``sample``."""
+
+    request: Request
+    token_ids: list[int]
+    start: int
+    sample: bool
+    is_decode: bool
+
+
+def plan_sequences(plan: StepPlan, kv: KVCacheManager) -> list[SeqInput]:
+    """Prefill chunks first, then decodes (the order of the step's rows), validated against the
+    block tables."""
+    seqs: list[SeqInput] = []
+    for chunk in plan.prefills:
+        req = chunk.request
+        if req.prompt_token_ids is None:
+            raise ValueError(f"request {req.request_id}: the engine needs prompt_token_ids "
+                             "(trace workloads must be given synthetic token ids)")
+        if chunk.start < 0 or chunk.num_new_tokens < 1 or chunk.end > len(req.prompt_token_ids):
+            raise ValueError(f"request {req.request_id}: chunk [{chunk.start}, {chunk.end}) outside its "
+                             f"{len(req.prompt_token_ids)}-token prompt")
+        _check_blocks(kv, req.request_id, chunk.end)
+        seqs.append(SeqInput(req, req.prompt_token_ids[chunk.start:chunk.end], chunk.start,
+                             chunk.completes_prompt, False))
+    for req in plan.decodes:
+        if not req.output_token_ids:
+            raise ValueError(f"request {req.request_id}: decode without an output token to process")
+        ctx = req.context_len
+        _check_blocks(kv, req.request_id, ctx)
+        seqs.append(SeqInput(req, [req.output_token_ids[-1]], ctx - 1, True, True))
+    return seqs
+
+
+def _check_blocks(kv: KVCacheManager, request_id: int, num_tokens: int) -> None:
+    have = kv.num_allocated(request_id) * kv.block_size
+    if have < num_tokens:
+        raise ValueError(f"request {request_id}: {num_tokens} tokens need KV blocks, only {have} token slots allocated")
+
+
+class ModelRunner:
+    """Owns the device KV tensors, the attention path and its workspace."""
+
+    def __init__(self, model: LlamaModel, kv_manager: KVCacheManager, config: EngineConfig) -> None:
+        cfg = model.config
+        if kv_manager.block_size != config.block_size:
+            raise ValueError(f"KV manager block size {kv_manager.block_size} != config.block_size {config.block_size}")
+        self.model = model
+        self.kv_manager = kv_manager
+        self.config = config
+        self.device = model.device
+        self.cache = PagedKVCache(cfg.num_layers, kv_manager.num_blocks, kv_manager.block_size,
+                                  cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device)
+        self.workspace = GatherWorkspace(config.max_num_batched_tokens, cfg.num_kv_heads, cfg.head_dim,
+                                         model.dtype, self.device)
+        self.attention = make_attention(config.attention, self.workspace)
+        if config.cuda_graphs:
+            if self.device.type == "cuda":
+                log.warning("cuda_graphs: capture is not implemented yet (hook in engine/runner.py); running eagerly")
+            else:
+                log.info("cuda_graphs ignored on %s", self.device)
+
+    def prepare(self, seqs: list[SeqInput], padded_shape: tuple[int, int] | None = None) -> StepTensors:
+        bs = self.kv_manager.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        tables: list[list[int]] = []
+        for s in seqs:
+            table = self.kv_manager.table(s.request.request_id)
+            tables.append(table)
+            n = len(s.token_ids)
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start, s.start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(s.start, s.start + n))
+            if s.sample:
+                logit_rows.append(len(ids) - 1)
+        num_tokens = len(ids)
+        if padded_shape is not None:   # LAPS shape bucket: pad the token rows (linear layers pay for them)
+            rows = padded_shape[0] * padded_shape[1]
+            if rows > num_tokens:
+                ids.extend([0] * (rows - num_tokens))
+                positions.extend([0] * (rows - num_tokens))
+        batch = AttentionBatch([len(s.token_ids) for s in seqs], [s.start for s in seqs], tables, bs)
+        dev = self.device
+        return StepTensors(
+            input_ids=torch.tensor(ids, dtype=torch.long).to(dev),
+            positions=torch.tensor(positions, dtype=torch.long).to(dev),
+            slots=torch.tensor(slots, dtype=torch.long).to(dev), num_tokens=num_tokens,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.long).to(dev),
+            attn_meta=self.attention.prepare(batch, dev))
+
+    def forward(self, step: StepTensors) -> Generator[str, None, torch.Tensor]:
+        """The resumable forward: yields after each operator, returns the logits."""
+        return self.model.steps(step, self.cache, self.attention)
