@@ -69,15 +69,17 @@ class InstanceScheduler(ABC):
         self._after_update(plan, outcome, now)
         return outcome
 
-    def abort(self, request_id: int, now: float) -> Request | None:
-        """Drop a request wherever it is on this instance and free its KV."""
+    def abort(self, request_id: int, now: float, reason: str = "abort") -> Request | None:
+        """Drop a request wherever it is on this instance and free its KV. ``reason`` is the
+        finish reason recorded ("abort" for a cancelled request, "stop" for a stop string the
+        instance loop detected after detokenising)."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         self._remove(req)
         self.kv.free(request_id)
         if not req.is_finished:
-            req.finish(now, "abort")
+            req.finish(now, reason)
         return req
 
     def release(self, request_id: int) -> None:

@@ -64,8 +64,8 @@ class ColocatedScheduler(InstanceScheduler):
             self.decode.add_request(req, now)
         return StepOutcome(prefilled=[], finished=p_out.finished + d_out.finished)
 
-    def abort(self, request_id: int, now: float) -> Request | None:
-        return self.prefill.abort(request_id, now) or self.decode.abort(request_id, now)
+    def abort(self, request_id: int, now: float, reason: str = "abort") -> Request | None:
+        return self.prefill.abort(request_id, now, reason) or self.decode.abort(request_id, now, reason)
 
     @property
     def num_waiting(self) -> int:

@@ -78,6 +78,6 @@ class PrefillScheduler(InstanceScheduler):
         for req in outcome.finished:      # one-token outputs end here: nothing to hand off
             self.release(req.request_id)
 
-    def abort(self, request_id: int, now: float) -> Request | None:
+    def abort(self, request_id: int, now: float, reason: str = "abort") -> Request | None:
         self.pending.discard(request_id)
-        return super().abort(request_id, now)
+        return super().abort(request_id, now, reason)

@@ -1,0 +1,130 @@
+"""One engine instance: the scheduler contract's loop on real tensors (DESIGN.md, "The central
+contract")::
+
+    plan = scheduler.schedule(now); result = executor.execute(plan, should_stop); scheduler.update(...)
+
+Requests enter through a thread-safe inbox, stamped with the time they are due (trace replay) or
+now. While a preemptible prefill runs, the executor asks ``should_stop`` at every operator
+boundary; the instance then takes due arrivals into the scheduler and asks it whether to preempt
+(FlowPrefill Algorithm 2: decisions on arrival and completion events only).
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections.abc import Callable
+from itertools import count
+
+from laneserve.core.clock import Clock, WallClock
+from laneserve.core.plan import StepPlan
+from laneserve.core.request import Request
+from laneserve.policies.base import InstanceScheduler, StepOutcome
+
+
+class EngineInstance:
+    def __init__(self, scheduler: InstanceScheduler, executor, *, clock: Clock | None = None,
+                 instance_id: int = 0, stop_checker=None) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.clock = clock or WallClock()
+        self.instance_id = instance_id
+        self.role = scheduler.role
+        self.stop_checker = stop_checker
+        self._inbox: list[tuple[float, int, Request]] = []
+        self._seq = count()
+        self._lock = threading.Lock()
+        self.steps = 0
+        self.busy_time = 0.0
+        self.preemptions = 0
+
+    # ---- input ---------------------------------------------------------------------------
+    def submit(self, req: Request, at: float | None = None) -> None:
+        """Hand ``req`` to this instance, due at clock time ``at`` (default: now). Thread-safe."""
+        with self._lock:
+            heapq.heappush(self._inbox, (self.clock.now() if at is None else at, next(self._seq), req))
+
+    def take_arrivals(self, now: float | None = None) -> int:
+        """Move every due request from the inbox into the scheduler; returns how many."""
+        now = self.clock.now() if now is None else now
+        taken = 0
+        with self._lock:
+            while self._inbox and self._inbox[0][0] <= now:
+                _, _, req = heapq.heappop(self._inbox)
+                self.scheduler.add_request(req, now)
+                taken += 1
+        return taken
+
+    def next_due(self) -> float | None:
+        with self._lock:
+            return self._inbox[0][0] if self._inbox else None
+
+    @property
+    def idle(self) -> bool:
+        return not self.scheduler.has_work and not self._inbox
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> StepOutcome | None:
+        """Run one step if the scheduler has one; ``None`` when it has nothing to run now."""
+        self.take_arrivals()
+        now = self.clock.now()
+        plan = self.scheduler.schedule(now)
+        if plan is None:
+            return None
+        should_stop = self._preempt_check(plan) if plan.preemptible else None
+        result = self.executor.execute(plan, should_stop)
+        self.steps += 1
+        self.busy_time += result.duration
+        if not result.completed:
+            self.preemptions += 1
+        end = self.clock.now()
+        outcome = self.scheduler.update(plan, result, end)
+        if self.stop_checker is not None and result.completed:
+            self._apply_stop_strings(plan, end, outcome)
+        return outcome
+
+    def _preempt_check(self, plan: StepPlan) -> Callable[[], bool]:
+        def should_stop() -> bool:
+            if not self.take_arrivals():
+                return False
+            return self.scheduler.should_preempt(plan, self.clock.now())
+        return should_stop
+
+    def _apply_stop_strings(self, plan: StepPlan, now: float, outcome: StepOutcome) -> None:
+        reqs = [c.request for c in plan.prefills] + plan.decodes
+        for req in reqs:
+            params = req.sampling
+            if req.is_finished or params is None or not params.stop or not req.output_token_ids:
+                continue
+            if self.stop_checker.check(req.output_token_ids, params) is not None:
+                self.scheduler.abort(req.request_id, now, reason="stop")
+                outcome.finished.append(req)
+                if req in outcome.prefilled:
+                    outcome.prefilled.remove(req)
+
+    def run_until_idle(self, *, max_steps: int | None = None,
+                       on_finish: Callable[[Request], None] | None = None) -> int:
+        """Drive the loop until nothing is queued or due; waits (sleeps) for future arrivals.
+        Returns the number of steps run. Raises if the scheduler stalls with work left."""
+        import time
+        steps = 0
+        while not self.idle:
+            outcome = self.step()
+            if outcome is None:
+                due = self.next_due()
+                wake = self.scheduler.next_wakeup()
+                targets = [t for t in (due, wake) if t is not None]
+                if not targets:
+                    raise RuntimeError(f"instance {self.instance_id} stalled with work left: "
+                                       f"{self.scheduler.num_waiting} waiting, {self.scheduler.num_running} running")
+                delay = min(targets) - self.clock.now()
+                if delay > 0:
+                    time.sleep(min(delay, 0.05))
+                continue
+            steps += 1
+            if on_finish is not None:
+                for req in outcome.finished:
+                    on_finish(req)
+            if max_steps is not None and steps >= max_steps:
+                break
+        return steps
