@@ -9,12 +9,13 @@ from laneserve import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from laneserve.commands import sim
+    from laneserve.commands import profile, sim
     parser = argparse.ArgumentParser(prog="laneserve", description=(
         "Length- and SLO-aware LLM serving for prefill/decode disaggregated deployments."))
     parser.add_argument("--version", action="version", version=f"laneserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sim.add_parser(sub)
+    profile.add_parser(sub)
     return parser
 
 

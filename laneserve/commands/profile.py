@@ -1,0 +1,51 @@
+"""``laneserve profile``: measure the engine on its device and write a profile JSON that the
+simulator's fitted cost model loads (``laneserve sim --cost-model fitted --profile FILE``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure the engine and write a cost-model profile", description=__doc__)
+    p.add_argument("--model", type=Path, help="checkpoint folder (default: the embedded smoke model)")
+    p.add_argument("--output", type=Path, default=Path("out/profile.json"), help="profile JSON to write")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--attention", default="ragged", help="ragged | padded")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--kv-tokens", type=int, default=65536, help="KV cache size used while profiling")
+    p.add_argument("--full", action="store_true", help="the full grid (slower) instead of the quick one")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per point (median)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from laneserve.costmodel.profile import save_profile
+    from laneserve.engine import EngineConfig, EngineExecutor
+    from laneserve.engine.profiler import FULL, QUICK, EngineProfiler
+    from laneserve.engine.smoke import smoke_model_path
+
+    path = args.model or smoke_model_path()
+    if not Path(path).exists():
+        print(f"error: model folder not found: {path}", file=sys.stderr)
+        return 2
+    try:
+        config = EngineConfig(device=args.device, dtype=args.dtype, attention=args.attention,
+                              num_threads=args.threads, num_kv_blocks=max(1, args.kv_tokens // 16))
+        executor = EngineExecutor.from_pretrained(path, config)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    grid = dict(FULL if args.full else QUICK)
+    repeats = args.repeats or grid["repeats"]
+    t0 = time.perf_counter()
+    profiler = EngineProfiler(executor, repeats=repeats, on_sample=lambda s: print("  " + s, file=sys.stderr))
+    profile = profiler.run(grid, model_name=Path(path).name, device=args.device)
+    save_profile(profile, args.output)
+    print(f"wrote {args.output}: {len(profile.prefill)} prefill, {len(profile.decode)} decode, "
+          f"{len(profile.kv_copy)} KV-copy samples in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
