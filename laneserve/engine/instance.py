@@ -59,6 +59,25 @@ class EngineInstance:
         with self._lock:
             return self._inbox[0][0] if self._inbox else None
 
+    # ---- load figures for routers (policies.routing.InstanceLoad) -------------------------
+    accepting = True
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.scheduler.queued_tokens + sum(r.prompt_len for _, _, r in self._inbox)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting + len(self._inbox)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def kv_usage(self) -> float:
+        return self.scheduler.kv.usage
+
     @property
     def idle(self) -> bool:
         return not self.scheduler.has_work and not self._inbox

@@ -1,0 +1,162 @@
+"""An in-process PD cluster of real engine instances, one thread each (the engine's counterpart of
+the simulator's cluster, used for replaying traces and for the twin check).
+
+Each instance thread loops over its :class:`EngineInstance`; a finished prefill is exported from
+its prefill executor (a host copy of its KV), and handed to a decode instance chosen by the decode
+router, whose thread reserves blocks, imports the KV and starts decoding it. The prefill instance
+frees its blocks once the KV is exported (the host copy carries it), so prefill memory is not held
+during the transfer — a difference from the simulator that matters only under memory pressure.
+Instances share one model object (weights are read-only) and one wall clock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from laneserve.core.clock import WallClock
+from laneserve.core.kv import KVCacheManager
+from laneserve.core.request import Phase, Request
+from laneserve.engine.config import EngineConfig
+from laneserve.engine.executor import EngineExecutor
+from laneserve.engine.instance import EngineInstance
+from laneserve.policies import registry
+
+
+class _Worker:
+    def __init__(self, instance: EngineInstance, cluster: LocalCluster) -> None:
+        self.instance = instance
+        self.cluster = cluster
+        self.incoming: deque = deque()     # (request, payload) KV transfers into a decode instance
+        self.wake = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name=f"instance-{instance.instance_id}", daemon=True)
+        self.error: BaseException | None = None
+
+    def _loop(self) -> None:
+        inst, cluster = self.instance, self.cluster
+        try:
+            while not cluster.stopping:
+                self._take_transfers()
+                outcome = inst.step()
+                if outcome is None:
+                    due = inst.next_due()
+                    timeout = 0.05 if due is None else max(0.0, min(0.05, due - inst.clock.now()))
+                    self.wake.wait(timeout)
+                    self.wake.clear()
+                    continue
+                for req in outcome.prefilled:
+                    cluster._hand_off(inst, req)
+                for req in outcome.finished:
+                    cluster._finished(req)
+        except BaseException as exc:  # surfaced by LocalCluster.run
+            self.error = exc
+            cluster.stopping = True
+
+    def _take_transfers(self) -> None:
+        sched = self.instance.scheduler
+        while self.incoming:
+            req, payload = self.incoming[0]
+            if not sched.can_reserve(req):
+                return
+            self.incoming.popleft()
+            sched.reserve(req)
+            self.instance.executor.import_kv(req.request_id, payload)
+            req.times.transfer_end = self.instance.clock.now()
+            sched.add_request(req, req.times.transfer_end)
+
+
+class LocalCluster:
+    def __init__(self, model_path, *, num_prefill: int = 1, num_decode: int = 1,
+                 prefill_policy: str = "fcfs", decode_policy: str = "continuous",
+                 router: str = "round-robin", decode_router: str = "least-loaded",
+                 config: EngineConfig | None = None, kv_tokens: int = 65536) -> None:
+        from laneserve.engine.models.loader import load_model
+        config = config or EngineConfig(num_threads=1)
+        self.config = config
+        self.model = load_model(model_path, config.device, config.dtype)
+        if config.num_threads is not None:
+            import torch
+            torch.set_num_threads(config.num_threads)
+        self.clock = WallClock()
+        blocks = max(1, kv_tokens // config.block_size)
+
+        def instance(i: int, kind: str, spec: str) -> EngineInstance:
+            kv = KVCacheManager(blocks, config.block_size)
+            return EngineInstance(registry.make(kind, spec, kv), EngineExecutor(self.model, kv, config),
+                                  clock=self.clock, instance_id=i)
+
+        self.prefill = [instance(i, "prefill", prefill_policy) for i in range(num_prefill)]
+        self.decode = [instance(num_prefill + j, "decode", decode_policy) for j in range(num_decode)]
+        self.router = registry.make("router", router)
+        self.decode_router = registry.make("router", decode_router)
+        self.workers = {inst.instance_id: _Worker(inst, self) for inst in (*self.prefill, *self.decode)}
+        self.stopping = False
+        self._done: list[Request] = []
+        self._done_lock = threading.Lock()
+        self._all_done = threading.Event()
+        self._expected = 0
+
+    # ---- callbacks from worker threads -------------------------------------------------------
+    def _hand_off(self, src: EngineInstance, req: Request) -> None:
+        req.phase = Phase.TRANSFERRING
+        req.times.transfer_start = self.clock.now()
+        payload = src.executor.export_kv(req.request_id, req.num_computed_tokens)
+        src.scheduler.release(req.request_id)
+        d = self.decode_router.route(req, self.decode, self.clock.now())
+        req.decode_instance = self.decode[d].instance_id
+        worker = self.workers[self.decode[d].instance_id]
+        worker.incoming.append((req, payload))
+        worker.wake.set()
+
+    def _finished(self, req: Request) -> None:
+        with self._done_lock:
+            self._done.append(req)
+            if len(self._done) >= self._expected:
+                self._all_done.set()
+
+    # ---- driving -------------------------------------------------------------------------
+    def run(self, requests: Sequence[Request], *, timeout: float = 600.0,
+            on_progress: Callable[[int], None] | None = None) -> list[Request]:
+        """Replay ``requests`` at their ``arrival_time`` (seconds from now) and wait for all of
+        them. Arrival times are re-based onto the cluster clock."""
+        self._expected = len(requests)
+        self._done.clear()
+        self._all_done.clear()
+        self.stopping = False
+        for w in self.workers.values():
+            w.thread.start()
+        start = self.clock.now()
+        deadline = time.monotonic() + timeout
+        try:
+            for req in sorted(requests, key=lambda r: r.arrival_time):
+                at = start + req.arrival_time
+                req.arrival_time = req.times.arrival = at
+                delay = at - self.clock.now()
+                if delay > 0:
+                    time.sleep(delay)
+                i = self.router.route(req, self.prefill, self.clock.now())
+                req.prefill_instance = i
+                self.prefill[i].submit(req, at=at)
+                self.workers[self.prefill[i].instance_id].wake.set()
+                self._check_workers()
+            while not self._all_done.wait(0.1):
+                self._check_workers()
+                if on_progress is not None:
+                    on_progress(len(self._done))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(self._done)}/{len(requests)} requests done after {timeout} s")
+        finally:
+            self.stopping = True
+            for w in self.workers.values():
+                w.wake.set()
+                if w.thread.is_alive():
+                    w.thread.join(timeout=5)
+        self._check_workers()
+        return list(self._done)
+
+    def _check_workers(self) -> None:
+        for w in self.workers.values():
+            if w.error is not None:
+                raise RuntimeError(f"instance {w.instance.instance_id} failed") from w.error
