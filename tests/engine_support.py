@@ -139,8 +139,11 @@ class Driver:
     def update(self, plan: StepPlan, result) -> None:
         self.now += 1.0
         for c in plan.prefills:
-            c.request.num_computed_tokens += c.num_new_tokens
-            if c.completes_prompt:
+            # a recompute after preemption (the request already has outputs) records no token,
+            # like policies/base.py ``_advance_prefill``
+            recompute = c.request.num_output_tokens > 0
+            c.request.num_computed_tokens = c.end
+            if c.completes_prompt and not recompute:
                 c.request.record_token(self.now, result.sampled[c.request.request_id])
         for req in plan.decodes:
             req.num_computed_tokens += 1

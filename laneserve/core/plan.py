@@ -20,8 +20,9 @@ _plan_ids = count()
 
 @dataclass(slots=True)
 class PrefillChunk:
-    """Compute prompt tokens ``[start, start + num_new_tokens)`` of ``request``; the tokens before
-    ``start`` already have KV (earlier chunks or a cached prefix)."""
+    """Compute tokens ``[start, start + num_new_tokens)`` of ``request``; the tokens before
+    ``start`` already have KV (earlier chunks or a cached prefix). Usually prompt tokens; a
+    recompute after preemption also covers output tokens (``PrefillChunk(req, 0, context_len - 1)``)."""
 
     request: Request
     start: int

@@ -4,7 +4,8 @@ contract"). The simulator implements the same call with a cost model.
 The executor never changes request counters; ``scheduler.update(plan, result, now)`` does. It
 writes KV into the paged cache, performs the plan's swaps (host pool, AlignedServe §3), runs the
 forward and samples one token per sequence that needs one (a chunk completing its prompt: the first
-output token; a decode: the next token).
+output token; a decode: the next token). A recompute chunk (prompt + earlier outputs after a
+preemption by recompute, ending before the newest output token) samples nothing: see runner.py.
 
 Preemptible plans (FlowPrefill §4): the forward is a generator yielding after every operator. At
 each boundary allowed by ``plan.preempt_granularity`` — "operator": after each of

@@ -1,10 +1,19 @@
 """From a core ``StepPlan`` to the tensors of one forward pass, and the resumable forward itself
 (DESIGN.md, "The central contract"; FlowPrefill §4 operator-level preemption).
 
-The runner reads, never writes, the request counters: a prefill chunk computes prompt tokens
-``[chunk.start, chunk.end)`` on top of ``chunk.start`` cached tokens; a decode processes the newest
-output token at position ``req.context_len - 1``. Block tables come from the ``KVCacheManager``
-the scheduler allocated in.
+The runner reads, never writes, the request counters: a prefill chunk computes tokens
+``[chunk.start, chunk.end)`` of the request's full token list (``prompt_token_ids +
+output_token_ids``) on top of ``chunk.start`` cached tokens; a decode processes the newest output
+token at position ``req.context_len - 1``. Block tables come from the ``KVCacheManager`` the
+scheduler allocated in.
+
+Recompute after preemption (vLLM-style; ``policies/decode/base.py``): a request whose KV was
+dropped is re-prefilled with ``PrefillChunk(req, 0, req.context_len - 1)`` — prompt plus every
+output token but the newest, which the next decode step processes. A chunk samples a token only
+when it reaches the end of the known tokens (``chunk.end >= prompt_len + num_output_tokens``): a
+fresh prompt's last chunk (the first output token), or a recompute that also covers the newest
+output token. A recompute chunk that stops short of it samples nothing and returns no token for
+the request (the update rule records none either: ``policies/base.py`` ``_advance_prefill``).
 
 CUDA graphs (LAPS §3 shape buckets) are a hook here: on CUDA the step runs eagerly through the
 same code (SDPA on GPU); ``EngineConfig.cuda_graphs`` only logs that capture is not implemented.
@@ -49,12 +58,14 @@ def plan_sequences(plan: StepPlan, kv: KVCacheManager) -> list[SeqInput]:
         if req.prompt_token_ids is None:
             raise ValueError(f"request {req.request_id}: the engine needs prompt_token_ids "
                              "(trace workloads must be given synthetic token ids)")
-        if chunk.start < 0 or chunk.num_new_tokens < 1 or chunk.end > len(req.prompt_token_ids):
+        outputs = req.output_token_ids or []
+        known = len(req.prompt_token_ids) + len(outputs)
+        if chunk.start < 0 or chunk.num_new_tokens < 1 or chunk.end > known:
             raise ValueError(f"request {req.request_id}: chunk [{chunk.start}, {chunk.end}) outside its "
-                             f"{len(req.prompt_token_ids)}-token prompt")
+                             f"{len(req.prompt_token_ids)} prompt + {len(outputs)} output tokens")
         _check_blocks(kv, req.request_id, chunk.end)
-        seqs.append(SeqInput(req, req.prompt_token_ids[chunk.start:chunk.end], chunk.start,
-                             chunk.completes_prompt, False))
+        seqs.append(SeqInput(req, _token_slice(req.prompt_token_ids, outputs, chunk.start, chunk.end),
+                             chunk.start, chunk.end >= known, False))
     for req in plan.decodes:
         if not req.output_token_ids:
             raise ValueError(f"request {req.request_id}: decode without an output token to process")
@@ -62,6 +73,14 @@ def plan_sequences(plan: StepPlan, kv: KVCacheManager) -> list[SeqInput]:
         _check_blocks(kv, req.request_id, ctx)
         seqs.append(SeqInput(req, [req.output_token_ids[-1]], ctx - 1, True, True))
     return seqs
+
+
+def _token_slice(prompt: list[int], outputs: list[int], start: int, end: int) -> list[int]:
+    """Tokens ``[start, end)`` of ``prompt + outputs`` without building the concatenation."""
+    if end <= len(prompt):
+        return prompt[start:end]
+    head = prompt[start:] if start < len(prompt) else []
+    return head + outputs[max(start - len(prompt), 0):end - len(prompt)]
 
 
 def _check_blocks(kv: KVCacheManager, request_id: int, num_tokens: int) -> None:

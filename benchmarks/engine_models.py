@@ -1,0 +1,34 @@
+"""Random-weight checkpoints for engine benchmarks (built with ``transformers`` from a config,
+saved once into a cache folder; no download)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SHAPES = {
+    # Qwen2-shaped, vocab 4096 (DESIGN.md: a small vocab cuts the fixed LM-head cost on CPU)
+    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4),
+}
+
+
+def random_checkpoint(shape: str = "small", vocab: int = 4096, max_len: int = 8192) -> Path:
+    base = Path(os.environ.get("LANESERVE_CACHE", Path.home() / ".cache" / "laneserve"))
+    path = base / f"bench-qwen2-{shape}-v{vocab}"
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    cfg = Qwen2Config(vocab_size=vocab, max_position_embeddings=max_len, tie_word_embeddings=True,
+                      eos_token_id=vocab - 1, bos_token_id=1, **SHAPES[shape])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():                 # sharper logits: greedy choices far from ties
+        for p in model.parameters():
+            if p.dim() == 2 and p.shape[0] != vocab:
+                p.mul_(2.5)
+    model.save_pretrained(path)
+    return path
