@@ -110,7 +110,8 @@ class EngineProfiler:
     def run(self, grid: dict, *, model_name: str, device: str) -> Profile:
         ex = self.ex
         cfg = ex.model.config
-        max_ctx = min(cfg.max_position_embeddings, ex.kv.num_blocks * ex.kv.block_size // 2)
+        kv_tokens = ex.kv.num_blocks * ex.kv.block_size // 2     # headroom for block rounding
+        max_ctx = min(cfg.max_position_embeddings, kv_tokens)      # one request's longest context
         prof = Profile(model=model_name, device=device, attention=ex.config.attention,
                        num_layers=cfg.num_layers, kv_bytes_per_token=cfg.kv_bytes_per_token(ex.model.embed.element_size()))
         quiet, self.on_sample = self.on_sample, None       # warm-up: thread pools, workspaces
@@ -123,11 +124,11 @@ class EngineProfiler:
                 if n + c <= max_ctx:
                     prof.prefill.append(self.prefill([(n, c)]))
         for count, n in grid["prefill_batches"]:
-            if count * n <= max_ctx:
+            if n <= max_ctx and count * n <= kv_tokens:
                 prof.prefill.append(self.prefill([(n, 0)] * count))
         for b in grid["decode_batches"]:
             for c in grid["decode_ctx"]:
-                if b * c <= max_ctx:
+                if c <= max_ctx and b * c <= kv_tokens:
                     prof.decode.append(self.decode([c] * b))
                     if b > 1 and c > 64:          # skewed: one long, the rest short
                         prof.decode.append(self.decode([c] + [max(c // 16, 16)] * (b - 1)))
