@@ -25,6 +25,7 @@ class ClusterConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_link: str = "nvlink"              # prefill -> decode transfer link
+    swap_link: str = "pcie"              # host pool <-> decode device (swap, AlignedServe prefetch)
     prefill_opts: dict[str, Any] = field(default_factory=dict)
     decode_opts: dict[str, Any] = field(default_factory=dict)
     record_token_times: bool = False

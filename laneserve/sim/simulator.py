@@ -82,7 +82,7 @@ class Simulator:
     def __init__(self, config: ClusterConfig, cost: CostModel) -> None:
         self.config = config
         self.cost = cost
-        self.executor = SimExecutor(cost)
+        self.executor = SimExecutor(cost, swap_link=config.swap_link)
 
     # ---- set-up ----------------------------------------------------------------------------
     def _make_instances(self) -> tuple[list[SimInstance], list[SimInstance]]:
