@@ -20,7 +20,7 @@ import statistics
 
 import torch
 
-from engine_models import random_checkpoint
+from engine_models import model_shape, quantile, random_checkpoint
 from laneserve.bench.results import markdown_table, write_result
 from laneserve.core.kv import KVCacheManager
 from laneserve.core.plan import PrefillChunk, StepPlan
@@ -33,19 +33,8 @@ BLOCK = 16
 PATHS = ("padded", "ragged")
 
 
-def model_shape(model) -> dict:
-    cfg = model.config
-    keys = ("model_type", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
-            "head_dim", "vocab_size")
-    return {k: getattr(cfg, k) for k in keys} | {"dtype": str(model.dtype).removeprefix("torch.")}
 
 
-def _quantile(values: list[float], q: float) -> float:
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def make_requests(vocab: int, seed: int) -> tuple[list[Request], Request]:
@@ -103,7 +92,7 @@ def main() -> None:
                 times[(path, batch)].append(result.duration)
     med = {c: statistics.median(v) for c, v in times.items()}
     rows = [{"attention": p, "batch": b, "median_ms": med[(p, b)] * 1e3,
-             "p10_ms": _quantile(times[(p, b)], 0.1) * 1e3, "p90_ms": _quantile(times[(p, b)], 0.9) * 1e3}
+             "p10_ms": quantile(times[(p, b)], 0.1) * 1e3, "p90_ms": quantile(times[(p, b)], 0.9) * 1e3}
             for p, b in configs]
     metrics = {
         "padded_long_over_uniform": med[("padded", "long")] / med[("padded", "uniform")],

@@ -32,3 +32,20 @@ def random_checkpoint(shape: str = "small", vocab: int = 4096, max_len: int = 81
                 p.mul_(2.5)
     model.save_pretrained(path)
     return path
+
+
+def model_shape(model) -> dict:
+    """The shape of a loaded engine model, for a benchmark's JSON."""
+    cfg = model.config
+    keys = ("model_type", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+            "head_dim", "vocab_size")
+    return {k: getattr(cfg, k) for k in keys} | {"dtype": str(model.dtype).removeprefix("torch.")}
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Linear-interpolated quantile, ``q`` in [0, 1]."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

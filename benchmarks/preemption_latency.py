@@ -32,7 +32,7 @@ from collections import deque
 
 import torch
 
-from engine_models import random_checkpoint
+from engine_models import model_shape, quantile, random_checkpoint
 from laneserve.bench.results import markdown_table, write_result
 from laneserve.core.plan import PrefillChunk, StepPlan
 from laneserve.core.request import Request
@@ -45,20 +45,8 @@ CHUNK = 512
 GRANULARITIES = ("operator", "layer", "chunk")
 
 
-def model_shape(model) -> dict:
-    cfg = model.config
-    keys = ("model_type", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
-            "head_dim", "vocab_size")
-    return {k: getattr(cfg, k) for k in keys} | {"dtype": str(model.dtype).removeprefix("torch.")}
 
 
-def _pct(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile, ``q`` in [0, 100]."""
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 class Trial:
@@ -131,7 +119,7 @@ def summarize(trials: list[Trial], signals_total: int) -> dict:
     lat = [x * 1e3 for t in trials for x in t.latencies]
     expected = [sum(s * s for s in t.spans) / (2 * sum(t.spans)) * 1e3 for t in trials]
     return {"trials": len(lat), "dropped": signals_total - len(lat),
-            "mean_ms": statistics.fmean(lat), "p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99),
+            "mean_ms": statistics.fmean(lat), "p50_ms": quantile(lat, 0.5), "p99_ms": quantile(lat, 0.99),
             "max_ms": max(lat), "expected_ms": statistics.fmean(expected),
             "largest_span_ms": max(max(t.spans) for t in trials) * 1e3,
             "step_s": statistics.median(sum(t.spans) for t in trials)}

@@ -20,9 +20,10 @@ from laneserve.core.clock import Clock, WallClock
 from laneserve.core.plan import StepPlan
 from laneserve.core.request import Request
 from laneserve.policies.base import InstanceScheduler, StepOutcome
+from laneserve.policies.routing import SchedulerLoad
 
 
-class EngineInstance:
+class EngineInstance(SchedulerLoad):
     def __init__(self, scheduler: InstanceScheduler, executor, *, clock: Clock | None = None,
                  instance_id: int = 0, stop_checker=None) -> None:
         self.scheduler = scheduler
@@ -62,21 +63,8 @@ class EngineInstance:
     # ---- load figures for routers (policies.routing.InstanceLoad) -------------------------
     accepting = True
 
-    @property
-    def queued_tokens(self) -> int:
-        return self.scheduler.queued_tokens + sum(r.prompt_len for _, _, r in self._inbox)
-
-    @property
-    def num_waiting(self) -> int:
-        return self.scheduler.num_waiting + len(self._inbox)
-
-    @property
-    def num_running(self) -> int:
-        return self.scheduler.num_running
-
-    @property
-    def kv_usage(self) -> float:
-        return self.scheduler.kv.usage
+    def _outside(self) -> list[Request]:
+        return [r for _, _, r in self._inbox]
 
     @property
     def idle(self) -> bool:

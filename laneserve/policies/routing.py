@@ -30,6 +30,33 @@ class InstanceLoad(Protocol):
     def accepting(self) -> bool: ...
 
 
+class SchedulerLoad:
+    """The router-facing figures of an instance that wraps a scheduler (``self.scheduler``), shared
+    by the simulator's and the engine's instances. ``_outside()`` gives the requests queued at the
+    instance but not yet in its scheduler (inbox, incoming transfers)."""
+
+    __slots__ = ()
+
+    def _outside(self) -> list[Request]:
+        return []
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.scheduler.queued_tokens + sum(r.remaining_prefill for r in self._outside())
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting + len(self._outside())
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def kv_usage(self) -> float:
+        return self.scheduler.kv.usage
+
+
 class Router:
     name = "router"
 

@@ -22,6 +22,7 @@ from laneserve.core.request import Phase, Request, RequestSpec
 from laneserve.costmodel.base import CostModel
 from laneserve.policies import registry
 from laneserve.policies.base import InstanceScheduler
+from laneserve.policies.routing import SchedulerLoad
 from laneserve.sim.config import ClusterConfig, kv_capacity_tokens
 from laneserve.sim.executor import SimExecutor
 
@@ -29,7 +30,7 @@ _STEP, _TRANSFER, _WAKEUP = 0, 1, 2
 
 
 @dataclass(slots=True, eq=False)
-class SimInstance:
+class SimInstance(SchedulerLoad):
     instance_id: int
     role: str
     scheduler: InstanceScheduler
@@ -46,21 +47,8 @@ class SimInstance:
     steps: int = 0
     preemptions: int = 0
 
-    @property
-    def queued_tokens(self) -> int:
-        return self.scheduler.queued_tokens
-
-    @property
-    def num_waiting(self) -> int:
-        return self.scheduler.num_waiting + len(self.pending)
-
-    @property
-    def num_running(self) -> int:
-        return self.scheduler.num_running
-
-    @property
-    def kv_usage(self) -> float:
-        return self.scheduler.kv.usage
+    def _outside(self) -> deque:
+        return self.pending
 
 
 @dataclass(slots=True)
