@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from laneserve.core.clock import WallClock
-from laneserve.core.kv import KVCacheManager
+from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.request import Phase, Request
 from laneserve.engine.config import EngineConfig
 from laneserve.engine.executor import EngineExecutor
@@ -62,7 +62,9 @@ class _Worker:
                 return
             self.incoming.popleft()
             sched.reserve(req)
-            self.instance.executor.import_kv(req.request_id, payload)
+            # a decode policy may park arriving KV in its host pool (AlignedServe §3.2)
+            self.instance.executor.import_kv(req.request_id, payload,
+                                             into_host=getattr(sched, "kv_lands_in_host", False))
             req.times.transfer_end = self.instance.clock.now()
             sched.add_request(req, req.times.transfer_end)
 
@@ -84,7 +86,13 @@ class LocalCluster:
 
         def instance(i: int, kind: str, spec: str) -> EngineInstance:
             kv = KVCacheManager(blocks, config.block_size)
-            return EngineInstance(registry.make(kind, spec, kv), EngineExecutor(self.model, kv, config),
+            # decode instances get a host pool (swap preemption, AlignedServe's KV pool) when
+            # config.num_host_blocks asks for one; scheduler and executor share it
+            host = (HostKVPool(config.num_host_blocks, config.block_size)
+                    if kind == "decode" and config.num_host_blocks else None)
+            extra = {"host_pool": host} if host is not None else {}
+            return EngineInstance(registry.make(kind, spec, kv, **extra),
+                                  EngineExecutor(self.model, kv, config, host),
                                   clock=self.clock, instance_id=i)
 
         self.prefill = [instance(i, "prefill", prefill_policy) for i in range(num_prefill)]

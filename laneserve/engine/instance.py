@@ -93,7 +93,9 @@ class EngineInstance(SchedulerLoad):
     def _preempt_check(self, plan: StepPlan) -> Callable[[], bool]:
         def should_stop() -> bool:
             if not self.take_arrivals():
-                return False
+                wake = self.scheduler.next_wakeup()     # a policy deadline (suspension bound)
+                if wake is None or self.clock.now() < wake:
+                    return False
             return self.scheduler.should_preempt(plan, self.clock.now())
         return should_stop
 

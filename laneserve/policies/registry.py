@@ -84,3 +84,4 @@ def _ensure_loaded() -> None:
     import laneserve.policies.prefill  # noqa: F401
     import laneserve.policies.colocated  # noqa: F401
     import laneserve.policies.routing  # noqa: F401
+    import laneserve.policies.routing_laps  # noqa: F401

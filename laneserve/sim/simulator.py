@@ -92,6 +92,10 @@ class Simulator:
         front = [SimInstance(i, "prefill", registry.make("prefill", cfg.prefill_policy,
                                                          kv(cfg.prefill_kv_tokens), **cfg.prefill_opts))
                  for i in range(cfg.num_prefill)]
+        for inst in front:     # policies with an online predictor fit it to the instance's model
+            bind = getattr(inst.scheduler, "bind_cost_model", None)
+            if bind is not None:
+                bind(self.cost)
         back = [SimInstance(cfg.num_prefill + j, "decode", registry.make(
                     "decode", cfg.decode_policy, kv(cfg.decode_kv_tokens), host_pool=host(),
                     **cfg.decode_opts))
@@ -117,15 +121,19 @@ class Simulator:
         now = 0.0
         events = 0
 
+        def schedule_wakeup(inst: SimInstance, t: float) -> None:
+            nonlocal seq
+            wake = inst.scheduler.next_wakeup()
+            if wake is not None and wake != inst.wakeup_at:
+                inst.wakeup_at = wake
+                seq += 1
+                push(heap, (max(wake, t), seq, _WAKEUP, inst, 0))
+
         def start_step(inst: SimInstance, t: float) -> None:
             nonlocal seq
             plan = inst.scheduler.schedule(t)
             if plan is None:
-                wake = inst.scheduler.next_wakeup()
-                if wake is not None and wake != inst.wakeup_at:
-                    inst.wakeup_at = wake
-                    seq += 1
-                    push(heap, (max(wake, t), seq, _WAKEUP, inst, 0))
+                schedule_wakeup(inst, t)
                 return
             result = executor.execute(plan)
             inst.plan, inst.result, inst.step_start = plan, result, t
@@ -133,6 +141,8 @@ class Simulator:
             inst.preempt_at = None
             seq += 1
             push(heap, (t + result.duration, seq, _STEP, inst, inst.step_token))
+            if plan.preemptible:          # a wake-up may preempt it (FlowPrefill suspension bound)
+                schedule_wakeup(inst, t)
 
         def try_preempt(inst: SimInstance, t: float) -> None:
             nonlocal seq
@@ -244,6 +254,8 @@ class Simulator:
                     inst.wakeup_at = None
                 if inst.plan is None:
                     start_step(inst, now)
+                elif inst.plan.preemptible:
+                    try_preempt(inst, now)
 
         unfinished = 0
         for req in requests:

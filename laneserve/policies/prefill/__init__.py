@@ -4,5 +4,6 @@ The paper policies (FlowPrefill S-EDF, Kairos urgency, LAPS lanes) register here
 from laneserve.policies.prefill.base import PrefillScheduler
 from laneserve.policies.prefill.cp_edf import ChunkedEDFPrefill
 from laneserve.policies.prefill.fcfs import FCFSPrefill
+from laneserve.policies.prefill.laps import LapsPrefill  # noqa: F401  (registers "laps")
 
 __all__ = ["ChunkedEDFPrefill", "FCFSPrefill", "PrefillScheduler"]

@@ -1,0 +1,374 @@
+"""AlignedServe decode: prefix-length-aligned batches from a host KV pool (AlignedServe §3.2–3.5).
+
+Finished prefills land in the instance's :class:`~laneserve.core.kv.HostKVPool` (``reserve``
+allocates host blocks; ``kv_lands_in_host`` tells the engine cluster to import there) and wait,
+indexed by KV length in a :class:`KVLengthQuadTree`. Density-first search (§3.3) turns a subtree
+into the **candidate batch**, which is staged (prefetched) while the running batch decodes
+(:mod:`.aligned_prefetch`). At each iteration end, batch-level scheduling (§3.4, Algorithm 2):
+
+* case 3 first — when the running requests cannot all grow by one token, evict the longest (during
+  a switch, the longest of the *old* batch) to host memory: a member of the running batch goes to
+  the **candidate-requests buffer**, an old-batch member back to the quad-tree;
+* case 1 — fill free KV / batch slots from the candidate-requests buffer (requests of the running
+  batch: evicted ones, and pool requests aligned with it, moved there by dynamic prefetch, §3.5);
+* case 2 — when that buffer holds nothing for the running batch and the batch no longer saturates
+  the GPU (fewer than ``n_min`` of its members decode, or — for a batch that started below
+  ``n_min``, e.g. memory-bound long requests — fewer than half its peak), switch: the candidate
+  batch becomes the running batch and its members move to the candidate-requests buffer, admitted
+  as memory allows. ``switch_evict`` says what happens to the old batch: ``"all"`` (default) keeps
+  its members aligned with the new window and evicts the rest at once, for a full or starvation
+  batch ("evict the old batch out of HBM as soon as possible"); ``"memory"`` (the paper's literal
+  case 3) evicts its longest only while the new batch does not fit; ``"none"`` never. Iterations
+  that decode members of two batches are counted (``stats.switch_iteration_share``).
+
+Alignment of a running batch: its length window ``[lo, hi]`` at formation slides up by one per
+decode iteration since it began running; dynamic prefetch takes pool requests inside the window
+(oldest first, at most ``prefetch_window`` buffered). Starvation (§3.5): when the pool's oldest
+request has waited longer than ``starvation_bound`` seconds, its leaf seeds the next batch (the
+prepared candidate batch, if not itself a starvation batch, returns to the pool) with ``n_min``
+relaxed, and dynamic prefetch pauses so that the switch comes soon. A batch that misses ``n_min``
+is used only while the GPU would otherwise be under-filled (running batch below ``n_min``).
+
+Choices where the paper is silent are documented here and in :mod:`.quadtree`: the window rule,
+the switch trigger, ``switch_evict``, the under-filled fallback, and where evicted requests go (a
+member of the running batch to the candidate-requests buffer; an old-batch member back to the tree,
+indexed by its grown length and keeping its starvation timer). The host pool being full at an
+eviction falls back to recompute (KV dropped, re-prefilled on this instance).
+"""
+
+from __future__ import annotations
+
+from laneserve.core.kv import HostKVPool, KVCacheManager, blocks_for
+from laneserve.core.plan import StepPlan
+from laneserve.core.request import Phase, Request
+from laneserve.policies.base import StepOutcome
+from laneserve.policies.decode.aligned_prefetch import PrefetchStager
+from laneserve.policies.decode.aligned_stats import AlignedBatch, AlignedStats
+from laneserve.policies.decode.base import DecodeScheduler
+from laneserve.policies.decode.quadtree import KVLengthQuadTree, Selection
+from laneserve.policies.registry import register
+
+BATCH_TAG = "aligned_batch"
+SINCE_TAG = "aligned_since"
+
+
+@register("decode", "alignedserve", aliases={"aligned": {}, "alignedserve-nop": {"prefetch": False}})
+class AlignedServeDecode(DecodeScheduler):
+    name = "alignedserve"
+    kv_lands_in_host = True          # incoming KV transfers are written into the host pool
+
+    def __init__(self, kv: KVCacheManager, *, host_pool: HostKVPool | None = None,
+                 max_batch_size: int = 256, threshold: float = 0.4, n_min: int = 36,
+                 starvation_bound: float | None = 30.0, prefetch: bool = True,
+                 prefetch_tokens_per_s: float | None = None, staging_tokens: int | None = None,
+                 dynamic: bool = True, prefetch_window: int = 32, headroom: float = 0.02,
+                 leaf_width: int = 64, switch_evict: str = "all", preemption: str = "swap") -> None:
+        if host_pool is None:
+            raise ValueError("alignedserve needs a host KV pool (ClusterConfig.host_kv_tokens / "
+                             "EngineConfig.num_host_blocks)")
+        super().__init__(kv, max_batch_size=max_batch_size, preemption=preemption, host_pool=host_pool)
+        if not 0 < threshold <= 1:
+            raise ValueError("threshold is a fraction of the decode KV blocks, in (0, 1]")
+        if n_min < 1:
+            raise ValueError("n_min must be >= 1")
+        self.pool = host_pool
+        self.tree = KVLengthQuadTree(leaf_width)
+        self.threshold_blocks = max(1, int(threshold * kv.num_blocks))
+        self.n_min = n_min
+        self.starvation_bound = starvation_bound if starvation_bound and starvation_bound > 0 else None
+        self.prefetch = prefetch
+        self.dynamic = dynamic
+        self.prefetch_window = prefetch_window
+        self.headroom_blocks = int(headroom * kv.num_blocks)
+        if switch_evict not in ("all", "memory", "none"):
+            raise ValueError(f"switch_evict must be 'all', 'memory' or 'none', got {switch_evict!r}")
+        self.switch_evict = switch_evict
+        capacity = staging_tokens if staging_tokens is not None else kv.num_blocks * kv.block_size
+        self.stager = PrefetchStager(prefetch_tokens_per_s if prefetch else None, capacity)
+        self.cand_batch: list[Request] = []
+        self.cand_info: AlignedBatch | None = None
+        self.cand_reqs: list[Request] = []
+        self.current: AlignedBatch | None = None
+        self.iteration = 0
+        self.stats = AlignedStats()
+        self._next_batch_id = 0
+        self._recomputing: set[int] = set()             # device KV re-prefilled by the step
+
+    # ---- arrival: the KV lands in the host pool --------------------------------------------
+    def can_reserve(self, req: Request) -> bool:
+        return self.pool.can_admit(req.request_id, req.context_len)
+
+    def reserve(self, req: Request) -> list[int]:
+        return self.pool.allocate(req.request_id, req.context_len)
+
+    def _enqueue(self, req: Request, now: float) -> None:
+        req.phase = Phase.DECODE_WAITING
+        self._to_tree(req, now)
+
+    def _to_tree(self, req: Request, since: float) -> None:
+        req.tags[SINCE_TAG] = since
+        req.tags.pop(BATCH_TAG, None)
+        self.tree.insert(req.request_id, req.context_len, self.pool.num_allocated(req.request_id), since)
+
+    def _from_tree(self, request_id: int, now: float) -> Request:
+        entry = self.tree.remove(request_id)
+        self.stats.pool_waits.append(now - entry.since)
+        return self.requests[request_id]
+
+    # ---- queues ----------------------------------------------------------------------------
+    def _remove(self, req: Request) -> None:
+        rid = req.request_id
+        if rid in self.tree:
+            self.tree.remove(rid)
+        for q in (self.cand_batch, self.cand_reqs, self.running):
+            if req in q:
+                q.remove(req)
+        if req in self.recompute:
+            self.recompute.remove(req)
+        self.stager.unstage(req)
+        self.pool.free(rid)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.tree) + len(self.cand_batch) + len(self.cand_reqs) + len(self.recompute)
+
+    # ---- the iteration-end decision --------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan | None:
+        plan = StepPlan(label=self.name)
+        self._make_room(plan, now)                       # case 3
+        if self.dynamic:
+            self._dynamic_prefetch(now)
+        self._prepare_candidate_batch(now)
+        self._admit_candidates(plan, now)                # case 1
+        if self.cand_batch and self._should_switch():
+            self._switch(plan, now)                      # case 2
+        self._readmit_parked(plan, now)                  # recompute fallback (pool full)
+        self._recomputing = {c.request.request_id for c in plan.prefills}
+        plan.decodes = list(self.running)
+        return None if plan.is_empty else plan
+
+    def _need_blocks(self, req: Request) -> int:
+        have = self.kv.num_allocated(req.request_id)
+        need = blocks_for(req.context_len, self.kv.block_size) - have
+        return need if need > 0 else 0
+
+    def _make_room(self, plan: StepPlan, now: float) -> None:
+        """Every running request must hold its next token; evict the longest until they do."""
+        running, kv = self.running, self.kv
+        need = sum(self._need_blocks(r) for r in running)
+        free = kv.num_free_blocks
+        while need > free and running:
+            victim = self._victim()
+            need -= self._need_blocks(victim)
+            free += kv.num_allocated(victim.request_id)
+            running.remove(victim)
+            self._evict(victim, plan, now)
+        for r in running:
+            kv.allocate(r.request_id, r.context_len)
+
+    def _victim(self) -> Request:
+        cur = self.current.batch_id if self.current else None
+        old = [r for r in self.running if r.tags.get(BATCH_TAG) != cur]
+        return max(old or self.running, key=lambda r: (r.context_len, r.request_id))
+
+    def _evict(self, req: Request, plan: StepPlan, now: float) -> None:
+        rid, tokens = req.request_id, req.num_computed_tokens
+        self.num_preemptions += 1
+        req.num_preemptions += 1
+        self.stats.evictions += 1
+        if not self.pool.can_admit(rid, tokens):      # host pool full: drop and recompute
+            self.stats.recomputes += 1
+            self.kv.free(rid)
+            req.num_computed_tokens = 0
+            req.phase = Phase.DECODE_WAITING
+            self.recompute.append(req)
+            return
+        plan.swap_out.append(self.pool.swap_out(self.kv, rid, tokens))
+        self.stats.swap_out_tokens += tokens
+        req.phase = Phase.SWAPPED
+        if self.current is not None and req.tags.get(BATCH_TAG) == self.current.batch_id:
+            self.cand_reqs.append(req)                # evicted to the peer GPU buffer: staged now
+            if self.prefetch:
+                self.stager.stage(req, tokens, now, immediate=True)
+        else:                                         # old batch: back to the pool, keeping its timer
+            self._to_tree(req, req.tags.get(SINCE_TAG, now))
+
+    def _dynamic_prefetch(self, now: float) -> None:
+        cur = self.current
+        if cur is None or cur.start_iter is None or (self.cand_info is not None and self.cand_info.starving):
+            return
+        room = self.prefetch_window - sum(1 for r in self.cand_reqs if r.tags.get(BATCH_TAG) == cur.batch_id)
+        if room <= 0 or not len(self.tree):
+            return
+        shift = self.iteration - cur.start_iter
+        for entry in self.tree.in_range(cur.lo + shift, cur.hi + shift, room):
+            if self.prefetch and not self.stager.can_stage(entry.length):
+                break
+            req = self._from_tree(entry.request_id, now)
+            req.tags[BATCH_TAG] = cur.batch_id
+            if self.prefetch:
+                self.stager.stage(req, req.num_computed_tokens, now)
+            self.cand_reqs.append(req)
+            self.stats.aligned_prefetches += 1
+
+    def _prepare_candidate_batch(self, now: float) -> None:
+        tree = self.tree
+        leaf = tree.starving_leaf(now, self.starvation_bound) if self.starvation_bound is not None else None
+        if leaf is not None and self.cand_batch and not self.cand_info.starving:   # type: ignore[union-attr]
+            for req in self.cand_batch:               # priority to the starving subtree
+                self.stager.unstage(req)
+                self._to_tree(req, req.tags.get(SINCE_TAG, now))
+            self.cand_batch, self.cand_info = [], None
+        if self.cand_batch or not len(tree):
+            return
+        if leaf is not None:
+            oldest = min(tree.iter_entries(leaf), key=lambda e: e.since)
+            sel = tree.grow(leaf, self.threshold_blocks, self.n_min, self.max_batch_size, force_one=True)
+            self.stats.starvation_log.append((now, now - oldest.since, oldest.request_id in sel.request_ids))
+            self._form(sel, now, starving=True)
+            return
+        sel = tree.density_first(self.threshold_blocks, self.n_min, self.max_batch_size)
+        if sel is None or (not sel.full and not self._undersaturated()):
+            return
+        self._form(sel, now, starving=False)
+
+    def _undersaturated(self) -> bool:
+        cur = self.current.batch_id if self.current else None
+        queued = sum(1 for r in self.cand_reqs if r.tags.get(BATCH_TAG) == cur)
+        return len(self.running) + queued < self.n_min
+
+    def _form(self, sel: Selection, now: float, *, starving: bool) -> None:
+        if not sel.request_ids:
+            return
+        info = AlignedBatch(self._next_batch_id, sel.lo, sel.hi, len(sel), now, sel.full, starving)
+        self._next_batch_id += 1
+        batch = []
+        for rid in sel.request_ids:
+            req = self._from_tree(rid, now)
+            req.tags[BATCH_TAG] = info.batch_id
+            if self.prefetch:
+                self.stager.stage(req, req.num_computed_tokens, now)
+            batch.append(req)
+        self.cand_batch, self.cand_info = batch, info
+        st = self.stats
+        st.batches_formed += 1
+        st.full_batches += sel.full
+        st.starvation_batches += starving
+        st.batch_sizes.append(len(sel))
+        st.batch_spans.append(sel.hi - sel.lo)
+
+    def _fits(self, req: Request) -> bool:
+        need = blocks_for(req.context_len, self.kv.block_size)
+        reserve = self.headroom_blocks if self.running else 0
+        return need + reserve <= self.kv.num_free_blocks
+
+    def _admit_candidates(self, plan: StepPlan, now: float) -> None:
+        """Case 1: candidate requests of the running batch join while slots and memory allow."""
+        cur = self.current.batch_id if self.current else None
+        keep: list[Request] = []
+        blocked = False
+        for req in self.cand_reqs:
+            if blocked or req.tags.get(BATCH_TAG) != cur:
+                keep.append(req)
+                continue
+            if len(self.running) >= self.max_batch_size or not self._fits(req):
+                blocked = True
+                keep.append(req)
+                continue
+            if self.stager.ready_at(req) > now:        # its prefetch has not finished yet
+                self.stager.wait_events += 1
+                keep.append(req)
+                continue
+            self._swap_in(req, plan, now)
+        self.cand_reqs = keep
+
+    def _swap_in(self, req: Request, plan: StepPlan, now: float) -> None:
+        rid = req.request_id
+        plan.swap_in.append(self.pool.swap_in(self.kv, rid, req.num_computed_tokens))
+        self.kv.allocate(rid, req.context_len)
+        self.stats.swap_in_tokens += req.num_computed_tokens
+        self.stager.unstage(req)
+        req.phase = Phase.DECODING
+        if req.times.decode_start is None:
+            req.times.decode_start = now
+        self.running.append(req)
+
+    def _should_switch(self) -> bool:
+        cur = self.current.batch_id if self.current else None
+        if any(r.tags.get(BATCH_TAG) == cur for r in self.cand_reqs):
+            return False                              # case 1 still has requests of this batch
+        if self.current is None or not self.running:
+            return True
+        # the running batch no longer saturates the GPU: below n_min, or (a batch formed
+        # smaller than n_min: starvation, memory-bound long requests) below half its peak
+        members = sum(1 for r in self.running if r.tags.get(BATCH_TAG) == cur)
+        return members < min(self.n_min, (self.current.peak + 1) // 2)
+
+    def _switch(self, plan: StepPlan, now: float) -> None:
+        info = self.cand_info
+        assert info is not None
+        info.start_iter, info.started_at = self.iteration, now
+        if info.starving:
+            self.stats.starving_switch_delays.append(now - info.formed_at)
+        self.current = info
+        self.stats.switches += 1
+        for req in self.cand_reqs:                    # leftovers of the old batch: back to the pool
+            self.stager.unstage(req)
+            self._to_tree(req, now)
+        self.cand_reqs, self.cand_batch, self.cand_info = self.cand_batch, [], None
+        old = [r for r in self.running if r.tags.get(BATCH_TAG) != info.batch_id]
+        if old and self.switch_evict == "all" and (info.full or info.starving):
+            lo, hi = info.lo, info.hi
+            for req in old:
+                if lo <= req.context_len <= hi:       # aligned with the new batch: it stays
+                    req.tags[BATCH_TAG] = info.batch_id
+                else:
+                    self.running.remove(req)
+                    self._evict(req, plan, now)
+        elif old and self.switch_evict in ("all", "memory"):
+            need = sum(blocks_for(r.context_len, self.kv.block_size) for r in self.cand_reqs)
+            need += self.headroom_blocks
+            old.sort(key=lambda r: (r.context_len, r.request_id))
+            while need > self.kv.num_free_blocks and old:
+                victim = old.pop()                    # the longest of the old batch
+                self.running.remove(victim)
+                self._evict(victim, plan, now)
+        self._admit_candidates(plan, now)
+
+    def next_wakeup(self) -> float | None:
+        if self.running:
+            return None
+        ready = [self.stager.ready_at(r) for r in self.cand_reqs]
+        return min(ready) if ready else None
+
+    # ---- after the step --------------------------------------------------------------------
+    def _after_update(self, plan: StepPlan, outcome: StepOutcome, now: float) -> None:
+        super()._after_update(plan, outcome, now)
+        self._recomputing = set()
+        cur = self.current
+        if cur is not None:
+            members = sum(1 for r in self.running if r.tags.get(BATCH_TAG) == cur.batch_id)
+            cur.peak = max(cur.peak, members)
+        if plan.decodes:
+            self.iteration += 1
+            self.stats.decode_steps += 1
+            first = plan.decodes[0].tags.get(BATCH_TAG)
+            if any(r.tags.get(BATCH_TAG) != first for r in plan.decodes):
+                self.stats.mixed_steps += 1
+
+    # ---- checking (tests) ------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Every request's KV lives in exactly one tier: device (running), host pool (tree and
+        buffers), or nowhere (recompute); block counts match the managers."""
+        self.tree.check()
+        kv, pool = self.kv, self.pool
+        device = {r.request_id for r in self.running} | self._recomputing
+        host = {*(r.request_id for r in self.cand_batch), *(r.request_id for r in self.cand_reqs)}
+        host_tree = set(self.tree._entries)
+        assert not (host & host_tree) and not (device & (host | host_tree)), "request in two places"
+        assert set(kv.tables) == device, (sorted(kv.tables), sorted(device))
+        assert set(pool.tables) >= host | host_tree
+        assert kv.allocator.num_used == sum(len(t) for t in kv.tables.values())
+        assert pool.allocator.num_used == sum(len(t) for t in pool.tables.values())
+        for rid in host_tree:
+            assert self.tree.entry(rid).blocks == pool.num_allocated(rid)

@@ -1,0 +1,257 @@
+"""LAPS prefill scheduler (``laps.txt`` §3): length lanes, AWD short batching into captured shape
+buckets, long prefills in chunks — on one instance ("temporal" mode) or as one instance of a
+spatially split pool ("spatial" mode, lanes assigned by the ``laps-pools`` router).
+
+Every prefill is classified by its NEW tokens (prompt − cached prefix) against L_m
+(:mod:`laps_lanes`). The short and the long lane never share a step (mutual exclusion).
+
+Temporal alternation (our rule; the paper only says the instance alternates lanes): when the
+instance is free,
+
+1. the short lane runs if AWD says its batch is due (depth D reached, window expired, slack ≤ σ,
+   head wait > T_max; token-max in deadline-free mode) — unless ``max_short_streak`` short
+   batches in a row already ran while long work waited, then one long chunk goes first;
+2. otherwise a long chunk runs (work-conserving: a short batch still filling its window waits
+   for at most one chunk of ``long_chunk`` tokens);
+3. otherwise the instance idles and asks for a wake-up at the window's expiry (``next_wakeup``).
+
+A short batch takes the head of the short lane and the other requests of its length bucket (lane
+order, up to the captured depth that fits ``short_budget`` padded tokens); the batch is padded to
+the nearest captured ``(L, B)`` shape (``plan.padded_shape``) and the padding rows up to B are
+filled with waiting requests of smaller buckets, which costs nothing more. A head longer than every
+bucket (a fitted L_m above 256) runs unpadded. A long step fills ``long_chunk`` tokens with long
+prefills in lane order, the last one taking a partial chunk (``long_batch="single"`` advances one
+request per step, as the paper describes; "fill" is the default so that long prefills just above
+L_m do not run in under-filled steps).
+
+Spatial mode: the router tags each request with its lane (``req.tags["laps_lane"]``) and tells the
+instance its pool with :meth:`LapsPrefill.set_lane`. An instance that changes pool keeps its queued
+work and drains it by the same alternation (lanes still never mix in a step); new arrivals are only
+of its new lane. Without a tag the instance classifies the request itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+from laneserve.core.plan import PrefillChunk, StepPlan
+from laneserve.core.request import Request
+from laneserve.policies.prefill.base import PrefillScheduler
+from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig, ShapeGrid
+from laneserve.policies.prefill.laps_lanes import LANE_TAG, LONG, SHORT, Classifier, Lane, lane_order
+from laneserve.policies.registry import register
+
+MODES = ("temporal", "spatial")
+
+
+@register("prefill", "laps", aliases={"laps-offline": {"deadline_free": True, "long_chunk": 8192},
+                                      "laps-noawd": {"awd": False},
+                                      "laps-nobuckets": {"shape_buckets": False}})
+class LapsPrefill(PrefillScheduler):
+    name = "laps"
+
+    def __init__(self, kv, *, mode: str = "temporal", boundary: int | str = 256, awd: bool = True,
+                 deadline_free: bool = False, order: str = "fcfs", long_chunk: int = 2048,
+                 long_batch: str = "fill", short_budget: int = 2048, shape_buckets: bool = True,
+                 max_short_streak: int = 4, lane: str | None = None,
+                 w_min: float = 0.0, w_max: float = 0.03, delta: float = 0.02, sigma: float = 0.05,
+                 t_max: float = 0.1, short_tokens: int | None = None, **opts) -> None:
+        super().__init__(kv, **opts)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if long_batch not in ("fill", "single"):
+            raise ValueError("long_batch must be 'fill' or 'single'")
+        if long_chunk < 1 or short_budget < 1 or max_short_streak < 1:
+            raise ValueError("long_chunk, short_budget and max_short_streak must be >= 1")
+        self.mode = mode
+        self.classifier = Classifier(boundary)
+        lane_ord = lane_order(order)
+        self.lanes = {SHORT: Lane(SHORT, lane_ord), LONG: Lane(LONG, lane_ord)}
+        self.grid = ShapeGrid()
+        self.shape_buckets = shape_buckets
+        self.awd_on = awd
+        self.long_chunk, self.long_batch, self.short_budget = long_chunk, long_batch, short_budget
+        self.max_short_streak = max_short_streak
+        cfg = AWDConfig(w_min=w_min, w_max=w_max, delta=delta, sigma=sigma, t_max=t_max,
+                        deadline_free=deadline_free, token_target=short_tokens or short_budget)
+        self.awd = AdaptiveWaitDepth(cfg, depth_cap=min(self.grid.max_depth(short_budget),
+                                                        self.max_batch_size), grid=self.grid)
+        self.assigned_lane: str | None = None
+        if lane is not None:
+            self.set_lane(lane)
+        self.name = f"laps-{mode}"
+        self._wakeup: float | None = None
+        self._short_streak = 0
+        self._plan_lane: dict[int, str] = {}
+        self.steps = {SHORT: 0, LONG: 0}
+        self.padded_tokens = 0
+        self.real_short_tokens = 0
+
+    # ---- lanes ---------------------------------------------------------------------------
+    def set_lane(self, lane: str | None) -> None:
+        """Spatial mode: the pool this instance now serves (informational for draining; the
+        router sends only this lane's requests)."""
+        if lane not in (SHORT, LONG, None):
+            raise ValueError(f"lane must be 'short', 'long' or None, got {lane!r}")
+        self.assigned_lane = lane
+
+    def new_tokens(self, req: Request) -> int:
+        """Tokens this prefill computes: the prompt minus what is computed or cached."""
+        done = req.num_computed_tokens
+        if done == 0 and self.prefix_caching and req.prefix_len:
+            done = min(req.prefix_len, req.prompt_len - 1)
+        return max(req.prompt_len - done, 0)
+
+    def lane_of(self, req: Request) -> str:
+        lane = req.tags.get(LANE_TAG)
+        if lane is None:
+            history = req.prompt_len - self.new_tokens(req)
+            lane = self.classifier.classify(self.new_tokens(req), history)
+            req.tags[LANE_TAG] = lane
+        return lane
+
+    def _push(self, req: Request, now: float) -> None:
+        lane = self.lane_of(req)
+        self.lanes[lane].push(req, now)
+        if lane == SHORT:
+            self.awd.on_arrival(now)
+
+    def _remove(self, req: Request) -> None:
+        for lane in self.lanes.values():
+            if lane.remove(req):
+                return
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def next_wakeup(self) -> float | None:
+        return self._wakeup
+
+    def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
+        self._wakeup = None
+        short, long_ = self.lanes[SHORT], self.lanes[LONG]
+        short_due, reason = self._short_due(now) if short else (False, "")
+        if short_due and long_ and self._short_streak >= self.max_short_streak:
+            plan = self._long_plan(now, token_budget)       # let one long chunk through
+            if plan is not None:
+                self._short_streak = 0
+                return plan
+        if short_due:
+            plan = self._short_plan(now, token_budget)
+            if plan is not None:
+                self._short_streak += 1
+                self.awd.on_dispatch(now, len(plan.prefills), reason, queue_left=len(short) > 0)
+                return plan
+        if long_:                    # long requests stay in their lane until their prompt is done
+            plan = self._long_plan(now, token_budget)
+            if plan is not None:
+                self._short_streak = 0
+                return plan
+        return None
+
+    def _short_due(self, now: float) -> tuple[bool, str]:
+        reqs = self.lanes[SHORT].ordered(now)
+        if not self.awd_on:
+            return True, "immediate"
+        min_deadline = min(r.ttft_deadline for r in reqs)
+        tokens = sum(self.new_tokens(r) for r in reqs[: self.awd.depth_cap])
+        d = self.awd.decide(now, len(reqs), min_deadline, min(r.arrival_time for r in reqs), tokens)
+        if not d.dispatch:
+            self._wakeup = d.wake_at
+            return False, ""
+        return True, d.reason
+
+    def _short_plan(self, now: float, token_budget: int | None) -> StepPlan | None:
+        reqs = self.lanes[SHORT].ordered(now)
+        budget = min(self.short_budget, token_budget or self.short_budget)
+        cap = min(self.awd.depth_cap, self.max_batch_size)
+        head_bucket = None
+        for r in reqs:                               # the head: first request that fits KV
+            if self.admit(r, now):
+                head_bucket = self.grid.length_bucket(self.new_tokens(r)) if self.shape_buckets else None
+                head = r
+                break
+        else:
+            return None
+        chosen = [head]
+        if head_bucket is None:                      # no captured shape: unpadded, by tokens
+            tokens = self.new_tokens(head)
+            for r in reqs:
+                if len(chosen) >= cap:
+                    break
+                n = self.new_tokens(r)
+                if r is head or tokens + n > budget or not self.admit(r, now):
+                    continue
+                chosen.append(r)
+                tokens += n
+            return self._emit(chosen, None, SHORT)
+        bucket_of = self.grid.length_bucket
+        depth_cap = min(cap, max(1, budget // head_bucket))
+        for r in reqs:                               # same bucket first
+            if len(chosen) >= depth_cap:
+                break
+            if r is not head and bucket_of(self.new_tokens(r)) == head_bucket and self.admit(r, now):
+                chosen.append(r)
+        batch = self.grid.batch_bucket(len(chosen)) or len(chosen)
+        if batch * head_bucket > budget:
+            batch = len(chosen)
+        for r in reqs:                               # free padding rows: smaller buckets
+            if len(chosen) >= batch:
+                break
+            if r not in chosen and (bucket_of(self.new_tokens(r)) or math.inf) < head_bucket \
+                    and self.admit(r, now):
+                chosen.append(r)
+        shape = self.grid.shape(head_bucket, len(chosen))
+        return self._emit(chosen, shape, SHORT)
+
+    def _long_plan(self, now: float, token_budget: int | None) -> StepPlan | None:
+        budget = min(self.long_chunk, token_budget or self.long_chunk)
+        chunks: list[PrefillChunk] = []
+        for r in self.lanes[LONG].ordered(now):
+            if budget <= 0 or len(chunks) >= self.max_batch_size:
+                break
+            if not self.admit(r, now):
+                continue
+            chunk = self.chunk(r, budget)
+            chunks.append(chunk)
+            budget -= chunk.num_new_tokens
+            if self.long_batch == "single":
+                break
+        if not chunks:
+            return None
+        plan = StepPlan(prefills=chunks, label=f"{self.name}:long")
+        self._plan_lane[plan.plan_id] = LONG
+        return plan
+
+    def _emit(self, chosen: list[Request], shape: tuple[int, int] | None, lane: str) -> StepPlan:
+        for r in chosen:
+            self.lanes[lane].remove(r)
+        plan = StepPlan(prefills=[self.chunk(r, r.remaining_prefill) for r in chosen],
+                        padded_shape=shape, label=f"{self.name}:{lane}")
+        self._plan_lane[plan.plan_id] = lane
+        if shape is not None:
+            self.padded_tokens += shape[0] * shape[1]
+        self.real_short_tokens += plan.num_prefill_tokens
+        return plan
+
+    # ---- after a step --------------------------------------------------------------------
+    def update(self, plan: StepPlan, result, now: float):
+        lane = self._plan_lane.pop(plan.plan_id, None)
+        outcome = super().update(plan, result, now)
+        if not result.completed:                    # parked (not preemptible here); keep lane
+            self._plan_lane[plan.plan_id] = lane
+            return outcome
+        if lane is not None:
+            self.steps[lane] += 1
+        if lane == SHORT:
+            self.awd.on_service(result.duration)
+        if len(plan.prefills) == 1:
+            c = plan.prefills[0]
+            new = plan.padded_shape[0] if plan.padded_shape else c.num_new_tokens
+            self.classifier.observe(new, c.start, result.duration)
+        return outcome
+
+    @property
+    def num_running(self) -> int:
+        return 0
+
+    def lane_sizes(self) -> dict[str, int]:
+        return {name: len(lane) for name, lane in self.lanes.items()}

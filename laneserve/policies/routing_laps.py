@@ -1,0 +1,249 @@
+"""LAPS spatial disaggregation (``laps.txt`` §3.2, Algorithm 2): a short pool and a long pool of
+prefill instances, a router that sends each request to an instance of its lane's pool, and the
+lightweight instance-pressure controller that moves one instance between pools at a time.
+
+Router side (``laps-pools``): each arrival is classified by its new tokens (``prompt − prefix``;
+the history counts as cached, as with ``prefix_caching`` on the prefill side — ``cached_prefix=
+false`` counts the whole prompt) against L_m, tagged ``req.tags["laps_lane"]`` and sent to the
+least-loaded accepting instance of that lane's pool (fewest queued tokens, then fewest waiting,
+then least recently picked). The router is called on every arrival with ``now``; when a control
+period has elapsed it first runs the controller.
+
+Per-instance signals over the last period (our concrete reading of "queue, SLA deviation,
+utilisation"; all dimensionless so the two pools compare):
+
+* ``q`` — backlog in SLO units: queued prefill tokens / the instance's measured prefill rate
+  (tokens per busy second, EWMA; the pool's mean until the instance has one, 0 while no instance
+  of the pool has one) / the TTFT SLO, saturating at ``q_cap`` (2 SLOs): one huge prompt queued
+  on a long instance says little about whether its pool needs another instance, and with P90
+  over four instances it would otherwise decide alone;
+* ``e`` — SLO deviation caused by waiting: the mean over requests whose first token came (or whose
+  deadline passed) in the period of ``min(TTFT − SLO, queue wait)⁺ / SLO``. Only the waiting part
+  counts: a prompt too long to ever meet the SLO should not pull instances into its pool;
+* ``u`` — busy fraction of the period (from the instance's ``busy_time``; 0 if it has none).
+
+``ψ = a·q + b·e − c·u`` (clipped at 0, then an EWMA over periods with weight ``smoothing``), pool
+pressure = P90 over the pool (nearest rank). After the cool-down, if ``P_s > (1+τ)·P_l + floor``
+and the long pool is above its minimum size, the short pool takes the least-loaded long instance
+(and symmetrically). Two safeguards of ours against oscillation (seen without them: a move every
+cool-down, back and forth): ``floor`` keeps two nearly idle pools (ψ ≈ 0) from trading instances
+on noise, and a move is made only if the donor's pressure scaled to one instance fewer
+(``P·n/(n−1)``) stays below the receiver's. A third, a capacity safeguard: the donor pool's busy
+time (smoothed utilisation summed over its instances) spread over one instance fewer must stay
+≤ ``max_util`` (0.85). Without it a pool busy at 85% but not yet queueing (ψ ≈ 0 — and the −c·u
+term even lowers the pressure of busy instances) was stripped to its minimum and its backlog then
+exploded (seen on ShareGPT: the long pool, 79% of the tokens, left with one of eight instances). A moved instance keeps its queued work and drains
+it (see :mod:`laneserve.policies.prefill.laps`); its scheduler learns its new lane through
+``scheduler.set_lane`` when the instance object exposes one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from laneserve.core.request import Request
+from laneserve.policies.prefill.laps_lanes import LANE_TAG, LONG, SHORT
+from laneserve.policies.registry import register
+from laneserve.policies.routing import InstanceLoad, Router
+
+
+def p90(values: Sequence[float], q: float = 0.9) -> float:
+    """Nearest-rank quantile (the robust aggregator A(·) of Algorithm 2)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+@dataclass(slots=True)
+class PoolController:
+    """Algorithm 2 on pool membership: ``pools[instance] = "short" | "long"``."""
+
+    period: float = 2.0
+    cool_down: float = 10.0
+    tau: float = 0.5
+    min_pool: int = 1
+    floor: float = 0.2
+    quantile: float = 0.9
+    max_util: float = 0.85
+    last_move: float = -math.inf
+    moves: list[tuple[float, int, str, str]] = field(default_factory=list)  # (t, instance, from, to)
+
+    def pool_pressure(self, pressures: dict[int, float], pools: dict[int, str], lane: str) -> float:
+        return p90([pressures[i] for i, p in pools.items() if p == lane and i in pressures], self.quantile)
+
+    def step(self, now: float, pressures: dict[int, float], pools: dict[int, str],
+             load: dict[int, float] | None = None,
+             utilization: dict[int, float] | None = None) -> tuple[int, str] | None:
+        """One control period: the (instance, new lane) to move, applied to ``pools``, or None."""
+        if now - self.last_move < self.cool_down:
+            return None
+        util = utilization or {}
+
+        def can_give(lane: str, n: int) -> bool:
+            # capacity safeguard: the donor's busy time spread over one instance fewer must fit
+            busy = sum(util.get(i, 0.0) for i, p in pools.items() if p == lane)
+            return n > self.min_pool and busy / (n - 1) <= self.max_util
+        p_s = self.pool_pressure(pressures, pools, SHORT)
+        p_l = self.pool_pressure(pressures, pools, LONG)
+        n_s = sum(1 for p in pools.values() if p == SHORT)
+        n_l = len(pools) - n_s
+        # move only if the donor, one instance poorer (its load spread over n-1), would still be
+        # under the receiver's pressure: otherwise the move just reverses the imbalance
+        if p_s > (1 + self.tau) * p_l + self.floor and can_give(LONG, n_l) \
+                and p_l * n_l / (n_l - 1) < p_s:
+            src, dst = LONG, SHORT
+        elif p_l > (1 + self.tau) * p_s + self.floor and can_give(SHORT, n_s) \
+                and p_s * n_s / (n_s - 1) < p_l:
+            src, dst = SHORT, LONG
+        else:
+            return None
+        load = load or {}
+        donor = min((i for i, p in pools.items() if p == src), key=lambda i: (load.get(i, 0.0), i))
+        pools[donor] = dst
+        self.last_move = now
+        self.moves.append((now, donor, src, dst))
+        return donor, dst
+
+
+@dataclass(slots=True)
+class _Stats:
+    outstanding: list[Request] = field(default_factory=list)   # routed here, TTFT not yet judged
+    rate: float | None = None        # prefill tokens per busy second (EWMA)
+    busy_seen: float = 0.0
+    last_pressure: float | None = None
+    util: float | None = None        # busy fraction per period (EWMA)
+
+
+@register("router", "laps-pools", aliases={"laps": {}})
+class LapsPoolRouter(Router):
+    name = "laps-pools"
+
+    def __init__(self, *, boundary: int = 256, short_fraction: float = 0.5, period: float = 2.0,
+                 cool_down: float = 10.0, tau: float = 0.5, min_pool: int = 1, floor: float = 0.2,
+                 a: float = 1.0, b: float = 1.0, c: float = 0.1, slo_ttft: float = 0.4,
+                 cached_prefix: bool = True, controller: bool = True, q_cap: float = 2.0,
+                 smoothing: float = 0.3) -> None:
+        if boundary < 1 or not 0 <= short_fraction <= 1 or period <= 0 or slo_ttft <= 0:
+            raise ValueError("need boundary >= 1, 0 <= short_fraction <= 1, period > 0, slo_ttft > 0")
+        self.boundary, self.short_fraction = boundary, short_fraction
+        self.weights = (a, b, c)
+        self.slo_ttft, self.cached_prefix = slo_ttft, cached_prefix
+        self.controller = PoolController(period=period, cool_down=cool_down, tau=tau, min_pool=min_pool,
+                                         floor=floor)
+        self.control_on = controller
+        self.q_cap = q_cap
+        if not 0 < smoothing <= 1:
+            raise ValueError("smoothing must be in (0, 1]")
+        self.smoothing = smoothing
+        self.pools: dict[int, str] = {}           # index into the instance list -> lane
+        self.stats: dict[int, _Stats] = {}
+        self.last_tick: float | None = None
+        self.history: list[dict] = []             # per period: pressures and pool sizes
+        self._last_pick: dict[int, int] = {}
+        self._picks = 0
+
+    # ---- routing -------------------------------------------------------------------------
+    def classify(self, req: Request) -> str:
+        new = req.prompt_len - (req.prefix_len if self.cached_prefix else 0)
+        return SHORT if new < self.boundary else LONG
+
+    def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
+        if not self.pools:
+            self._init_pools(instances)
+        if self.last_tick is None:
+            self.last_tick = now
+        elif now - self.last_tick >= self.controller.period:
+            self.tick(instances, now)
+        lane = req.tags.get(LANE_TAG) or self.classify(req)
+        req.tags[LANE_TAG] = lane
+        live = self._candidates(instances)
+        pool = [i for i in live if self.pools.get(i) == lane] or live
+        last = self._last_pick
+        choice = min(pool, key=lambda i: (instances[i].queued_tokens, instances[i].num_waiting,
+                                          last.get(i, -1), i))
+        self._picks += 1
+        last[choice] = self._picks
+        self.stats[choice].outstanding.append(req)
+        return choice
+
+    def _init_pools(self, instances: Sequence[InstanceLoad]) -> None:
+        n = len(instances)
+        n_short = min(max(round(self.short_fraction * n), 1 if n > 1 else n), n - 1 if n > 1 else n)
+        for i, inst in enumerate(instances):
+            self.pools[i] = SHORT if i < n_short else LONG
+            self.stats[i] = _Stats(busy_seen=float(getattr(inst, "busy_time", 0.0)))
+            self._tell(inst, self.pools[i])
+
+    @staticmethod
+    def _tell(inst: InstanceLoad, lane: str) -> None:
+        setter = getattr(getattr(inst, "scheduler", None), "set_lane", None)
+        if setter is not None:
+            setter(lane)
+
+    # ---- the controller ------------------------------------------------------------------
+    def signals(self, inst: InstanceLoad, stats: _Stats, now: float, period: float,
+                pool_rate: float | None) -> tuple[float, float, float]:
+        slo = self.slo_ttft
+        busy = float(getattr(inst, "busy_time", 0.0))
+        busy_delta, stats.busy_seen = max(busy - stats.busy_seen, 0.0), busy
+        served, deviations, keep = 0, [], []
+        for r in stats.outstanding:
+            first = r.times.first_token
+            if first is None and r.is_finished:
+                continue                                          # aborted / failed
+            if first is None and now - r.arrival_time <= slo:
+                keep.append(r)
+                continue
+            end = first if first is not None else now
+            start = r.times.prefill_start if r.times.prefill_start is not None else end
+            over = min(end - r.arrival_time - slo, start - r.arrival_time)
+            deviations.append(max(over, 0.0) / slo)
+            if first is not None:
+                served += r.prompt_len - r.num_cached_tokens
+            else:
+                keep.append(r)                                    # late but still waiting
+        stats.outstanding = keep
+        if busy_delta > 0 and served > 0:
+            obs = served / busy_delta
+            stats.rate = obs if stats.rate is None else 0.7 * stats.rate + 0.3 * obs
+        rate = stats.rate or pool_rate
+        # no rate measured anywhere yet: no backlog estimate (0), rather than a count in other units
+        q = min(inst.queued_tokens / rate / slo, self.q_cap) if rate else 0.0
+        e = sum(deviations) / len(deviations) if deviations else 0.0
+        u = min(busy_delta / period, 1.0) if period > 0 else 0.0
+        return q, e, u
+
+    def tick(self, instances: Sequence[InstanceLoad], now: float) -> tuple[int, str] | None:
+        period = now - (self.last_tick if self.last_tick is not None else now)
+        self.last_tick = now
+        if not self.pools:
+            self._init_pools(instances)
+        a, b, c = self.weights
+        pools = self.pools
+        pool_rate = {}
+        for lane in (SHORT, LONG):
+            rates = [self.stats[i].rate for i, p in pools.items() if p == lane and self.stats[i].rate]
+            pool_rate[lane] = sum(rates) / len(rates) if rates else None
+        pressures: dict[int, float] = {}
+        for i, inst in enumerate(instances):
+            q, e, u = self.signals(inst, self.stats[i], now, period, pool_rate[pools[i]])
+            psi = max(a * q + b * e - c * u, 0.0)
+            st = self.stats[i]                      # smoothed over periods (one period is noisy)
+            st.util = u if st.util is None else (1 - self.smoothing) * st.util + self.smoothing * u
+            st.last_pressure = psi if st.last_pressure is None else \
+                (1 - self.smoothing) * st.last_pressure + self.smoothing * psi
+            pressures[i] = st.last_pressure
+        move = None
+        if self.control_on:
+            move = self.controller.step(now, pressures, pools,
+                                        {i: float(inst.queued_tokens) for i, inst in enumerate(instances)},
+                                        {i: st.util or 0.0 for i, st in self.stats.items()})
+            if move is not None:
+                self._tell(instances[move[0]], move[1])
+        self.history.append({"t": now, "n_short": sum(1 for p in pools.values() if p == SHORT),
+                             "p_short": self.controller.pool_pressure(pressures, pools, SHORT),
+                             "p_long": self.controller.pool_pressure(pressures, pools, LONG)})
+        return move

@@ -1,0 +1,243 @@
+"""AlignedServe decode (§3): quad-tree counters, density-first search, KV conservation across
+device / host pool / transfer, every request finishing, the starvation bound, rare batch switches,
+and greedy tokens on the engine equal to continuous batching's."""
+
+import random
+
+import pytest
+
+from laneserve.core import SLO, RequestSpec
+from laneserve.costmodel import make_cost_model
+from laneserve.costmodel.linear import LinearCostModel
+from laneserve.policies import make
+from laneserve.policies.decode.alignedserve import AlignedServeDecode
+from laneserve.policies.decode.quadtree import KVLengthQuadTree
+from laneserve.policies.registry import register
+from laneserve.sim import ClusterConfig, Simulator
+from laneserve.workloads import make_workload
+
+
+# ---- quad-tree -----------------------------------------------------------------------------
+def test_quadtree_counters_stay_consistent_under_random_insert_remove_grow():
+    rng = random.Random(7)
+    tree = KVLengthQuadTree(leaf_width=16)
+    live: dict[int, int] = {}
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.45 or not live:
+            rid = step
+            length = rng.choice([rng.randint(1, 300), rng.randint(1, 70000)])
+            tree.insert(rid, length, -(-length // 16), since=rng.random() * 100)
+            live[rid] = length
+        elif op < 0.75:
+            rid = rng.choice(list(live))
+            tree.remove(rid)
+            del live[rid]
+        else:
+            rid = rng.choice(list(live))
+            live[rid] += rng.randint(1, 40)
+            tree.update(rid, live[rid], -(-live[rid] // 16))
+        if step % 100 == 0:
+            tree.check()
+    tree.check()
+    assert len(tree) == len(live)
+    assert tree.root.num_blocks == sum(-(-n // 16) for n in live.values())
+    assert {e.request_id for e in tree.in_range(1, 65536, 10**6)} == set(live)
+    over = [rid for rid, n in live.items() if n > 65536]
+    for rid in over:
+        assert tree.entry(rid).length == 65536        # longer than the range counts as 65536
+
+
+def _tree(groups, leaf_width=64):
+    tree = KVLengthQuadTree(leaf_width=leaf_width)
+    rid = 0
+    for length, count, blocks in groups:
+        for _ in range(count):
+            tree.insert(rid, length, blocks, since=float(rid))
+            rid += 1
+    return tree
+
+
+def test_density_first_finds_the_dense_tight_cluster_within_threshold():
+    rng = random.Random(1)
+    tree = KVLengthQuadTree()
+    for rid in range(400):   # sparse background over the whole range plus a dense cluster
+        length = rng.randint(300, 330) if rid < 120 else rng.randint(1, 60000)
+        tree.insert(rid, length, -(-length // 16), since=0.0)
+    threshold = 3000
+    sel = tree.density_first(threshold, n_min=36, max_requests=256)
+    assert sel.full and len(sel) >= 36 and sel.blocks <= threshold
+    # case 2 descended root -> [1,16384] -> [1,4096] (over the threshold) -> [1,1024]: case 1
+    # takes that whole subtree, the cluster and the few background requests inside it
+    inside = {e.request_id for e in tree.in_range(1, 1024, 10**6)}
+    assert set(sel.request_ids) == inside and set(range(120)) <= inside
+
+
+def test_density_first_descends_into_the_child_with_most_requests():
+    # root too big: [1,16384] holds most requests but too many blocks; the densest leaf wins
+    tree = _tree([(100, 50, 6), (700, 40, 6), (5000, 10, 300), (30000, 5, 2000)])
+    sel = tree.density_first(threshold_blocks=400, n_min=36, max_requests=256)
+    assert sel.full and {tree.entry(r).length for r in sel.request_ids} == {100}
+
+
+def test_widening_searches_left_siblings_right_to_left_then_right_ones():
+    # leaves of width 64 under [1,256]: L1 empty, L2 5, L3 15 (the densest), L4 14; one block each
+    tree = _tree([(100, 5, 1), (150, 15, 1), (200 + 0, 7, 1), (230, 7, 1)])
+    sel = tree.density_first(threshold_blocks=30, n_min=30, max_requests=256)
+    lengths = sorted(tree.entry(r).length for r in sel.request_ids)
+    assert sel.full and len(sel) == 30 and sel.blocks <= 30
+    # L3 whole, then L2 (left, nearest first), then the nearest end of L4
+    assert lengths.count(150) == 15 and lengths.count(100) == 5
+    assert lengths.count(200) == 7 and lengths.count(230) == 3
+
+
+def test_widening_takes_the_nearest_end_of_a_sibling_that_does_not_fit():
+    # seed leaf [129,192] (22); its left sibling [65,128] (10) does not fit the 8 blocks left
+    tree = _tree([(70, 5, 1), (120, 5, 1), (150, 22, 1), (250, 5, 1)])
+    sel = tree.density_first(threshold_blocks=30, n_min=30, max_requests=256)
+    lengths = sorted(tree.entry(r).length for r in sel.request_ids)
+    assert lengths == [70] * 3 + [120] * 5 + [150] * 22   # entered from its high (nearest) end
+
+
+def test_search_reports_an_underfilled_batch_when_n_min_is_impossible():
+    tree = _tree([(100, 5, 1), (9000, 3, 600)])
+    sel = tree.density_first(threshold_blocks=100, n_min=36, max_requests=256)
+    assert not sel.full and 1 <= len(sel) <= 8 and sel.blocks <= 100
+
+
+# ---- the scheduler in the simulator ----------------------------------------------------------
+@register("decode", "alignedserve-checked")
+class CheckedAlignedServe(AlignedServeDecode):
+    """AlignedServe that checks its KV invariants after every decision and every step."""
+
+    def schedule(self, now):
+        plan = super().schedule(now)
+        self.check_invariants()
+        return plan
+
+    def _after_update(self, plan, outcome, now):
+        super()._after_update(plan, outcome, now)
+        self.check_invariants()
+
+
+COST = LinearCostModel(prefill_per_token=2e-5, decode_fixed=0.01, decode_per_context_token=1e-7,
+                       kv_capacity=200_000, attention="padded")
+
+
+def random_specs(n, seed, rate=20.0, long_share=0.1):
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        prompt = rng.randint(1000, 6000) if rng.random() < long_share else rng.randint(10, 600)
+        out.append(RequestSpec(i, t, prompt, rng.randint(1, 300), slo=SLO(5.0, 0.2)))
+    return out
+
+
+@pytest.mark.parametrize("seed,opts,device,host", [
+    (0, {}, 24_000, 400_000),
+    (1, {"prefetch": False, "switch_evict": "memory"}, 24_000, 400_000),
+    (2, {"n_min": 4, "threshold": 0.2, "starvation_bound": 2.0, "prefetch_tokens_per_s": 2e5}, 24_000, 400_000),
+    (3, {"switch_evict": "none", "threshold": 0.9}, 10_000, 25_000),      # pool full: recompute
+])
+def test_kv_conserved_and_every_request_finishes(seed, opts, device, host):
+    specs = random_specs(250, seed, rate=100.0)
+    cfg = ClusterConfig(num_prefill=2, decode_policy="alignedserve-checked", decode_kv_tokens=device,
+                        host_kv_tokens=host, swap_link="nvlink",
+                        decode_opts={"n_min": 8, "threshold": 0.8, **opts})
+    sim = Simulator(cfg, COST)
+    res = sim.run(specs)
+    assert res.unfinished == 0
+    for r in res.requests:
+        assert r.finish_reason == "length" and r.num_output_tokens == r.max_output_tokens
+    sched = sim.back[0].scheduler
+    assert sched.stats.evictions > 0                   # memory pressure exercised eviction
+    assert (sched.stats.recomputes > 0) == (host < 100_000)
+    for kv in (sched.kv, sched.pool):
+        assert kv.num_free_blocks == kv.num_blocks and not kv.tables
+    assert not len(sched.tree) and not sched.cand_reqs and not sched.cand_batch and not sched.running
+    assert sched.stager.staged_tokens == 0
+
+
+def test_spec_options_reach_the_policy():
+    from laneserve.core.kv import HostKVPool, KVCacheManager
+    pol = make("decode", "alignedserve:threshold=0.25,n_min=8,starvation_bound=5,prefetch=false",
+               KVCacheManager(1000), host_pool=HostKVPool(4000))
+    assert (pol.threshold_blocks, pol.n_min, pol.starvation_bound, pol.prefetch) == (250, 8, 5, False)
+    with pytest.raises(ValueError, match="host KV pool"):
+        make("decode", "alignedserve", KVCacheManager(1000))
+
+
+def test_starvation_bound_gives_old_requests_the_next_batch():
+    # a steady stream of aligned short requests keeps the GPU saturated; the rare long ones never
+    # make n_min together, so without the bound they wait for the stream to thin out
+    cost = LinearCostModel(prefill_per_token=2e-6, decode_fixed=0.004, decode_per_context_token=1e-8,
+                           kv_capacity=200_000, attention="padded")
+    rng = random.Random(5)
+    specs, t = [], 0.0
+    for i in range(800):
+        t += rng.expovariate(60.0)
+        prompt = rng.randint(3000, 4000) if i % 50 == 7 else rng.randint(100, 400)
+        specs.append(RequestSpec(i, t, prompt, rng.randint(50, 200)))
+    waits = {}
+    for bound in (2.0, None):
+        cfg = ClusterConfig(decode_policy="alignedserve-checked", decode_kv_tokens=40_000,
+                            host_kv_tokens=1_000_000, swap_link="nvlink",
+                            decode_opts={"n_min": 8, "starvation_bound": bound})
+        sim = Simulator(cfg, cost)
+        res = sim.run(specs)
+        assert res.unfinished == 0
+        st = sim.back[0].scheduler.stats
+        waits[bound] = max(st.pool_waits)
+        if bound is not None:
+            assert st.starvation_batches > 0
+            # every batch formed while a request had waited past the bound included the oldest
+            assert st.starvation_log and all(included for _, _, included in st.starvation_log)
+            # so a wait exceeds the bound by at most the time its batch waited for the switch
+            # (plus one decode step: decisions are taken at iteration ends)
+            assert waits[bound] <= bound + max(st.starving_switch_delays) + 0.1
+    assert waits[None] > 3 * waits[2.0]
+
+
+def test_switch_iterations_are_rare_on_a_95_percent_short_mix():
+    cost = make_cost_model("analytic", model="llama-2-7b", hardware="h100", attention="padded")
+    w = make_workload("alignedserve_mix", n=400, short_ratio=0.95, rate=30.0, seed=3)
+    pcie = 1e6 / cost.kv_transfer_time(10**6, "pcie")
+    cfg = ClusterConfig(num_prefill=4, decode_policy="alignedserve", host_kv_tokens=2_000_000,
+                        swap_link="nvlink", decode_opts={"prefetch_tokens_per_s": pcie})
+    sim = Simulator(cfg, cost)
+    res = sim.run(w.specs)
+    assert res.unfinished == 0
+    st = sim.back[0].scheduler.stats
+    assert st.full_batches >= 3 and st.switches >= 3
+    assert st.switch_iteration_share <= 0.15
+
+
+# ---- the engine --------------------------------------------------------------------------
+def test_engine_alignedserve_greedy_tokens_equal_continuous_batching():
+    from engine_support import prompts, tiny_checkpoint
+    from laneserve.cluster import LocalCluster
+    from laneserve.core import Request, SamplingParams
+    from laneserve.engine import EngineConfig
+
+    path = tiny_checkpoint("qwen3")
+    lengths = [12, 50, 3, 70, 25, 9, 40, 66]
+    ps = prompts(lengths, seed=4)
+    outs = {}
+    for policy in ("continuous", "alignedserve:n_min=2,threshold=1.0,headroom=0"):
+        reqs = [Request(i, 0.005 * i, len(p), 24, SLO(), prompt_token_ids=list(p),
+                        sampling=SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+                for i, p in enumerate(ps)]
+        # 12 device blocks of 16 tokens: every KV goes through the host pool, and growing batches
+        # may evict (swap out) and swap back in
+        cluster = LocalCluster(path, decode_policy=policy, kv_tokens=192,
+                               config=EngineConfig(num_threads=1, num_host_blocks=128))
+        done = cluster.run(reqs, timeout=60)
+        outs[policy] = {r.request_id: r.output_token_ids for r in done}
+        assert len(outs[policy]) == len(ps)
+        dec = cluster.decode[0].scheduler
+        assert dec.kv.num_free_blocks == dec.kv.num_blocks
+        if isinstance(dec, AlignedServeDecode):
+            assert dec.pool.num_free_blocks == dec.pool.num_blocks
+            assert dec.stats.swap_in_tokens >= sum(lengths)
+    assert outs["continuous"] == outs["alignedserve:n_min=2,threshold=1.0,headroom=0"]
