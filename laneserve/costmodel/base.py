@@ -53,3 +53,13 @@ class CostModel(Protocol):
         """Time to move the KV cache of ``tokens`` tokens over ``link``
         ("nvlink", "infiniband"/"rdma", "pcie", "host")."""
         ...
+
+
+def graphed_prefill_time(cost: CostModel, batch: PrefillBatch) -> float:
+    """Duration of a prefill step replayed from a captured CUDA graph (LAPS §3: short prefills
+    padded to a pre-captured (L, B) shape). A cost model that knows what graph replay saves
+    implements ``graphed_prefill_time``; for the others (CPU profiles, simple models) it is the
+    ordinary prefill time."""
+    fn = getattr(cost, "graphed_prefill_time", None)
+    return fn(batch) if fn is not None else cost.prefill_time(batch)
+

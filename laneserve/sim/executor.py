@@ -4,7 +4,7 @@ charged operator by operator, so a preempted step resumes with the operators it 
 from __future__ import annotations
 
 from laneserve.core.plan import StepPlan, StepResult
-from laneserve.costmodel.base import LAYER_OPERATORS, CostModel
+from laneserve.costmodel.base import LAYER_OPERATORS, CostModel, graphed_prefill_time
 
 OPS_PER_LAYER = len(LAYER_OPERATORS)
 
@@ -24,6 +24,8 @@ class SimExecutor:
                 if plan.op_times is None:
                     plan.op_times = cost.prefill_op_times(batch)
                 duration = sum(plan.op_times[plan.ops_done:])
+            elif plan.padded_shape is not None:     # a captured shape bucket: graph replay
+                duration = graphed_prefill_time(cost, batch)
             else:
                 duration = cost.prefill_time(batch)
         elif plan.decodes:
