@@ -4,5 +4,6 @@
 from laneserve.policies.decode.alignedserve import AlignedServeDecode  # noqa: F401
 from laneserve.policies.decode.base import DecodeScheduler
 from laneserve.policies.decode.continuous import ContinuousBatchingDecode
+from laneserve.policies.decode.kairos import KairosDecode  # noqa: F401
 
 __all__ = ["ContinuousBatchingDecode", "DecodeScheduler"]

@@ -1,0 +1,250 @@
+"""Kairos slack-guided adaptive decode batching (Kairos §3.2, Algorithm 3, Eq. 2).
+
+Before each step, every running request ``r`` gets a slack against its TPOT target::
+
+    slack_r = T_SLO * (n_gen + 1) - (now - t_first_token) - reserve_r
+
+``n_gen`` counts the tokens decoded after the first one (``num_output_tokens - 1``), so the token
+this step would produce is due at ``t_first_token + T_SLO * num_output_tokens``: meeting every such
+deadline is exactly a mean TPOT ``(last - first) / (n - 1) <= T_SLO``. ``reserve_r`` is the step
+time ``r`` still needs: ``LUT[1, len_r]`` in Algorithm 3 (``slack_reserve="single"``, the
+default) or ``LUT[|D|, len_r]`` in Eq. 2, which names the batch size (``"batch"``; an ablation).
+With ``s_min = min_r slack_r``, requests are scanned by ascending length; ``r`` joins the batch
+``B`` when ``LUT[|B|+1, len_r] <= s_min`` and throughput improves,
+``(|B|+1) / t_step > |B| / t_cur`` (always true for the first). The others are delayed for one
+step; they keep their KV and stay running. When nothing joined, everyone decodes.
+
+The step-time table is :class:`~laneserve.costmodel.StepTimeLUT`, keyed by
+``(batch size, length)``. ``length_key`` says which length stands for a batch: ``"max"``, the
+longest KV context (``max(context_len)``, counting the token the step processes) — the exact key
+for padded attention, whose step pays ``batch * max(ctx)``, and Algorithm 3's line 24; or
+``"mean"``, the mean context — exact for ragged kernels, which pay ``sum(ctx)`` (a uniform batch
+of the mean length has the same sum). The default follows the attention kind of the cost model the
+table comes from (padded → max, ragged → mean). With ``"max"`` and candidates scanned by ascending
+length, ``len_r`` is the batch's longest context in the test of line 12. The table starts from (in
+order of precedence) ``lut``, a ``profile`` file, ``cost_model`` (uniform batches at the grid
+points) or the analytic roofline of ``model``/``hardware``/``tp``/``attention`` (default
+Llama-3-8B, H100, padded), on a grid with two points per octave; after every pure decode step (no
+recompute prefills, no swaps) the observed duration is folded into its cell's running mean (§3.2,
+"updates the LUT at runtime").
+
+Late requests (``late_binds``). A request whose slack is already negative (its next token will be
+late whatever this step does; e.g. it waited seconds for decode memory after its first token)
+makes ``s_min < 0`` in Algorithm 3, so nothing fits and everyone decodes — for as long as it stays
+late, which under padded attention (mixed steps far above the SLO) is its whole life: one hopeless
+request turns Kairos into continuous batching. With ``late_binds=False`` ``s_min`` is the minimum
+over on-time requests (when there are any); late requests are still scanned like the others and
+decode in steps they fit, in everyone-decodes steps, and at the starvation bound. With a ragged
+kernel, where an everyone-decodes step costs little more than a partial one and lets late requests
+catch up, the paper's rule is better. Default: ``False`` with ``length_key="max"`` (padded),
+``True`` with ``"mean"`` (ragged); ``benchmarks/decode_kairos.py`` measures both.
+
+Beyond the paper, and documented as such:
+
+* requests without a TPOT target use ``tpot_slo`` (None: they have infinite slack and never bind
+  ``s_min``); since their slack never runs out, a request delayed ``max_delay_steps`` steps in a
+  row forces an everyone-decodes step (starvation bound). With finite targets the slack rule
+  already bounds delays: a delayed request's slack shrinks every step until nothing fits.
+* ``pace=True`` turns on the token pacing buffer (:mod:`.pacing`), releasing tokens produced ahead
+  of schedule at the SLO pace; off by default.
+
+Memory admission, growth and preemption are :class:`DecodeScheduler`'s (the same as continuous
+batching); Kairos only chooses which running requests decode in a step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from laneserve.core.kv import HostKVPool, KVCacheManager
+from laneserve.core.plan import StepPlan, StepResult
+from laneserve.core.request import Request
+from laneserve.costmodel import StepTimeLUT, make_cost_model
+from laneserve.costmodel.base import CostModel
+from laneserve.policies.base import StepOutcome
+from laneserve.policies.decode.base import DecodeScheduler
+from laneserve.policies.decode.pacing import TokenPacer
+from laneserve.policies.registry import register
+
+_DELAY_TAG = "kairos_delayed"
+SLACK_RESERVES = ("single", "batch")
+LENGTH_KEYS = ("max", "mean")
+
+
+def geometric_edges(lo: int, hi: int, per_octave: int = 2) -> tuple[int, ...]:
+    """Integer grid points from ``lo`` to ``hi`` with ``per_octave`` points per doubling."""
+    points = {lo, hi}
+    k = 0
+    while (value := round(lo * 2 ** (k / per_octave))) < hi:
+        points.add(value)
+        k += 1
+    return tuple(sorted(points))
+
+
+def default_lut(cost: CostModel, max_batch_size: int, max_length: int = 1 << 18,
+                prior_count: int = 1) -> StepTimeLUT:
+    return StepTimeLUT.from_cost_model(
+        cost, prior_count=prior_count,
+        batch_edges=geometric_edges(1, max(2, max_batch_size)),
+        length_edges=geometric_edges(16, max_length))
+
+
+@dataclass(slots=True)
+class KairosStats:
+    steps: int = 0             # decode steps built
+    partial_steps: int = 0     # steps that delayed at least one running request
+    fallback_steps: int = 0    # nothing fitted the slack: everyone decoded
+    forced_steps: int = 0      # starvation bound hit: everyone decoded
+    delayed: int = 0           # request-steps delayed
+    lut_updates: int = 0
+
+
+@register("decode", "kairos", aliases={"kairos-eq2": {"slack_reserve": "batch"},
+                                       "kairos-literal": {"late_binds": True},
+                                       "kairos-paced": {"pace": True}})
+class KairosDecode(DecodeScheduler):
+    name = "kairos"
+
+    def __init__(self, kv: KVCacheManager, *, max_batch_size: int = 256, preemption: str = "swap",
+                 host_pool: HostKVPool | None = None, lut: StepTimeLUT | None = None,
+                 cost_model: CostModel | None = None, profile: str | None = None,
+                 model: str = "llama-3-8b", hardware: str = "h100", tp: int = 1,
+                 attention: str = "padded", length_key: str | None = None, tpot_slo: float | None = None,
+                 slack_reserve: str = "single", throughput_rule: bool = True,
+                 online_update: bool = True, late_binds: bool | None = None,
+                 max_delay_steps: int = 64, pace: bool = False,
+                 pace_tpot: float | None = None) -> None:
+        super().__init__(kv, max_batch_size=max_batch_size, preemption=preemption, host_pool=host_pool)
+        if slack_reserve not in SLACK_RESERVES:
+            raise ValueError(f"slack_reserve must be one of {SLACK_RESERVES}, got {slack_reserve!r}")
+        if tpot_slo is not None and tpot_slo <= 0:
+            raise ValueError("tpot_slo must be > 0")
+        if max_delay_steps < 1:
+            raise ValueError("max_delay_steps must be >= 1")
+        cost = cost_model
+        if lut is None:
+            if profile is not None:
+                from laneserve.costmodel import load_profile
+                lut = StepTimeLUT.from_profile(load_profile(profile))
+            else:
+                cost = cost or make_cost_model("analytic", model=model, hardware=hardware,
+                                                     tp=tp, attention=attention)
+                lut = default_lut(cost, max_batch_size)
+        self.lut = lut
+        if length_key is None:      # follow the attention kernel the step times come from
+            kind = getattr(cost, "attention", None) if cost is not None else attention
+            length_key = "mean" if kind == "ragged" else "max"
+        if length_key not in LENGTH_KEYS:
+            raise ValueError(f"length_key must be one of {LENGTH_KEYS}, got {length_key!r}")
+        self.length_key = length_key
+        # padded: a late straggler in every step slows everyone, so late requests do not bind;
+        # ragged: a decode-all step costs little more than a partial one, so they do (Algorithm 3)
+        self.late_binds = (length_key == "mean") if late_binds is None else late_binds
+        self.tpot_slo = tpot_slo
+        self.slack_reserve = slack_reserve
+        self.throughput_rule = throughput_rule
+        self.online_update = online_update
+        self.max_delay_steps = max_delay_steps
+        self.pacer = TokenPacer(enabled=pace, tpot=tpot_slo, force_tpot=pace_tpot)
+        self.stats = KairosStats()
+
+    # ---- Algorithm 3 -----------------------------------------------------------------------
+    def target(self, req: Request) -> float | None:
+        return req.slo.tpot if req.slo.tpot is not None else self.tpot_slo
+
+    def slack(self, req: Request, now: float, batch_size: int = 1) -> float:
+        """Eq. 2 / Algorithm 3 line 5: time left before ``req``'s next token is due, less the
+        step time it needs (``LUT[batch_size, len_r]``); infinite without a TPOT target."""
+        tpot = self.target(req)
+        if tpot is None:
+            return math.inf
+        first = req.times.first_token if req.times.first_token is not None else now
+        due = first + tpot * req.num_output_tokens          # T_SLO * (n_gen + 1) after the first token
+        return due - now - self.lut.lookup(batch_size, req.context_len)
+
+    def batch_length(self, batch: list[Request]) -> int:
+        """The LUT length key of a batch: its longest context (padded) or mean context (ragged)."""
+        if self.length_key == "mean":
+            return max(1, round(sum(r.context_len for r in batch) / len(batch)))
+        return max(r.context_len for r in batch)
+
+    def select(self, active: list[Request], now: float) -> list[Request]:
+        """The requests to decode this step (Algorithm 3, lines 3-21)."""
+        if not active:
+            return []
+        reserve_batch = len(active) if self.slack_reserve == "batch" else 1
+        slacks = [self.slack(r, now, reserve_batch) for r in active]
+        s_min = min(slacks)
+        if s_min < 0 and not self.late_binds:
+            # requests already behind schedule cannot be saved by this step: the on-time ones bind
+            s_min = min((s for s in slacks if s >= 0), default=s_min)
+        lookup = self.lut.lookup
+        by_mean = self.length_key == "mean"
+        batch: list[Request] = []
+        t_cur = 0.0
+        kv_sum = 0
+        for req in sorted(active, key=lambda r: (r.context_len, r.request_id)):
+            n = len(batch) + 1
+            t_step = lookup(n, (kv_sum + req.context_len) / n if by_mean else req.context_len)
+            if t_step <= s_min and (not batch or not self.throughput_rule
+                                    or (len(batch) + 1) / t_step > len(batch) / t_cur):
+                batch.append(req)
+                t_cur = t_step
+                kv_sum += req.context_len
+        stats = self.stats
+        stats.steps += 1
+        if not batch:
+            stats.fallback_steps += 1
+            batch = list(active)
+        chosen = {r.request_id for r in batch}
+        if len(batch) < len(active) and any(
+                r.tags.get(_DELAY_TAG, 0) + 1 >= self.max_delay_steps
+                for r in active if r.request_id not in chosen):
+            stats.forced_steps += 1
+            batch = list(active)
+            chosen = {r.request_id for r in batch}
+        for req in active:
+            if req.request_id in chosen:
+                req.tags[_DELAY_TAG] = 0
+            else:
+                req.tags[_DELAY_TAG] = req.tags.get(_DELAY_TAG, 0) + 1
+                stats.delayed += 1
+        if len(batch) < len(active):
+            stats.partial_steps += 1
+        return batch
+
+    # ---- the scheduler contract ------------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan | None:
+        plan = StepPlan(label=self.name)
+        self._grow_running(plan)
+        self._readmit_parked(plan, now)
+        kv, waiting, running = self.kv, self.waiting, self.running
+        while True:
+            while waiting and len(running) < self.max_batch_size:
+                req = waiting[0]
+                if not kv.can_grow(req.request_id, req.context_len):
+                    break
+                waiting.popleft()
+                self._admit(req, now)
+            if not self._unstick(plan):
+                break
+        plan.decodes = self.select(running, now)
+        return None if plan.is_empty else plan
+
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
+        if (self.online_update and result.completed and plan.decodes and not plan.prefills
+                and not plan.swap_in and not plan.swap_out):
+            # keyed before the counters advance: the contexts this step attended over
+            self.lut.observe(len(plan.decodes), self.batch_length(plan.decodes), result.duration)
+            self.stats.lut_updates += 1
+        return super().update(plan, result, now)
+
+    def _advance_decode(self, req: Request, sampled: dict[int, int] | None,
+                        stop_hit: set[int] | None, now: float, outcome: StepOutcome) -> None:
+        # the pacing buffer stamps delivery times; counters and KV advance now
+        super()._advance_decode(req, sampled, stop_hit, self.pacer.release_time(req, now), outcome)
+
+    def _remove(self, req: Request) -> None:
+        req.tags.pop(_DELAY_TAG, None)
+        super()._remove(req)
