@@ -4,6 +4,8 @@ The paper policies (FlowPrefill S-EDF, Kairos urgency, LAPS lanes) register here
 from laneserve.policies.prefill.base import PrefillScheduler
 from laneserve.policies.prefill.cp_edf import ChunkedEDFPrefill
 from laneserve.policies.prefill.fcfs import FCFSPrefill
+from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler  # noqa: F401
+from laneserve.policies.prefill.kairos import KairosPrefill  # noqa: F401
 from laneserve.policies.prefill.laps import LapsPrefill  # noqa: F401  (registers "laps")
 
 __all__ = ["ChunkedEDFPrefill", "FCFSPrefill", "PrefillScheduler"]

@@ -1,0 +1,256 @@
+"""FlowPrefill (``flowprefill.txt`` §5): S-EDF priorities, event-driven scheduling (Algorithm 2),
+SLO-aware batching under a token budget G (Algorithm 1) and operator-level preemption (§5.1).
+
+Mapping onto the scheduler contract (policies/base.py):
+
+- Algorithm 2 runs on the two events the paper names. On an *arrival* while a preemptible step
+  runs, the instance loop asks :meth:`should_preempt`: rank ``waiting ∪ preempted ∪ {running}``;
+  True when the top is not the running task. The executor then stops at the next operator (or
+  layer) boundary and calls ``update(completed=False)``; the task is parked (``Q_p``) with its plan.
+  On a *completion* (or right after a preemption) :meth:`schedule` ranks ``waiting ∪ preempted``:
+  a parked top is resumed by returning the same :class:`StepPlan` object (the executor continues
+  from ``plan.ops_done``); a waiting top ``H`` is batched by Algorithm 1 and submitted.
+- A task's priority is its head's, with the head's token count set to the batch's remaining
+  tokens (Algorithm 1 line 11): slack = deadline − now − (TTFT̂(batch tokens) − time already run).
+- Algorithm 1 walks the other waiting requests in priority order and adds ``r`` when the predicted
+  latency of the grown batch is below the head's remaining time and the batch stays under G
+  (strict inequalities, as printed); it keeps scanning after a rejection.
+- Bound on every suspension (DESIGN.md): a task parked for ``max_suspension`` seconds is resumed
+  ahead of any priority; :meth:`next_wakeup` names that moment so the loop asks
+  :meth:`should_preempt` even without an arrival. A task resumed this way is not preempted for
+  priority again (only for another overdue task), so a suspension lasts at most
+  ``max_suspension`` plus one preemption unit (an operator, a layer, or a chunk step).
+- ``preemption="chunk"``: prompts run in ``chunk``-token steps (a step never exceeds ``chunk``
+  tokens) and priorities are re-ranked between steps; nothing stops inside a step.
+  ``preemption="none"``: plans are not preemptible (ablation).
+
+Ablations (options or aliases): ``ordering`` sedf | dedf | edf | fcfs; ``batching=False``;
+``token_budget`` (G; default 4096, the paper's "moderate" budget of Figure 11); ``preemption``
+operator | layer | chunk | none. The TTFT predictor is ``predictor=`` (a fitted
+:class:`~laneserve.costmodel.PolynomialTTFT`), else fitted to ``cost_model=`` or to the cost model
+the simulator binds (:meth:`bind_cost_model`), else learned online from step durations.
+
+Aborting a member of a parked batch discards the batch: its other members go back to waiting and
+the plan is listed in :attr:`dropped_plans` (an engine loop should ``executor.discard`` it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from laneserve.core.plan import StepPlan, StepResult
+from laneserve.core.request import Phase, Request
+from laneserve.policies.base import StepOutcome
+from laneserve.policies.prefill.base import PrefillScheduler
+from laneserve.policies.prefill.priority import ORDERINGS, PriorityKey, make_predictor
+from laneserve.policies.registry import register
+
+GRANULARITIES = ("operator", "layer", "chunk", "none")
+
+
+@dataclass(slots=True, eq=False)
+class PrefillTask:
+    """One execution task of the Execution Pool (§4): a submitted batch and its progress."""
+
+    plan: StepPlan
+    head: Request
+    tokens: int                      # new tokens of the batch (H.num_tokens after Algorithm 1)
+    predicted: float                 # TTFT̂(tokens) when submitted
+    run_since: float = 0.0           # start of the current run
+    executed: float = 0.0            # seconds run before the current run
+    suspended_at: float | None = None
+    forced: bool = False             # resumed by the suspension bound
+
+    def remaining(self, now: float, running: bool) -> float:
+        done = self.executed + (now - self.run_since if running else 0.0)
+        return self.predicted - done if self.predicted > done else 0.0
+
+
+@register("prefill", "sedf", aliases={
+    "flowprefill": {}, "s-edf": {},
+    "dedf": {"ordering": "dedf"}, "d-edf": {"ordering": "dedf"},
+    "edf": {"ordering": "edf"}, "naive-edf": {"ordering": "edf"},
+    "sedf-nobatch": {"batching": False},
+    "sedf-g2k": {"token_budget": 2048}, "sedf-g4k": {"token_budget": 4096}, "sedf-g8k": {"token_budget": 8192},
+    "sedf-layer": {"preemption": "layer"}, "sedf-chunk": {"preemption": "chunk"},
+    "sedf-nopreempt": {"preemption": "none"},
+})
+class FlowPrefillScheduler(PrefillScheduler):
+    name = "sedf"
+
+    def __init__(self, kv, *, ordering: str = "sedf", batching: bool = True, token_budget: int = 4096,
+                 preemption: str = "operator", chunk: int = 2048, max_suspension: float = 10.0,
+                 predictor: Any = None, cost_model: Any = None, **opts) -> None:
+        super().__init__(kv, token_budget=token_budget, **opts)
+        if ordering not in ORDERINGS:
+            raise ValueError(f"ordering must be one of {', '.join(ORDERINGS)}, got {ordering!r}")
+        if preemption not in GRANULARITIES:
+            raise ValueError(f"preemption must be one of {', '.join(GRANULARITIES)}, got {preemption!r}")
+        if chunk < 1 or max_suspension <= 0:
+            raise ValueError("chunk must be >= 1 and max_suspension > 0")
+        self.ordering = ordering
+        self._key = ORDERINGS[ordering]
+        self.batching = batching
+        self.preemption = preemption
+        self.chunk_size = chunk
+        self.max_suspension = max_suspension
+        self.predict, self._online = make_predictor(predictor, cost_model)
+        self.name = (f"{ordering}" + ("" if batching else "-nobatch") + f"-g{token_budget}"
+                     + ("" if preemption == "operator" else f"-{preemption}"))
+        self.waiting: dict[int, Request] = {}          # Q_w: requests in no task
+        self.parked: dict[int, PrefillTask] = {}       # Q_p: plan_id -> preempted task
+        self.running: PrefillTask | None = None        # E
+        self.num_preemptions = 0
+        self.num_forced_resumes = 0
+        self.suspensions: list[float] = []             # how long each resumed task was parked
+        self.dropped_plans: list[StepPlan] = []
+
+    def bind_cost_model(self, cost_model: Any) -> None:
+        """Fit the TTFT polynomial to the instance's cost model unless a predictor was given."""
+        if self._online:
+            self.predict, self._online = make_predictor(None, cost_model)
+
+    # ---- queues ----------------------------------------------------------------------------
+    def _push(self, req: Request, now: float) -> None:
+        self.waiting[req.request_id] = req
+
+    def _remove(self, req: Request) -> None:
+        self.waiting.pop(req.request_id, None)
+        for pid, task in list(self.parked.items()):
+            if any(c.request is req for c in task.plan.prefills):
+                del self.parked[pid]
+                self.dropped_plans.append(task.plan)
+                for c in task.plan.prefills:
+                    if c.request is not req and c.request.request_id in self.pending:
+                        c.request.phase = Phase.PREFILLING
+                        self.waiting[c.request.request_id] = c.request
+
+    @property
+    def num_running(self) -> int:
+        return 0 if self.running is None else len(self.running.plan.prefills)
+
+    # ---- ranking ---------------------------------------------------------------------------
+    def _req_key(self, req: Request, now: float) -> PriorityKey:
+        return self._key(req, now, self.predict(self._step_tokens(req)))
+
+    def _task_key(self, task: PrefillTask, now: float, running: bool) -> PriorityKey:
+        return self._key(task.head, now, task.remaining(now, running))
+
+    def _step_tokens(self, req: Request) -> int:
+        n = req.remaining_prefill
+        return min(n, self.chunk_size) if self.preemption == "chunk" else n
+
+    def _overdue(self, now: float) -> PrefillTask | None:
+        """The longest-parked task whose suspension bound has expired."""
+        best = None
+        for task in self.parked.values():
+            if now >= task.suspended_at + self.max_suspension and (     # same float as next_wakeup
+                    best is None or task.suspended_at < best.suspended_at):
+                best = task
+        return best
+
+    def next_wakeup(self) -> float | None:
+        if not self.parked:
+            return None
+        return min(t.suspended_at for t in self.parked.values()) + self.max_suspension
+
+    # ---- Algorithm 2: the arrival event while a task runs ----------------------------------
+    def should_preempt(self, running: StepPlan, now: float) -> bool:
+        task = self.running
+        if task is None or task.plan is not running or self.preemption in ("chunk", "none"):
+            return False
+        if self._overdue(now) is not None:
+            return True
+        if task.forced:
+            return False
+        top = self._task_key(task, now, True)
+        if any(self._task_key(t, now, False) < top for t in self.parked.values()):
+            return True
+        key = self._key
+        predict = self.predict
+        for req in self.waiting.values():
+            if key(req, now, predict(self._step_tokens(req))) < top:
+                return True
+        return False
+
+    # ---- Algorithm 2: the completion event (and after a preemption) ------------------------
+    def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
+        overdue = self._overdue(now)
+        if overdue is not None:
+            self.num_forced_resumes += 1
+            return self._resume(overdue, now, forced=True)
+        ranked: list[tuple[PriorityKey, Request | None, PrefillTask | None]] = [
+            (self._task_key(t, now, False), None, t) for t in self.parked.values()]
+        ranked.extend((self._req_key(r, now), r, None) for r in self.waiting.values())
+        if not ranked:
+            return None
+        ranked.sort(key=lambda item: item[0])
+        budget = self.token_budget if token_budget is None else token_budget
+        for i, (_, req, task) in enumerate(ranked):
+            if task is not None:
+                return self._resume(task, now, forced=False)
+            if self.admit(req, now):
+                rest = [r for _, r, t in ranked[i + 1:] if r is not None]
+                return self._submit(req, rest, now, budget)
+        return None        # nothing fits in KV memory now; a completion will free some
+
+    def _resume(self, task: PrefillTask, now: float, *, forced: bool) -> StepPlan:
+        del self.parked[task.plan.plan_id]
+        self.suspensions.append(now - task.suspended_at)
+        task.suspended_at = None
+        task.run_since = now
+        task.forced = forced
+        for c in task.plan.prefills:
+            c.request.phase = Phase.PREFILLING
+        self.running = task
+        return task.plan
+
+    def _submit(self, head: Request, candidates: list[Request], now: float, budget: int) -> StepPlan:
+        """Algorithm 1 (SLO-aware batching) for head ``H`` over ``candidates`` in priority order."""
+        cap = self.chunk_size if self.preemption == "chunk" else None
+        n_head = head.remaining_prefill if cap is None else min(head.remaining_prefill, cap)
+        plan = StepPlan(label=self.name, preemptible=self.preemption != "none",
+                        preempt_granularity=self.preemption if self.preemption != "none" else "operator")
+        plan.prefills.append(self.chunk(head, n_head))
+        del self.waiting[head.request_id]
+        tokens = n_head
+        if self.batching:
+            t_remain = head.ttft_deadline - now
+            limit = budget if cap is None else min(budget, cap + 1)
+            for r in candidates:
+                if len(plan.prefills) >= self.max_batch_size:
+                    break
+                n = tokens + r.remaining_prefill
+                if n < limit and t_remain > self.predict(n) and self.admit(r, now):
+                    plan.prefills.append(self.chunk(r, r.remaining_prefill))
+                    del self.waiting[r.request_id]
+                    tokens = n
+        self.running = PrefillTask(plan, head, tokens, self.predict(tokens), run_since=now)
+        return plan
+
+    # ---- results ---------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
+        task = self.running
+        if task is not None and task.plan is plan:
+            self.running = None
+        if not result.completed:
+            if task is None or task.plan is not plan:
+                raise RuntimeError(f"{self.name}: a plan it is not running was preempted")
+            task.executed += now - task.run_since
+            task.suspended_at = now
+            task.forced = False
+            self.parked[plan.plan_id] = task
+            self.num_preemptions += 1
+            for c in plan.prefills:
+                c.request.num_preemptions += 1
+        elif self._online and task is not None and task.executed == 0.0:
+            self.predict.observe(plan.num_prefill_tokens, result.duration)   # type: ignore[attr-defined]
+        return super().update(plan, result, now)
+
+    def _after_update(self, plan: StepPlan, outcome: StepOutcome, now: float) -> None:
+        super()._after_update(plan, outcome, now)
+        for c in plan.prefills:          # chunk granularity: the rest of the prompt waits again
+            req = c.request
+            if not req.prefill_done and req.request_id in self.pending:
+                self.waiting[req.request_id] = req

@@ -1,0 +1,156 @@
+"""Kairos urgency-based prefill (``kairos.txt`` §3.1, Algorithms 1–2).
+
+Every step:
+
+1. Algorithm 2 — estimate each queued request's prefill finish time by simulating FCFS from now:
+   walk the queue in arrival order with a cursor ``t = max(t, r'.t_arrive) + n_r' / μ`` where
+   ``n_r'`` is the request's remaining prompt tokens and ``μ`` the running throughput estimate.
+2. Algorithm 1 lines 7–8 — ``slack_r = SLO_r − (t̂_finish − t_arrive)`` and the score
+   ``u_r = (slack_r / SLO_r) / input_len_r``.
+3. Lines 11–20 — sort by ``u`` **descending** (what the pseudo-code says) and fill the fixed chunk
+   budget ``C``: whole requests while they fit, then the first one that does not fit takes the
+   remaining ``C − c_used`` tokens and the step is full (line 18 sets ``C ← c_used``).
+4. Line 22 — after the step, fold (tokens computed, step seconds) into ``μ``.
+
+Choices where the paper is silent or inconsistent (say so in reports):
+
+- Sort order. The text calls ``u`` "urgency" and says short requests are picked first because
+  their score is "amplified by its shorter length"; that holds for positive slack, but with
+  negative slack the same division makes short late requests the *most negative* and sorts them
+  last. The default follows the pseudo-code (``order="descending"``); ``order="ascending"``
+  (alias ``kairos-asc``) is the opposite order, measured as an ablation.
+- ``input_len`` in the budget test (line 13) is taken as the request's *remaining* prompt tokens
+  (chunked prefill continues partially prefilled requests); the score divides by the full prompt.
+- ``μ`` is the cumulative mean throughput (tokens computed / seconds busy) over completed steps,
+  or an exponential moving average with weight ``mu_ema`` when > 0. Before the first step it is
+  ``throughput=`` if given, else the bound cost model's throughput at ``C`` tokens, else 10⁴ tok/s.
+- A request without a TTFT target scores 0. Requests whose KV does not fit now are skipped for
+  this step (order is not admission).
+- ``C`` defaults to 8192 tokens (SGLang's default chunked-prefill size on 80 GB GPUs; the paper
+  does not give its value).
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from typing import Any
+
+from laneserve.core.plan import StepPlan, StepResult
+from laneserve.core.request import Request
+from laneserve.policies.base import StepOutcome
+from laneserve.policies.prefill.base import PrefillScheduler
+from laneserve.policies.registry import register
+
+INF = float("inf")
+DEFAULT_THROUGHPUT = 1.0e4     # tokens/s before anything was observed or bound
+
+
+def _arrival_key(req: Request) -> tuple[float, int]:
+    return (req.arrival_time, req.request_id)
+
+
+def fcfs_finish_times(queue: list[Request], now: float, throughput: float) -> list[float]:
+    """Algorithm 2 for every request of ``queue`` (sorted by arrival) at once: the prefix sums of
+    the FCFS walk (each request's estimate includes everyone who arrived before it)."""
+    cursor = now
+    out = []
+    for r in queue:
+        if r.arrival_time > cursor:
+            cursor = r.arrival_time
+        cursor += r.remaining_prefill / throughput
+        out.append(cursor)
+    return out
+
+
+def urgency_score(req: Request, finish: float) -> float:
+    """Algorithm 1 lines 7–8: ``((SLO − (t̂_finish − t_arrive)) / SLO) / input_len``."""
+    slo = req.slo.ttft
+    if slo is None or slo == INF:
+        return 0.0
+    return ((slo - (finish - req.arrival_time)) / slo) / req.prompt_len
+
+
+@register("prefill", "kairos", aliases={"kairos-desc": {"order": "descending"},
+                                         "kairos-asc": {"order": "ascending"},
+                                         "kairos-ascending": {"order": "ascending"}})
+class KairosPrefill(PrefillScheduler):
+    name = "kairos"
+
+    def __init__(self, kv, *, chunk: int = 8192, order: str = "descending", throughput: float | None = None,
+                 mu_ema: float = 0.0, cost_model: Any = None, **opts) -> None:
+        opts.setdefault("token_budget", chunk)
+        super().__init__(kv, **opts)
+        if chunk < 1:
+            raise ValueError("chunk must be >= 1")
+        if order not in ("descending", "ascending"):
+            raise ValueError(f"order must be 'descending' or 'ascending', got {order!r}")
+        if throughput is not None and throughput <= 0:
+            raise ValueError("throughput must be > 0")
+        if not 0.0 <= mu_ema < 1.0:
+            raise ValueError("mu_ema must be in [0, 1)")
+        self.chunk_size = chunk
+        self.order = order
+        self.mu_ema = mu_ema
+        self.name = f"kairos-{chunk}" + ("" if order == "descending" else "-asc")
+        self.queue: list[Request] = []               # pending, in arrival order
+        self.throughput = throughput or DEFAULT_THROUGHPUT
+        self._prior_given = throughput is not None
+        self._tokens_seen = 0
+        self._seconds_seen = 0.0
+        if cost_model is not None:
+            self.bind_cost_model(cost_model)
+
+    def bind_cost_model(self, cost_model: Any) -> None:
+        """Initial μ from the instance's cost model (a full chunk), unless given or observed."""
+        if not self._prior_given and self._seconds_seen == 0.0:
+            self.throughput = self.chunk_size / cost_model.prefill_time([(self.chunk_size, 0)])
+
+    def _push(self, req: Request, now: float) -> None:
+        insort(self.queue, req, key=_arrival_key)
+
+    def _remove(self, req: Request) -> None:
+        try:
+            self.queue.remove(req)
+        except ValueError:
+            pass
+
+    # ---- Algorithm 1 -------------------------------------------------------------------------
+    def scores(self, now: float) -> list[tuple[float, Request]]:
+        finishes = fcfs_finish_times(self.queue, now, self.throughput)
+        return [(urgency_score(r, f), r) for r, f in zip(self.queue, finishes)]
+
+    def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
+        if not self.queue:
+            return None
+        scored = self.scores(now)
+        sign = -1.0 if self.order == "descending" else 1.0
+        scored.sort(key=lambda item: (sign * item[0], item[1].arrival_time, item[1].request_id))
+        budget = self.chunk_size if token_budget is None else min(token_budget, self.chunk_size)
+        plan = StepPlan(label=self.name)
+        used = 0
+        for _, req in scored:
+            if used >= budget or len(plan.prefills) >= self.max_batch_size:
+                break
+            if not self.admit(req, now):
+                continue
+            n = req.remaining_prefill
+            if used + n <= budget:
+                plan.prefills.append(self.chunk(req, n))
+                used += n
+            else:                                        # the partial chunk ends the step
+                plan.prefills.append(self.chunk(req, budget - used))
+                break
+        return plan if plan.prefills else None
+
+    # ---- line 22: UpdateThroughput -------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
+        if result.completed and result.duration > 0:
+            tokens = plan.num_prefill_tokens
+            observed = tokens / result.duration
+            if self.mu_ema > 0.0 and self._seconds_seen > 0.0:
+                self.throughput = (1.0 - self.mu_ema) * self.throughput + self.mu_ema * observed
+            else:
+                self._tokens_seen += tokens
+                self._seconds_seen += result.duration
+                self.throughput = self._tokens_seen / self._seconds_seen
+        return super().update(plan, result, now)

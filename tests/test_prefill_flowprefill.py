@@ -1,0 +1,305 @@
+"""FlowPrefill (flowprefill.txt §5): S-EDF ordering, SLO-aware batching (Algorithm 1), event-driven
+preemption and resumption of the same plan (Algorithm 2), the suspension bound, and the
+simulator / engine runs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from laneserve.core import SLO, RequestSpec
+from laneserve.core.kv import KVCacheManager
+from laneserve.core.plan import StepResult
+from laneserve.core.request import Phase, Request
+from laneserve.costmodel import PolynomialTTFT, make_cost_model
+from laneserve.policies import make
+from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
+from laneserve.policies.prefill.priority import OnlineTTFT, priority_key, priority_value
+from laneserve.sim import ClusterConfig, Simulator
+
+COST = make_cost_model("analytic", model="llama-3-8b", hardware="h100")
+LINEAR = lambda n: 1e-3 * n      # noqa: E731  (1 ms per token: easy arithmetic)
+
+
+def req(rid, arrival, prompt, ttft, out=4):
+    return Request(rid, arrival, prompt, out, SLO(ttft=ttft))
+
+
+def sched(**opts):
+    opts.setdefault("predictor", LINEAR)
+    return make("prefill", opts.pop("spec", "sedf"), KVCacheManager(4096, 16), **opts)
+
+
+# ---- priorities ---------------------------------------------------------------------------------
+def test_sedf_orders_feasible_by_deadline_then_late_behind():
+    now = 10.0
+    a = req(0, 9.0, 100, 2.0)      # deadline 11, slack 11-10-0.1 > 0
+    b = req(1, 9.5, 100, 1.0)      # deadline 10.5, slack 0.4 > 0  -> first
+    c = req(2, 8.0, 3000, 4.0)     # deadline 12, slack 12-10-3 < 0 -> late
+    d = req(3, 9.9, 3000, 4.5)     # deadline 14.4, slack 1.4 > 0
+    e = req(4, 5.0, 100, 4.9)      # deadline 9.9, slack < 0         -> late, earlier deadline
+    keys = {r.request_id: priority_key("sedf", r, now, LINEAR(r.prompt_len)) for r in (a, b, c, d, e)}
+    assert sorted(keys, key=keys.get) == [1, 0, 3, 2, 4]
+    # the paper's scalar sgn(slack)/deadline sorts the same way (descending)
+    vals = {r.request_id: priority_value("sedf", r, now, LINEAR(r.prompt_len)) for r in (a, b, c, d, e)}
+    assert sorted(vals, key=vals.get, reverse=True) == [1, 0, 3, 2, 4]
+    assert vals[2] < 0 < vals[3]
+
+
+def test_dedf_and_edf_ignore_predicted_time():
+    now = 10.0
+    c = req(2, 8.0, 3000, 4.0)     # can no longer make it (S-EDF) but its deadline is ahead
+    f = req(5, 9.0, 10, 3.5)       # deadline 12.5
+    assert priority_key("sedf", c, now, 3.0) > priority_key("sedf", f, now, 0.01)
+    assert priority_key("dedf", c, now, 3.0) < priority_key("dedf", f, now, 0.01)
+    assert priority_key("edf", c, now, 3.0) < priority_key("edf", f, now, 0.01)
+    late = req(6, 1.0, 10, 1.0)    # deadline passed: D-EDF drops it, naive EDF keeps it first
+    assert priority_key("dedf", late, now) > priority_key("dedf", f, now)
+    assert priority_key("edf", late, now) < priority_key("edf", f, now)
+
+
+def test_ties_break_by_arrival():
+    a, b = req(0, 1.0, 10, 2.0), req(1, 2.0, 10, 1.0)   # same deadline 3.0
+    assert priority_key("sedf", a, 1.5, 0.0) < priority_key("sedf", b, 1.5, 0.0)
+
+
+def test_predictor_from_cost_model_and_online():
+    s = make("prefill", "sedf", KVCacheManager(64, 16))
+    s.bind_cost_model(COST)
+    assert s.predict(4096) == pytest.approx(COST.prefill_time([(4096, 0)]), rel=0.1)
+    online = OnlineTTFT()
+    assert online(1000) == 0.0
+    for n in (100, 400, 1600, 3200):
+        online.observe(n, 1e-4 * n + 1e-8 * n * n)
+    assert online(800) == pytest.approx(1e-4 * 800 + 1e-8 * 800 ** 2, rel=0.05)
+    fitted = PolynomialTTFT.from_cost_model(COST)
+    s2 = make("prefill", "sedf", KVCacheManager(64, 16), predictor=fitted)
+    s2.bind_cost_model(make_cost_model("analytic", model="llama-3-8b", hardware="a100"))   # ignored
+    assert s2.predict(2048) == pytest.approx(fitted.predict(2048))
+
+
+# ---- Algorithm 1 ----------------------------------------------------------------------------------
+def test_batching_stops_at_head_deadline():
+    s = sched(token_budget=100_000)
+    s.add_request(req(0, 0.0, 50, 0.2), 0.0)           # head: 0.2 s left, 50 ms predicted
+    for i in range(1, 8):
+        s.add_request(req(i, 0.0, 40, 5.0), 0.0)
+    plan = s.schedule(0.0)
+    # add while 1ms*(50 + 40k) < 0.2 s  -> k <= 3 (170 tokens), the 4th would predict 0.21 s
+    assert [c.request.request_id for c in plan.prefills] == [0, 1, 2, 3]
+    assert plan.num_prefill_tokens == 170 and plan.preemptible and plan.preempt_granularity == "operator"
+
+
+def test_batching_stops_at_token_budget_and_can_be_disabled():
+    s = sched(token_budget=130)
+    s.add_request(req(0, 0.0, 50, 10.0), 0.0)
+    for i in range(1, 5):
+        s.add_request(req(i, 0.0, 40, 20.0 + i), 0.0)
+    plan = s.schedule(0.0)
+    assert plan.num_prefill_tokens == 90                 # 130 would not be < G
+    s2 = sched(batching=False)
+    for i in range(3):
+        s2.add_request(req(i, 0.0, 40, 10.0 + i), 0.0)
+    assert len(s2.schedule(0.0).prefills) == 1
+
+
+def test_batch_skips_a_candidate_that_does_not_fit_but_keeps_scanning():
+    s = sched(token_budget=200)
+    s.add_request(req(0, 0.0, 50, 10.0), 0.0)
+    s.add_request(req(1, 0.0, 500, 11.0), 0.0)          # too big for G
+    s.add_request(req(2, 0.0, 60, 12.0), 0.0)
+    assert [c.request.request_id for c in s.schedule(0.0).prefills] == [0, 2]
+
+
+# ---- Algorithm 2: preemption and resumption -------------------------------------------------------
+def test_preempt_only_for_more_urgent_and_resume_same_plan():
+    s = sched()
+    long = req(0, 0.0, 2000, 30.0)
+    s.add_request(long, 0.0)
+    plan = s.schedule(0.0)
+    assert plan.prefills[0].request is long
+    s.add_request(req(1, 0.1, 500, 60.0), 0.1)           # later deadline: no preemption
+    assert not s.should_preempt(plan, 0.1)
+    urgent = req(2, 0.2, 100, 0.5)
+    s.add_request(urgent, 0.2)
+    assert s.should_preempt(plan, 0.2)
+    plan.ops_done = 7                                    # the executor stopped at a boundary
+    s.update(plan, StepResult(duration=0.21, completed=False), 0.21)
+    assert long.phase is Phase.PREEMPTED and long.num_computed_tokens == 0
+    assert s.num_preemptions == 1 and s.next_wakeup() == pytest.approx(0.21 + s.max_suspension)
+    p2 = s.schedule(0.21)
+    assert p2 is not plan and p2.prefills[0].request is urgent
+    out = s.update(p2, StepResult(duration=0.1), 0.31)
+    assert out.prefilled == [urgent]
+    p3 = s.schedule(0.31)
+    assert p3 is plan and plan.ops_done == 7             # resumed where it stopped
+    assert not s.should_preempt(plan, 0.4)               # only the 60 s request waits
+    out = s.update(p3, StepResult(duration=1.8), 2.1)
+    assert out.prefilled == [long] and long.prefill_done and s.suspensions == [pytest.approx(0.1)]
+    p4 = s.schedule(2.1)
+    assert p4.prefills[0].request.request_id == 1
+    s.update(p4, StepResult(duration=0.5), 2.6)
+    assert s.schedule(2.6) is None and s.next_wakeup() is None
+
+
+def test_suspension_bound_forces_resume():
+    s = sched(max_suspension=1.0)
+    s.add_request(req(0, 0.0, 2000, 30.0), 0.0)
+    plan = s.schedule(0.0)
+    s.add_request(req(1, 0.1, 2000, 3.0), 0.1)
+    assert s.should_preempt(plan, 0.1)
+    s.update(plan, StepResult(duration=0.1, completed=False), 0.1)
+    p2 = s.schedule(0.1)
+    assert p2 is not plan
+    assert not s.should_preempt(p2, 0.9)                 # bound not reached yet
+    assert s.should_preempt(p2, 1.1)                     # wake-up at 1.1: the parked task is due
+    s.update(p2, StepResult(duration=1.0, completed=False), 1.1)
+    assert s.schedule(1.1) is plan and s.num_forced_resumes == 1
+    s.add_request(req(2, 1.2, 10, 0.05), 1.2)            # more urgent, but the forced task keeps running
+    assert not s.should_preempt(plan, 1.2)
+
+
+def test_chunk_granularity_steps_and_requeues():
+    s = sched(preemption="chunk", chunk=512)
+    s.add_request(req(0, 0.0, 1200, 30.0), 0.0)
+    sizes = []
+    while (plan := s.schedule(1.0)) is not None:
+        assert plan.preempt_granularity == "chunk" and not s.should_preempt(plan, 1.0)
+        sizes.append(plan.num_prefill_tokens)
+        s.update(plan, StepResult(duration=0.1), 1.0)
+    assert sizes == [512, 512, 176]
+
+
+def test_abort_member_of_parked_batch_requeues_the_rest():
+    s = sched()
+    for i in range(3):
+        s.add_request(req(i, 0.0, 50, 10.0 + i), 0.0)
+    plan = s.schedule(0.0)
+    assert len(plan.prefills) == 3
+    s.add_request(req(9, 0.1, 10, 0.3), 0.1)
+    s.update(plan, StepResult(duration=0.1, completed=False), 0.1)
+    s.abort(1, 0.1)
+    assert s.dropped_plans == [plan] and not s.parked and set(s.waiting) == {0, 2, 9}
+
+
+# ---- simulator properties ------------------------------------------------------------------------
+def random_specs(seed, n=120):
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rng.choice([4.0, 15.0]))
+        long = rng.random() < 0.25
+        prompt = rng.randint(2000, 16000) if long else rng.randint(10, 1500)
+        out.append(RequestSpec(i, t, prompt, rng.randint(1, 30),
+                               slo=SLO(ttft=rng.choice([0.1, 0.25, 2.0, 6.0]))))
+    return out
+
+
+@pytest.fixture
+def chunk_log(monkeypatch):
+    """Every completed prefill chunk (request id, start, end), to prove each prompt token is
+    computed exactly once."""
+    log: list[tuple[int, int, int]] = []
+    original = FlowPrefillScheduler.update
+
+    def update(self, plan, result, now):
+        if result.completed:
+            log.extend((c.request.request_id, c.start, c.end) for c in plan.prefills)
+        return original(self, plan, result, now)
+
+    monkeypatch.setattr(FlowPrefillScheduler, "update", update)
+    return log
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("spec", ["sedf", "sedf-layer", "sedf-chunk", "dedf", "edf:batching=false"])
+def test_suspension_bound_and_conservation_on_random_workloads(seed, spec, chunk_log):
+    max_susp = 0.2
+    specs = random_specs(seed)
+    sim = Simulator(ClusterConfig(prefill_policy=f"{spec}:max_suspension={max_susp}" if ":" not in spec
+                                  else f"{spec},max_suspension={max_susp}"), COST)
+    result = sim.run(specs)
+    assert result.unfinished == 0
+    assert all(r.phase is Phase.FINISHED and r.num_output_tokens == r.max_output_tokens for r in result.requests)
+    tiles: dict[int, list[tuple[int, int]]] = {}
+    for rid, start, end in chunk_log:
+        tiles.setdefault(rid, []).append((start, end))
+    for r in result.requests:          # each prompt computed exactly once, in order
+        spans = sorted(tiles[r.request_id])
+        assert spans[0][0] == 0 and spans[-1][1] == r.prompt_len
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    s = sim.front[0].scheduler
+    biggest = max(max(x.prompt_len for x in specs), s.token_budget)
+    one_layer = COST.prefill_time([(biggest, 0)]) / COST.model.num_layers
+    unit = {"sedf-chunk": COST.prefill_time([(s.chunk_size, 0)])}.get(spec, one_layer)
+    assert all(d <= max_susp + unit + 1e-9 for d in s.suspensions)
+    if spec != "sedf-chunk":
+        assert s.num_preemptions > 0 and len(s.suspensions) == s.num_preemptions
+    assert not s.parked and s.running is None and s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_sedf_beats_fcfs_on_the_four_class_mix():
+    from laneserve.bench.metrics import summarize
+    from laneserve.workloads import make_workload
+
+    wl = make_workload("flowprefill_mix", model="Llama3-8B", n=300, rate=10.0)
+    att = {}
+    for pol in ("fcfs", "sedf"):
+        res = Simulator(ClusterConfig(prefill_policy=pol), COST).run(wl.specs)
+        att[pol] = summarize(res.requests, duration=res.duration)["attainment_ttft"]
+    assert att["sedf"] > att["fcfs"] + 0.1
+
+
+# ---- engine: scheduling does not change greedy tokens --------------------------------------------
+class TickClock:
+    """Advances a fixed tick on every reading: arrivals become due at operator boundaries
+    deterministically, whatever the machine's speed."""
+
+    def __init__(self, tick: float = 1.0) -> None:
+        self.t, self.tick = 0.0, tick
+
+    def now(self) -> float:
+        self.t += self.tick
+        return self.t
+
+
+def _engine_pd_run(prefill_spec: str) -> tuple[dict[int, list[int]], object]:
+    from engine_support import make_executor, prompts
+    from laneserve.core.sampling import SamplingParams
+    from laneserve.engine.instance import EngineInstance
+
+    pex, dex = make_executor("qwen3", num_blocks=256), make_executor("qwen3", num_blocks=256)
+    clock = TickClock()
+    psched = make("prefill", prefill_spec, pex.kv)
+    dsched = make("decode", "continuous", dex.kv)
+    pinst, dinst = EngineInstance(psched, pex, clock=clock), EngineInstance(dsched, dex, clock=clock)
+    lengths = [180, 12, 30, 150, 9, 20]
+    due = [0.0, 3.0, 5.0, 6.0, 30.0, 31.0]           # in clock ticks: the short ones land mid-prefill
+    ttft = [500.0, 20.0, 40.0, 800.0, 15.0, 25.0]
+    reqs = []
+    for i, (p, at, slo) in enumerate(zip(prompts(lengths, seed=3), due, ttft)):
+        r = Request(i, at, len(p), 5, SLO(ttft=slo), prompt_token_ids=list(p))
+        r.sampling = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        pinst.submit(r, at=at)
+        reqs.append(r)
+    for _ in range(10_000):
+        if pinst.idle and dinst.idle:
+            break
+        out = pinst.step()
+        for r in out.prefilled if out else []:
+            payload = pex.export_kv(r.request_id, r.num_computed_tokens)
+            psched.release(r.request_id)
+            dsched.reserve(r)
+            dex.import_kv(r.request_id, payload)
+            dsched.add_request(r, clock.now())
+        dinst.step()
+    assert all(r.phase is Phase.FINISHED for r in reqs)
+    return {r.request_id: r.output_token_ids for r in reqs}, psched
+
+
+def test_engine_sedf_with_operator_preemption_keeps_greedy_tokens():
+    fcfs, _ = _engine_pd_run("fcfs")
+    sedf, sched_ = _engine_pd_run("sedf")
+    assert sched_.num_preemptions > 0 and not sched_.parked
+    assert sedf == fcfs and all(len(t) == 5 for t in sedf.values())
