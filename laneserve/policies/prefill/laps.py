@@ -38,7 +38,9 @@ from laneserve.core.plan import PrefillChunk, StepPlan
 from laneserve.core.request import Request
 from laneserve.policies.prefill.base import PrefillScheduler
 from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig, ShapeGrid
-from laneserve.policies.prefill.laps_lanes import LANE_TAG, LONG, SHORT, Classifier, Lane, lane_order
+from laneserve.policies.prefill.laps_lanes import (LANE_TAG, LONG, SHORT, Classifier, Lane, LaneOrder,
+                                                   lane_order)
+from laneserve.policies.prefill.priority import make_predictor, priority_key
 from laneserve.policies.registry import register
 
 MODES = ("temporal", "spatial")
@@ -65,7 +67,7 @@ class LapsPrefill(PrefillScheduler):
             raise ValueError("long_chunk, short_budget and max_short_streak must be >= 1")
         self.mode = mode
         self.classifier = Classifier(boundary)
-        lane_ord = lane_order(order)
+        lane_ord = self._lane_order(order)
         self.lanes = {SHORT: Lane(SHORT, lane_ord), LONG: Lane(LONG, lane_ord)}
         self.grid = ShapeGrid()
         self.shape_buckets = shape_buckets
@@ -233,7 +235,26 @@ class LapsPrefill(PrefillScheduler):
         return plan
 
     # ---- after a step --------------------------------------------------------------------
+    # ---- composition: FlowPrefill's slack-aware orders inside each lane ----------------------
+    def _lane_order(self, order: str) -> LaneOrder:
+        """``fcfs``/``edf`` (static), or ``sedf``/``dedf`` — FlowPrefill's sgn(slack)/deadline
+        priorities, whose slack needs a TTFT prediction of the remaining tokens: a polynomial
+        fitted to the instance's cost model (:meth:`bind_cost_model`) or, without one, learned
+        online from this instance's completed steps."""
+        if order not in ("sedf", "dedf"):
+            self.predict, self._online = None, False
+            return lane_order(order)
+        self.predict, self._online = make_predictor(None, None)
+        return LaneOrder(order, lambda r, now: priority_key(order, r, now, self.predict(r.remaining_prefill)),
+                         dynamic=True)
+
+    def bind_cost_model(self, cost_model) -> None:
+        if self._online:
+            self.predict, self._online = make_predictor(None, cost_model)
+
     def update(self, plan: StepPlan, result, now: float):
+        if self._online and result.completed and plan.prefills:
+            self.predict.observe(plan.num_prefill_tokens, result.duration)
         lane = self._plan_lane.pop(plan.plan_id, None)
         outcome = super().update(plan, result, now)
         if not result.completed:                    # parked (not preemptible here); keep lane

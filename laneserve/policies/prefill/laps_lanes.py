@@ -52,7 +52,7 @@ def lane_order(name: str) -> LaneOrder:
         return LANE_ORDERS[name]
     except KeyError:
         raise ValueError(f"unknown LAPS lane order {name!r}; registered: {', '.join(sorted(LANE_ORDERS))}"
-                         " (S-EDF registers as 'sedf' when its module is loaded)") from None
+                         " (LapsPrefill adds 'sedf' and 'dedf', which need a TTFT predictor)") from None
 
 
 @dataclass(slots=True)
