@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -99,7 +100,7 @@ class StepTimeLUT:
 
     @staticmethod
     def _bucket(edges: tuple[int, ...], value: float) -> int:
-        return min(int(np.searchsorted(edges, value, side="left")), len(edges) - 1)
+        return min(bisect_left(edges, value), len(edges) - 1)
 
     def set(self, batch_size: int, length: int, seconds: float, count: int = 1) -> None:
         i, j = self._bucket(self.batch_edges, batch_size), self._bucket(self.length_edges, length)
@@ -113,15 +114,24 @@ class StepTimeLUT:
         self.counts[i, j] = n + 1
 
     def lookup(self, batch_size: float, length: float) -> float:
+        # hot path (a decode policy calls it per request per step): plain floats, no temporaries
+        bi, bw = self._position(self.batch_edges, batch_size)
+        li, lw = self._position(self.length_edges, length)
+        if self.interpolate:
+            means = self.means
+            total = 0.0
+            for i, j, w in ((bi, li, (1 - bw) * (1 - lw)), (bi + 1, li, bw * (1 - lw)),
+                            (bi, li + 1, (1 - bw) * lw), (bi + 1, li + 1, bw * lw)):
+                if w:
+                    m = means[i, j]
+                    if m != m:          # NaN: an empty corner, fall back to the nearest filled cell
+                        break
+                    total += w * m
+            else:
+                return float(total)
         filled = ~np.isnan(self.means)
         if not filled.any():
             raise LookupError("StepTimeLUT is empty")
-        bi, bw = self._position(self.batch_edges, batch_size)
-        li, lw = self._position(self.length_edges, length)
-        corners = [(bi, li), (bi + 1, li), (bi, li + 1), (bi + 1, li + 1)]
-        weights = [(1 - bw) * (1 - lw), bw * (1 - lw), (1 - bw) * lw, bw * lw]
-        if self.interpolate and all(filled[c] or w == 0 for c, w in zip(corners, weights)):
-            return float(sum(w * self.means[c] for c, w in zip(corners, weights) if w))
         target = (bi + bw, li + lw)
         cells = np.argwhere(filled)
         nearest = cells[np.argmin(np.abs(cells - np.asarray(target)).sum(axis=1))]
@@ -134,7 +144,7 @@ class StepTimeLUT:
             return 0, 0.0
         if value >= edges[-1]:
             return len(edges) - 2, 1.0
-        i = int(np.searchsorted(edges, value, side="right")) - 1
+        i = bisect_right(edges, value) - 1
         lo, hi = math.log2(edges[i]), math.log2(edges[i + 1])
         return i, (math.log2(value) - lo) / (hi - lo)
 
