@@ -9,13 +9,15 @@ from laneserve import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from laneserve.commands import profile, sim
+    from laneserve.commands import bench, profile, serve, sim
     parser = argparse.ArgumentParser(prog="laneserve", description=(
         "Length- and SLO-aware LLM serving for prefill/decode disaggregated deployments."))
     parser.add_argument("--version", action="version", version=f"laneserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sim.add_parser(sub)
     profile.add_parser(sub)
+    serve.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -1,6 +1,16 @@
 """Running engine instances together: routing, KV transfer between prefill and decode instances,
-and (in later work) process launch."""
+and process launch (:mod:`.process`: the router side; :mod:`.worker`: an instance process;
+:mod:`.stub`: a no-model measurement harness; :mod:`.transport`: KV transports).
 
-from laneserve.cluster.local import LocalCluster
+``LocalCluster`` is imported lazily so that the router and stub processes never import torch."""
+
+from __future__ import annotations
 
 __all__ = ["LocalCluster"]
+
+
+def __getattr__(name: str):
+    if name == "LocalCluster":
+        from laneserve.cluster.local import LocalCluster
+        return LocalCluster
+    raise AttributeError(f"module 'laneserve.cluster' has no attribute {name!r}")

@@ -1,0 +1,213 @@
+"""An asyncio load generator for any OpenAI-compatible server (issue 6, item 5; the counterpart of
+``vllm bench serve``).
+
+A workload (named or a trace) is replayed against ``/v1/completions``: request *i* is sent at its
+arrival offset (the workload's own arrival pattern rescaled to the requested rate, or all at once
+for an infinite rate), optionally under a concurrency cap. Prompts are synthesised token ids of the
+trace's prompt lengths (deterministic by seed; the completions endpoint accepts token-id prompts,
+as vLLM's does) with ``max_tokens`` = the trace's output length and ``ignore_eos`` (vLLM's
+extension), so the server does exactly the work the trace describes. Responses are streamed and
+every chunk's arrival time is recorded: TTFT = first token chunk - send time, ITL = gaps between
+chunks, output tokens from the usage chunk (``stream_options.include_usage``).
+
+With laneserve extensions on (default), each request also carries its SLO (``slo: {ttft_ms,
+tpot_ms}``, ``slo_class``) so SLO-aware policies see it, and asks for ``return_token_ids`` so a
+model without a tokenizer still shows its tokens; turn them off for other servers.
+
+Results become :class:`~laneserve.core.request.Request` objects with their timestamps, so
+:func:`laneserve.bench.metrics.summarize` computes vLLM's metric keys plus SLO attainment exactly
+as for a simulated run — which is what makes the side-by-side with the simulator meaningful.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from laneserve.core.request import Phase, Request, RequestSpec
+
+
+@dataclass(slots=True)
+class LoadConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint: str = "/v1/completions"
+    model: str | None = None                # None: the first id of /v1/models
+    max_concurrency: int | None = None
+    laneserve_extensions: bool = True       # send slo / slo_class / return_token_ids
+    vocab_size: int | None = None           # None: /v1/models' vocab_size, else 1000
+    seed: int = 0
+    timeout: float = 600.0
+    progress: bool | None = None
+    temperature: float = 0.0
+
+
+@dataclass(slots=True)
+class RequestOutcome:
+    spec: RequestSpec
+    success: bool = False
+    send: float = 0.0                       # seconds from the run start
+    first: float | None = None
+    chunks: list[float] = field(default_factory=list)
+    end: float | None = None
+    output_tokens: int = 0
+    error: str = ""
+    status: int | None = None
+
+
+@dataclass(slots=True)
+class LoadResult:
+    outcomes: list[RequestOutcome]
+    duration: float
+    model: str
+
+
+def synth_prompt(spec: RequestSpec, vocab_size: int, seed: int) -> list[int]:
+    """Deterministic token ids of the spec's prompt length (the spec's own ids when it has them)."""
+    if spec.prompt_token_ids:
+        return [int(t) % vocab_size for t in spec.prompt_token_ids]
+    rng = random.Random(seed * 1_000_003 + spec.request_id)
+    lo, hi = min(10, vocab_size - 2), max(11, vocab_size - 2)
+    return [rng.randrange(lo, hi) for _ in range(spec.prompt_len)]
+
+
+async def _model_info(session, cfg: LoadConfig) -> tuple[str, int | None]:
+    async with session.get(cfg.base_url.rstrip("/") + "/v1/models") as resp:
+        data = await resp.json()
+    first = data["data"][0]
+    return first["id"], first.get("vocab_size")
+
+
+async def _one(session, cfg: LoadConfig, url: str, model: str, vocab: int, spec: RequestSpec, t0: float,
+               out: RequestOutcome) -> None:
+    payload: dict[str, Any] = {"model": model, "prompt": synth_prompt(spec, vocab, cfg.seed),
+                               "max_tokens": spec.output_len, "ignore_eos": True, "temperature": cfg.temperature,
+                               "stream": True, "stream_options": {"include_usage": True}}
+    if cfg.laneserve_extensions:
+        slo = {k: v * 1e3 for k, v in (("ttft_ms", spec.slo.ttft), ("tpot_ms", spec.slo.tpot)) if v is not None}
+        if slo:
+            payload["slo"] = slo
+        payload["slo_class"] = spec.slo_class
+        payload["return_token_ids"] = True
+    out.send = time.perf_counter() - t0
+    usage_tokens = None
+    counted = 0
+    try:
+        async with session.post(url, json=payload) as resp:
+            out.status = resp.status
+            if resp.status != 200:
+                out.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                now = time.perf_counter() - t0
+                obj = json.loads(data)
+                if "error" in obj:
+                    out.error = str(obj["error"].get("message", obj["error"]))
+                    return
+                if obj.get("usage"):
+                    usage_tokens = obj["usage"].get("completion_tokens")
+                for ch in obj.get("choices") or ():
+                    n = len(ch.get("token_ids") or ()) or (1 if ch.get("text") else 0)
+                    if n:
+                        counted += n
+                        out.chunks.append(now)
+                        if out.first is None:
+                            out.first = now
+        out.end = time.perf_counter() - t0
+        out.output_tokens = usage_tokens if usage_tokens is not None else counted
+        out.success = out.first is not None
+        if not out.success:
+            out.error = "no tokens received"
+    except Exception as exc:  # noqa: BLE001 - timeouts, aiohttp.ClientError, bad JSON: a failed request
+        out.error = f"{type(exc).__name__}: {exc}"
+
+
+async def run_load(cfg: LoadConfig, specs: Sequence[RequestSpec], *, rate: float | None = None) -> LoadResult:
+    """Send ``specs`` at their arrival offsets (all at t=0 when ``rate`` is ``inf``)."""
+    import aiohttp
+
+    from laneserve.bench.progress import progress_bar
+    timeout = aiohttp.ClientTimeout(total=cfg.timeout)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        model, vocab = (cfg.model, cfg.vocab_size)
+        if model is None or vocab is None:
+            m, v = await _model_info(session, cfg)
+            model = model or m
+            vocab = vocab or v or 1000
+        url = cfg.base_url.rstrip("/") + cfg.endpoint
+        sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        outcomes = [RequestOutcome(s) for s in specs]
+        bar = progress_bar(total=len(specs), desc="requests", enabled=cfg.progress)
+        base = specs[0].arrival_time if specs else 0.0
+        t0 = time.perf_counter()
+
+        async def fire(spec: RequestSpec, out: RequestOutcome) -> None:
+            at = 0.0 if rate is not None and math.isinf(rate) else spec.arrival_time - base
+            delay = at - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem is not None:
+                async with sem:
+                    await _one(session, cfg, url, model, vocab, spec, t0, out)
+            else:
+                await _one(session, cfg, url, model, vocab, spec, t0, out)
+            bar.update(1)
+
+        await asyncio.gather(*(fire(s, o) for s, o in zip(specs, outcomes)))
+        duration = time.perf_counter() - t0
+        bar.close()
+    return LoadResult(outcomes, duration, model)
+
+
+def to_requests(result: LoadResult) -> list[Request]:
+    """The outcomes as core requests with timestamps (arrival = send time), for ``summarize``."""
+    reqs = []
+    for o in result.outcomes:
+        s = o.spec
+        r = Request(request_id=s.request_id, arrival_time=o.send, prompt_len=s.prompt_len,
+                    max_output_tokens=s.output_len, slo=s.slo, slo_class=s.slo_class, priority=s.priority)
+        t = r.times
+        if o.success:
+            t.first_token = o.first
+            t.last_token = o.chunks[-1] if o.chunks else o.first
+            t.finished = o.end
+            t.token_times = list(o.chunks)
+            if len(o.chunks) >= 2:
+                t.max_itl = max(b - a for a, b in zip(o.chunks, o.chunks[1:]))
+            r.num_output_tokens = o.output_tokens
+            r.phase = Phase.FINISHED
+            r.finish_reason = "length"
+        else:
+            r.phase = Phase.ABORTED
+            r.finish_reason = "error"
+            t.finished = o.end
+        reqs.append(r)
+    return reqs
+
+
+def bench_summary(result: LoadResult) -> dict[str, Any]:
+    """``vllm bench serve``'s result keys (metrics + per-request lists) plus SLO attainment."""
+    from laneserve.bench.metrics import summarize
+    reqs = to_requests(result)
+    s = summarize(reqs, duration=result.duration)
+    outs = result.outcomes
+    s.update({"model_id": result.model, "num_prompts": len(outs),
+              "input_lens": [o.spec.prompt_len for o in outs],
+              "output_lens": [o.output_tokens for o in outs],
+              "ttfts": [(o.first - o.send) if o.first is not None else None for o in outs],
+              "itls": [[b - a for a, b in zip(o.chunks, o.chunks[1:])] for o in outs],
+              "errors": [o.error for o in outs],
+              "rejected_429": sum(1 for o in outs if o.status == 429)})
+    return s

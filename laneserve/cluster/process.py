@@ -1,0 +1,440 @@
+"""The router side of a multi-process deployment: launches one process per instance (or threads,
+for the single-process colocated mode), talks to them over ZeroMQ, routes requests and KV
+hand-offs, detects crashed instances and applies admission control (issue 6).
+
+Topology (all sockets bound here, workers connect): one PULL socket receives every instance's
+messages; one PUSH socket per instance sends it ``add`` / ``transfer`` / ``abort`` / ``stop``. A
+finished prefill comes back as a ``handoff`` (first token + KV descriptor); the decode router
+picks a decode instance among the live ones and forwards it as a ``transfer``, so the router
+always knows where each request is and can cancel it there.
+
+Load figures for routers (``policies.routing.InstanceLoad``) are the instance's latest ``stats``
+plus what was sent to it after that snapshot (``added`` counts the messages it processed), so
+back-to-back arrivals do not all see the same stale figure.
+
+Crash handling: a monitor task polls each process (``Popen.poll``) or thread; a dead instance
+stops accepting, every request on it fails with a clear error, requests still prefilling
+elsewhere are routed to the surviving decode instances, and nothing waits on it any more. A
+worker stuck in a step is not detected (no heartbeat deadline): steps can legitimately be long.
+
+Admission control: at most ``max_inflight`` requests in the system and ``max_queued_tokens``
+prompt tokens waiting on prefill instances; beyond that :class:`Overloaded` (HTTP 429) with a
+``retry_after`` estimated from the recent completion rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from laneserve.cluster.messages import EpochClock, pack, request_fields, unpack
+from laneserve.cluster.transport import default_shm_dir, discard_descriptor
+from laneserve.cluster.worker import WorkerSpec
+from laneserve.core.request import Request
+from laneserve.core.sampling import SamplingParams
+from laneserve.core.slo import SLO
+from laneserve.policies import registry
+
+WORKER_MODULES = {"engine": "laneserve.cluster.worker", "stub": "laneserve.cluster.stub"}
+
+
+class Overloaded(Exception):
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Unavailable(Exception):
+    """No live instance can take the request."""
+
+
+@dataclass(slots=True)
+class ClusterSpec:
+    model: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    colocated: bool = False
+    in_process: bool = False              # instances as threads of this process (colocated mode)
+    prefill_policy: str = "fcfs"
+    decode_policy: str = "continuous"
+    router: str = "round-robin"
+    decode_router: str = "least-loaded"
+    kv_tokens: int = 65536
+    engine: dict[str, Any] = field(default_factory=dict)
+    devices: tuple[str, ...] = ("cpu",)
+    transport: str = "shm"
+    worker: str = "engine"                # "engine" | "stub" (a measurement harness)
+    stub_token_delay: float = 0.0
+    max_inflight: int = 256
+    max_queued_tokens: int | None = None
+    startup_timeout: float = 180.0
+
+    @property
+    def colocated_policy(self) -> str:
+        return f"colocated:prefill={self.prefill_policy},decode={self.decode_policy}"
+
+
+@dataclass(slots=True)
+class InstanceHandle:
+    """One instance as the router sees it (satisfies ``policies.routing.InstanceLoad``)."""
+
+    instance_id: int
+    role: str
+    policy: str
+    device: str
+    sock: Any = None
+    proc: Any = None                     # subprocess.Popen or threading.Thread
+    alive: bool = True
+    ready: bool = False
+    info: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    sent: deque = field(default_factory=deque)    # (seq, prompt tokens) sent after the stats snapshot
+    seq: int = 0
+    exit_reason: str | None = None
+
+    @property
+    def accepting(self) -> bool:
+        return self.alive and self.ready
+
+    def _pending(self) -> tuple[int, int]:
+        added = self.stats.get("added", 0)
+        while self.sent and self.sent[0][0] <= added:
+            self.sent.popleft()
+        return len(self.sent), sum(t for _, t in self.sent)
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.stats.get("queued_tokens", 0) + self._pending()[1]
+
+    @property
+    def num_waiting(self) -> int:
+        return self.stats.get("waiting", 0) + self._pending()[0]
+
+    @property
+    def num_running(self) -> int:
+        return self.stats.get("running", 0)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.stats.get("kv_usage", 0.0)
+
+    def process_alive(self) -> bool:
+        if isinstance(self.proc, threading.Thread):
+            return self.proc.is_alive()
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass(slots=True)
+class Track:
+    """A request in flight: where it is and where its events go."""
+
+    rid: int
+    request: Request
+    events: asyncio.Queue
+    stage: str = "prefill"                # prefill | decode | done
+    instance: int = -1
+    prefill_instance: int = -1
+    aborted: bool = False
+
+
+class ProcessCluster:
+    def __init__(self, spec: ClusterSpec, *, log: Callable[[str], None] | None = None) -> None:
+        self.spec = spec
+        self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.clock = EpochClock()
+        self.instances: list[InstanceHandle] = []
+        self.tracks: dict[int, Track] = {}
+        self._ids = itertools.count(1)
+        self._completions: deque[float] = deque(maxlen=512)
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+        self.on_instance_down: Callable[[InstanceHandle], None] | None = None
+        self.router = registry.make("router", spec.router)
+        self.decode_router = registry.make("router", spec.decode_router)
+
+    # ---- topology ------------------------------------------------------------------------
+    @property
+    def front(self) -> list[InstanceHandle]:
+        """Instances that take new requests (prefill or colocated)."""
+        return [h for h in self.instances if h.role != "decode"]
+
+    @property
+    def decoders(self) -> list[InstanceHandle]:
+        return [h for h in self.instances if h.role == "decode"]
+
+    @property
+    def limits(self) -> dict[str, int]:
+        """What every request must fit: the smallest context length and KV capacity."""
+        ready = [h for h in self.instances if h.info]
+        return {"max_model_len": min(h.info["max_model_len"] for h in ready),
+                "kv_tokens": min(h.info["kv_blocks"] * h.info["block_size"] for h in ready),
+                "vocab_size": min(h.info["vocab_size"] for h in ready)}
+
+    def _roles(self) -> list[tuple[str, str]]:
+        s = self.spec
+        if s.colocated:
+            return [("colocated", s.colocated_policy)] * s.num_prefill
+        return [("prefill", s.prefill_policy)] * s.num_prefill + [("decode", s.decode_policy)] * s.num_decode
+
+    # ---- start / stop ----------------------------------------------------------------------
+    async def start(self) -> None:
+        s = self.spec
+        self.ctx = zmq.asyncio.Context()
+        self.ipc_dir = Path(tempfile.mkdtemp(prefix="ls-", dir="/tmp"))
+        self.kv_dir = Path(tempfile.mkdtemp(prefix="laneserve-kv-", dir=default_shm_dir()))
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        outbox = f"ipc://{self.ipc_dir}/out"
+        self.pull.bind(outbox)
+        self._sync_ctx = zmq.Context() if s.in_process else None
+        for i, (role, policy) in enumerate(self._roles()):
+            device = s.devices[i % len(s.devices)]
+            h = InstanceHandle(i, role, policy, device)
+            h.sock = self.ctx.socket(zmq.PUSH)
+            h.sock.setsockopt(zmq.LINGER, 0)
+            inbox = f"ipc://{self.ipc_dir}/in{i}"
+            h.sock.bind(inbox)
+            opts = {"token_delay": s.stub_token_delay} if s.worker == "stub" else {}
+            wspec = WorkerSpec(instance_id=i, role=role, policy=policy, model=str(s.model), inbox=inbox,
+                               outbox=outbox, epoch=self.clock.epoch, transport=s.transport,
+                               transport_dir=str(self.kv_dir), kv_tokens=s.kv_tokens, engine=dict(s.engine),
+                               policy_opts=opts, device=device)
+            h.proc = self._launch(wspec)
+            self.instances.append(h)
+        self._tasks.append(asyncio.create_task(self._read_loop(), name="cluster-reader"))
+        await self._wait_ready()
+        self._tasks.append(asyncio.create_task(self._monitor_loop(), name="cluster-monitor"))
+
+    def _launch(self, wspec: WorkerSpec):
+        s = self.spec
+        if s.in_process:
+            if s.worker == "stub":
+                from laneserve.cluster.stub import StubWorker
+                target = lambda: StubWorker(wspec, self._sync_ctx).serve()  # noqa: E731
+            else:
+                from laneserve.cluster.worker import run_worker
+                target = lambda: run_worker(wspec, self._sync_ctx)  # noqa: E731
+            t = threading.Thread(target=target, name=f"instance-{wspec.instance_id}", daemon=True)
+            t.start()
+            return t
+        env = dict(os.environ)
+        threads = s.engine.get("num_threads")
+        if threads:
+            env.setdefault("OMP_NUM_THREADS", str(threads))
+        return subprocess.Popen([sys.executable, "-m", WORKER_MODULES[s.worker], wspec.to_json()], env=env)
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.spec.startup_timeout
+        while not all(h.ready for h in self.instances):
+            for h in self.instances:
+                if not h.ready and (not h.process_alive() or h.exit_reason):
+                    raise RuntimeError(f"instance {h.instance_id} ({h.role}) failed to start: "
+                                       f"{h.exit_reason or 'process exited'}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"instances not ready after {self.spec.startup_timeout:.0f} s")
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for h in self.instances:
+            if h.alive:
+                with contextlib.suppress(Exception):
+                    await h.sock.send(pack({"k": "stop"}))
+        deadline = time.monotonic() + 5.0
+        for h in self.instances:
+            while h.process_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if isinstance(h.proc, subprocess.Popen) and h.proc.poll() is None:
+                h.proc.kill()
+                h.proc.wait(timeout=5)
+        for t in self._tasks:
+            t.cancel()
+        for track in list(self.tracks.values()):
+            self._fail(track, "server shutting down")
+        for h in self.instances:
+            h.sock.close()
+        self.pull.close()
+        self.ctx.term()
+        if self._sync_ctx is not None:
+            self._sync_ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        shutil.rmtree(self.kv_dir, ignore_errors=True)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def admission(self, prompt_len: int) -> None:
+        """Raise :class:`Overloaded` or :class:`Unavailable` when a new request must be refused."""
+        s = self.spec
+        front = [h for h in self.front if h.accepting]
+        if not front:
+            raise Unavailable("no prefill instance is available (all crashed or stopped)")
+        if not s.colocated and not any(h.accepting for h in self.decoders):
+            raise Unavailable("no decode instance is available (all crashed or stopped)")
+        if len(self.tracks) >= s.max_inflight:
+            raise Overloaded(f"server overloaded: {len(self.tracks)} requests in flight "
+                             f"(limit {s.max_inflight})", self.retry_after(len(self.tracks) - s.max_inflight + 1))
+        if s.max_queued_tokens is not None:
+            queued = sum(h.queued_tokens for h in front)
+            if queued + prompt_len > s.max_queued_tokens:
+                raise Overloaded(f"server overloaded: {queued} prompt tokens queued "
+                                 f"(limit {s.max_queued_tokens})", self.retry_after(1))
+
+    def retry_after(self, excess: int) -> int:
+        now = time.monotonic()
+        recent = [t for t in self._completions if now - t < 10.0]
+        rate = len(recent) / 10.0 if recent else 0.0
+        return max(1, min(60, math.ceil(excess / rate))) if rate > 0 else 1
+
+    def submit(self, prompt_ids: list[int], sampling: SamplingParams, *, slo: SLO = SLO(),
+               slo_class: str = "default", priority: int = 0, arrival: float | None = None) -> Track:
+        self.admission(len(prompt_ids))
+        rid = next(self._ids)
+        now = self.clock.now()
+        req = Request(request_id=rid, arrival_time=now if arrival is None else arrival, prompt_len=len(prompt_ids),
+                      max_output_tokens=sampling.max_tokens, slo=slo, slo_class=slo_class, priority=priority,
+                      prompt_token_ids=prompt_ids, sampling=sampling)
+        front = self.front
+        i = self.router.route(req, front, now)
+        h = front[i]
+        track = Track(rid, req, asyncio.Queue(), instance=h.instance_id, prefill_instance=h.instance_id)
+        self.tracks[rid] = track
+        self._send(h, {"k": "add", **request_fields(rid, prompt_ids, sampling, req.arrival_time, slo,
+                                                      slo_class, priority)}, tokens=len(prompt_ids))
+        return track
+
+    def abort(self, rid: int) -> None:
+        """Cancel ``rid`` on the instance that holds it (its KV is freed there)."""
+        track = self.tracks.pop(rid, None)
+        if track is None:
+            return
+        track.aborted = True
+        h = self.instances[track.instance]
+        if h.alive:
+            self._send(h, {"k": "abort", "rids": [rid]})
+
+    def _send(self, h: InstanceHandle, msg: dict, tokens: int | None = None) -> None:
+        if tokens is not None:
+            h.seq += 1
+            h.sent.append((h.seq, tokens))
+        h.sock.send(pack(msg), copy=False)    # zmq.asyncio: queued at once, never blocks the loop
+
+    def _fail(self, track: Track, message: str) -> None:
+        self.tracks.pop(track.rid, None)
+        track.stage = "done"
+        track.events.put_nowait(("err", message))
+
+    # ---- instance messages -------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        while True:
+            msg = unpack(await self.pull.recv())
+            try:
+                self._on_message(msg)
+            except Exception as exc:  # noqa: BLE001 - a bad message must not kill the router
+                self.log(f"laneserve: router error on {msg.get('k')!r} message: {exc!r}")
+
+    def _on_message(self, msg: dict) -> None:
+        kind = msg["k"]
+        h = self.instances[msg["inst"]]
+        if kind == "tok":
+            for rid, toks, finish, lp, info in msg["items"]:
+                track = self.tracks.get(rid)
+                if track is None:
+                    continue
+                if finish is not None:
+                    self.tracks.pop(rid, None)
+                    track.stage = "done"
+                    self._completions.append(time.monotonic())
+                track.events.put_nowait(("tok", toks, finish, lp, info))
+        elif kind == "handoff":
+            self._on_handoff(h, msg)
+        elif kind == "stats":
+            h.stats = msg
+        elif kind == "err":
+            for rid in msg["rids"]:
+                track = self.tracks.get(rid)
+                if track is not None:
+                    self._fail(track, f"instance {h.instance_id} ({h.role}): {msg['msg']}")
+        elif kind == "ready":
+            h.info = msg["info"]
+            h.ready = True
+            self.log(f"laneserve: instance {h.instance_id} ({h.role}, {h.info.get('policy')}, "
+                     f"{h.info.get('device')}) ready, pid {h.info.get('pid')}")
+        elif kind == "fatal":
+            h.exit_reason = msg["msg"]
+
+    def _on_handoff(self, src: InstanceHandle, msg: dict) -> None:
+        rid = msg["rid"]
+        track = self.tracks.get(rid)
+        if track is None or track.aborted:
+            discard_descriptor(msg.get("kv"))
+            return
+        track.events.put_nowait(("tok", msg["out"], None, msg.get("lp"), msg.get("info")))
+        decoders = self.decoders
+        try:
+            d = self.decode_router.route(track.request, decoders, self.clock.now())
+        except RuntimeError:
+            discard_descriptor(msg.get("kv"))
+            self._fail(track, "no decode instance is available (all crashed or stopped)")
+            return
+        dst = decoders[d]
+        track.stage, track.instance = "decode", dst.instance_id
+        r = track.request
+        fields = request_fields(rid, r.prompt_token_ids, r.sampling, r.arrival_time, r.slo, r.slo_class, r.priority)
+        self._send(dst, {"k": "transfer", **fields, "out": msg["out"], "computed": msg["computed"],
+                         "t_first": msg["t_first"], "kv": msg.get("kv"), "info": msg.get("info")}, tokens=0)
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            for h in self.instances:
+                if h.alive and not h.process_alive():
+                    self._instance_down(h)
+
+    def _instance_down(self, h: InstanceHandle) -> None:
+        h.alive = False
+        code = h.proc.returncode if isinstance(h.proc, subprocess.Popen) else None
+        h.exit_reason = h.exit_reason or f"exit code {code}"
+        self.log(f"laneserve: instance {h.instance_id} ({h.role}) is down ({h.exit_reason}); "
+                 "failing its requests and routing around it")
+        for track in [t for t in self.tracks.values() if t.instance == h.instance_id]:
+            self._fail(track, f"instance {h.instance_id} ({h.role}) crashed ({h.exit_reason}); "
+                              "the request was cancelled")
+        if self.on_instance_down is not None:
+            self.on_instance_down(h)
+
+    # ---- introspection -------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        s = self.spec
+        return {"mode": "colocated" if s.colocated else "disaggregated", "worker": s.worker,
+                "prefill_policy": s.prefill_policy, "decode_policy": s.decode_policy, "router": s.router,
+                "decode_router": s.decode_router, "num_prefill": s.num_prefill,
+                "host_kv_tokens": int(s.engine.get("num_host_blocks", 0)) * int(s.engine.get("block_size", 16)),
+                "num_decode": 0 if s.colocated else s.num_decode, "kv_tokens": s.kv_tokens,
+                "in_flight": len(self.tracks), "max_inflight": s.max_inflight,
+                "instances": [{"id": h.instance_id, "role": h.role, "policy": h.policy, "device": h.device,
+                               "alive": h.alive, "ready": h.ready, "pid": h.info.get("pid"),
+                               "exit_reason": h.exit_reason,
+                               "kv_free_blocks": h.stats.get("kv_free"), "kv_total_blocks": h.stats.get("kv_total"),
+                               "host_kv_free_blocks": h.stats.get("host_free"),
+                               "host_kv_total_blocks": h.stats.get("host_total"),
+                               "running": h.stats.get("running"), "waiting": h.stats.get("waiting"),
+                               "live_requests": h.stats.get("live"), "preemptions": h.stats.get("preemptions"),
+                               "steps": h.stats.get("steps")} for h in self.instances]}

@@ -1,0 +1,155 @@
+"""A STUB instance — a measurement and test harness, not an engine.
+
+It speaks the instance protocol of :mod:`laneserve.cluster.messages` without a model: every
+output token is the prompt's tokens echoed cyclically. With ``token_delay = 0`` it answers at
+once (all tokens in one message), so a benchmark against it measures only the API + router +
+messaging overhead (``benchmarks/serve_overhead.py``). With a delay it emits one token per delay,
+so tests can hold requests in flight (disconnects, crashed instances) without loading torch.
+
+A stub prefill instance sends its first token and then a ``handoff`` with no KV (``kv`` = None);
+a stub decode instance continues from there. KV figures in its stats are fake (blocks = tokens
+held / 16), enough for the router and the state endpoint.
+
+Run as ``python -m laneserve.cluster.stub SPEC_JSON`` (a :class:`~laneserve.cluster.worker.WorkerSpec`
+whose ``policy_opts`` may hold ``token_delay`` in seconds).
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import sys
+import time
+
+import zmq
+
+from laneserve.cluster.messages import EpochClock, pack, unpack
+from laneserve.cluster.worker import WorkerSpec
+
+MAX_MODEL_LEN = 4096
+KV_BLOCKS = 4096
+BLOCK = 16
+
+
+class StubWorker:
+    def __init__(self, spec: WorkerSpec, context: zmq.Context | None = None) -> None:
+        self.spec = spec
+        self.ctx = context or zmq.Context.instance()
+        self.clock = EpochClock(spec.epoch)
+        self.delay = float(spec.policy_opts.get("token_delay", 0.0))
+        self.reqs: dict[int, dict] = {}          # rid -> {"prompt", "max", "n", "prio"}
+        self.timers: list[tuple[float, int]] = []
+        self.added = 0
+        self.out_items: list = []
+
+    def _send(self, msg: dict) -> None:
+        msg["inst"] = self.spec.instance_id
+        self.out.send(pack(msg))
+
+    def _token(self, r: dict) -> int:
+        prompt = r["prompt"]
+        return int(prompt[r["n"] % len(prompt)])
+
+    def _advance(self, rid: int, now: float) -> None:
+        """Produce the next token(s) of ``rid`` (all of them when there is no delay)."""
+        r = self.reqs.get(rid)
+        if r is None:
+            return
+        count = r["max"] - r["n"] if self.delay <= 0 else 1
+        if self.spec.role == "prefill":
+            count = 1
+        toks = []
+        for _ in range(count):
+            toks.append(self._token(r))
+            r["n"] += 1
+        done = r["n"] >= r["max"]
+        if self.spec.role == "prefill" and not done:
+            del self.reqs[rid]
+            self._send({"k": "handoff", "rid": rid, "out": toks, "computed": len(r["prompt"]), "kv": None,
+                        "t_first": now, "lp": None, "info": {"prefill_start": now, "prefill_end": now}})
+            return
+        info = {"prefill_start": now} if r["n"] == len(toks) else None
+        self.out_items.append([rid, toks, "length" if done else None, None, info])
+        if done:
+            del self.reqs[rid]
+        else:
+            heapq.heappush(self.timers, (now + self.delay, rid))
+
+    def _handle(self, msg: dict, now: float) -> bool:
+        kind = msg["k"]
+        if kind in ("add", "transfer"):
+            rid = int(msg["rid"])
+            out = msg.get("out") or []
+            self.reqs[rid] = {"prompt": msg["prompt"], "max": int(msg["sp"]["max_tokens"]), "n": len(out)}
+            self.added += 1
+            if kind == "add" or self.delay <= 0:
+                self._advance(rid, now)
+            else:
+                heapq.heappush(self.timers, (now + self.delay, rid))
+        elif kind == "abort":
+            for rid in msg["rids"]:
+                self.reqs.pop(rid, None)
+        elif kind == "stop":
+            return False
+        return True
+
+    def _stats(self) -> None:
+        held = sum(len(r["prompt"]) + r["n"] for r in self.reqs.values())
+        used = -(-held // BLOCK)
+        self._send({"k": "stats", "added": self.added, "waiting": 0, "running": len(self.reqs),
+                    "queued_tokens": 0, "kv_usage": used / KV_BLOCKS, "kv_free": KV_BLOCKS - used,
+                    "kv_total": KV_BLOCKS, "preemptions": 0, "steps": 0, "busy": 0.0,
+                    "live": len(self.reqs), "incoming": 0})
+
+    def serve(self) -> None:
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.LINGER, 2000)
+        self.out.connect(self.spec.outbox)
+        inbox = self.ctx.socket(zmq.PULL)
+        inbox.setsockopt(zmq.LINGER, 0)
+        inbox.connect(self.spec.inbox)
+        self._send({"k": "ready", "info": {"max_model_len": MAX_MODEL_LEN, "kv_blocks": KV_BLOCKS,
+                                           "block_size": BLOCK, "vocab_size": 1 << 20, "pid": os.getpid(),
+                                           "policy": "stub", "role": self.spec.role, "device": "none",
+                                           "stub": True}})
+        poller = zmq.Poller()
+        poller.register(inbox, zmq.POLLIN)
+        last_stats = 0.0
+        running = True
+        parent = os.getppid()
+        try:
+            while running and os.getppid() == parent:
+                now = self.clock.now()
+                timeout = 200.0
+                if self.timers:
+                    timeout = max(0.0, (self.timers[0][0] - now) * 1000.0)
+                if poller.poll(timeout):
+                    while running:
+                        try:
+                            msg = unpack(inbox.recv(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                        running = self._handle(msg, self.clock.now())
+                now = self.clock.now()
+                while self.timers and self.timers[0][0] <= now:
+                    _, rid = heapq.heappop(self.timers)
+                    self._advance(rid, now)
+                if self.out_items:
+                    self._send({"k": "tok", "items": self.out_items})
+                    self.out_items = []
+                if time.monotonic() - last_stats > 0.05:
+                    self._stats()
+                    last_stats = time.monotonic()
+        finally:
+            self.out.close()
+            inbox.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    StubWorker(WorkerSpec.from_json(argv[0])).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

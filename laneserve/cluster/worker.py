@@ -1,0 +1,360 @@
+"""One engine instance in its own process (or thread), served over ZeroMQ (issue 6).
+
+The worker owns an :class:`~laneserve.engine.instance.EngineInstance` (the scheduler contract's
+loop on tensors) and two sockets: a PULL socket it reads router messages from (a receiver thread
+does only ``recv`` + ``unpack``, so a long step never delays reading) and a PUSH socket for its
+outputs (used only by the main thread). Router messages reach the engine in the main thread:
+``add`` goes into the instance's inbox through :meth:`_ServedInstance.take_arrivals`, which the
+executor's preemption check calls at every operator boundary, so an arrival during a preemptible
+prefill is seen at once (FlowPrefill Algorithm 2); ``abort`` and ``transfer`` are handled between
+steps.
+
+After each step the worker sends one ``tok`` message with every request's new tokens (and
+logprobs when asked for), hands finished prefills off (``export_kv`` -> KV transport ->
+``handoff`` message, then ``scheduler.release``) and reports ``stats``. A decode worker reserves
+blocks for an incoming transfer when its policy can (``can_reserve``/``reserve``), imports the KV
+and adds the request, as :class:`~laneserve.cluster.local.LocalCluster` does in one process.
+
+Run as ``python -m laneserve.cluster.worker SPEC_JSON``; :func:`run_worker` runs it in a thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import zmq
+
+from laneserve.cluster.messages import EpochClock, pack, request_from_fields, unpack
+
+STATS_INTERVAL = 0.05          # at most this often while busy
+HEARTBEAT_INTERVAL = 0.5       # at least this often while idle
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    instance_id: int
+    role: str                                # "prefill" | "decode" | "colocated"
+    policy: str
+    model: str
+    inbox: str                               # zmq address this worker PULLs from (router binds)
+    outbox: str                              # zmq address this worker PUSHes to (router binds)
+    epoch: float
+    transport: str = "shm"
+    transport_dir: str | None = None
+    kv_tokens: int = 65536
+    engine: dict[str, Any] = field(default_factory=dict)   # EngineConfig fields
+    policy_opts: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        return cls(**json.loads(text))
+
+
+class _RecordingExecutor:
+    """The engine executor, remembering the last step's logprobs (EngineInstance drops results)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.last_logprobs: dict | None = None
+
+    def execute(self, plan, should_stop=None):
+        result = self.inner.execute(plan, should_stop)
+        self.last_logprobs = getattr(result, "logprobs", None)
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class InstanceWorker:
+    def __init__(self, spec: WorkerSpec, context: zmq.Context | None = None) -> None:
+        self.spec = spec
+        self.ctx = context or zmq.Context.instance()
+        self.clock = EpochClock(spec.epoch)
+        self.messages: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.control: list[dict] = []
+        self.incoming: deque = deque()        # (request, kv descriptor) transfers waiting for blocks
+        self.live: dict[int, Any] = {}        # rid -> Request, every request this instance holds
+        self.sent: dict[int, int] = {}        # rid -> output tokens already sent
+        self.added = 0
+        self.stopping = False
+        self._last_stats = 0.0
+        self._dirty = True
+
+    # ---- set-up --------------------------------------------------------------------------
+    def build(self) -> None:
+        from laneserve.cluster.transport import make_transport
+        from laneserve.core.kv import HostKVPool, KVCacheManager
+        from laneserve.engine.config import EngineConfig
+        from laneserve.engine.executor import EngineExecutor
+        from laneserve.engine.instance import EngineInstance
+        from laneserve.engine.models.loader import load_model
+        from laneserve.engine.sampler import StopChecker
+        from laneserve.policies import registry
+
+        spec = self.spec
+        config = EngineConfig(**{"device": spec.device, **spec.engine})
+        model = load_model(spec.model, config.device, config.dtype)
+        blocks = max(1, spec.kv_tokens // config.block_size)
+        kv = KVCacheManager(blocks, config.block_size)
+        host = HostKVPool(config.num_host_blocks, config.block_size) if config.num_host_blocks else None
+        opts = dict(spec.policy_opts)
+        if spec.role == "colocated":
+            opts.setdefault("token_budget", config.max_num_batched_tokens)
+        if host is not None and spec.role != "prefill":
+            opts["host_pool"] = host
+        scheduler = registry.make(spec.role, spec.policy, kv, **opts)
+        executor = _RecordingExecutor(EngineExecutor(model, kv, config, host))
+        worker = self
+
+        class _ServedInstance(EngineInstance):
+            def take_arrivals(self, now=None):
+                worker._drain()
+                return super().take_arrivals(now)
+
+        stop = StopChecker(model.tokenizer) if model.tokenizer is not None else None
+        self.instance = _ServedInstance(scheduler, executor, clock=self.clock, instance_id=spec.instance_id,
+                                        stop_checker=stop)
+        self.transport = make_transport(spec.transport, directory=spec.transport_dir)
+        self.info = {"max_model_len": model.config.max_position_embeddings, "kv_blocks": blocks,
+                     "block_size": config.block_size, "vocab_size": model.config.vocab_size,
+                     "pid": os.getpid(), "policy": scheduler.name if hasattr(scheduler, "name") else spec.policy,
+                     "role": spec.role, "device": config.device}
+
+    # ---- messages --------------------------------------------------------------------------
+    def _receiver(self, sock: zmq.Socket) -> None:
+        try:
+            while True:
+                msg = unpack(sock.recv())
+                self.messages.put(msg)
+                self.wake.set()
+                if msg["k"] == "stop":
+                    return
+        except zmq.ContextTerminated:
+            return
+        except zmq.ZMQError:
+            return
+
+    def _drain(self) -> None:
+        """Move queued router messages in: ``add`` into the inbox now, the rest to ``control``."""
+        msgs = self.messages
+        while True:
+            try:
+                msg = msgs.get_nowait()
+            except queue.Empty:
+                return
+            if msg["k"] == "add":
+                req = request_from_fields(msg)
+                self.live[req.request_id] = req
+                self.sent[req.request_id] = 0
+                self.added += 1
+                self.instance.submit(req)
+            else:
+                self.control.append(msg)
+
+    def _handle_control(self) -> None:
+        control, self.control = self.control, []
+        for msg in control:
+            kind = msg["k"]
+            if kind == "abort":
+                self.instance.take_arrivals()       # an abort may follow its add in one drain
+                now = self.clock.now()
+                for rid in msg["rids"]:
+                    self._abort(rid, now)
+                self._dirty = True
+            elif kind == "transfer":
+                req = request_from_fields(msg)
+                self.live[req.request_id] = req
+                self.sent[req.request_id] = len(req.output_token_ids or ())
+                self.added += 1
+                self.incoming.append((req, msg.get("kv")))
+                self._dirty = True
+            elif kind == "stop":
+                self.stopping = True
+
+    def _abort(self, rid: int, now: float) -> None:
+        self.live.pop(rid, None)
+        self.sent.pop(rid, None)
+        for k, (req, desc) in enumerate(self.incoming):
+            if req.request_id == rid:
+                del self.incoming[k]
+                self.transport.discard(desc)
+                return
+        self.instance.scheduler.abort(rid, now)
+
+    def _take_transfers(self) -> None:
+        sched = self.instance.scheduler
+        while self.incoming:
+            req, desc = self.incoming[0]
+            if not sched.can_reserve(req):
+                return
+            self.incoming.popleft()
+            sched.reserve(req)
+            in_host = getattr(sched, "kv_lands_in_host", False)   # AlignedServe parks KV in the host pool
+            try:
+                payload = self.transport.get(desc)
+                self.instance.executor.import_kv(req.request_id, payload, into_host=in_host)
+            except Exception as exc:  # noqa: BLE001 - a failed transfer fails its request only
+                (sched.host_pool if in_host else sched.kv).free(req.request_id)
+                self.live.pop(req.request_id, None)
+                self._send({"k": "err", "rids": [req.request_id], "msg": f"KV transfer failed: {exc}"})
+                continue
+            req.times.transfer_end = self.clock.now()
+            sched.add_request(req, req.times.transfer_end)
+
+    # ---- outputs -----------------------------------------------------------------------------
+    def _send(self, msg: dict) -> None:
+        msg["inst"] = self.spec.instance_id
+        self.out.send(pack(msg))
+
+    def _emit(self, outcome) -> None:
+        lps = self.instance.executor.last_logprobs or {}
+        finished = {r.request_id: r for r in outcome.finished}
+        handoffs = [r for r in outcome.prefilled] if self.spec.role == "prefill" else []
+        handed = {r.request_id for r in handoffs}
+        items = []
+        for rid, req in list(self.live.items()):
+            if rid in handed:
+                continue
+            out = req.output_token_ids or ()
+            sent = self.sent[rid]
+            fin = finished.get(rid)
+            if len(out) <= sent and fin is None:
+                continue
+            new = list(out[sent:])
+            self.sent[rid] = len(out)
+            lp = _logprobs(lps.get(rid)) if new and req.sampling.logprobs is not None else None
+            info = None
+            if fin is not None or sent == 0:
+                info = {"prefill_start": req.times.prefill_start, "preemptions": req.num_preemptions}
+            items.append([rid, new, fin.finish_reason if fin is not None else None, lp, info])
+            if fin is not None:
+                self.live.pop(rid, None)
+                self.sent.pop(rid, None)
+        if items:
+            self._send({"k": "tok", "items": items})
+        for req in handoffs:
+            self._hand_off(req, lps.get(req.request_id))
+
+    def _hand_off(self, req, lp) -> None:
+        rid = req.request_id
+        inst = self.instance
+        try:
+            payload = inst.executor.export_kv(rid, req.num_computed_tokens)
+            desc = self.transport.put(rid, payload)
+        except Exception as exc:  # noqa: BLE001
+            inst.scheduler.abort(rid, self.clock.now())
+            self._send({"k": "err", "rids": [rid], "msg": f"KV export failed: {exc}"})
+        else:
+            inst.scheduler.release(rid)
+            t = req.times
+            self._send({"k": "handoff", "rid": rid, "out": list(req.output_token_ids or ()),
+                        "computed": req.num_computed_tokens, "kv": desc, "t_first": t.first_token,
+                        "lp": _logprobs(lp) if req.sampling.logprobs is not None else None,
+                        "info": {"prefill_start": t.prefill_start, "prefill_end": t.prefill_end,
+                                 "preemptions": req.num_preemptions}})
+        self.live.pop(rid, None)
+        self.sent.pop(rid, None)
+
+    def _stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_stats < (STATS_INTERVAL if self._dirty else HEARTBEAT_INTERVAL):
+            return
+        inst = self.instance
+        sched = inst.scheduler
+        kv = sched.kv
+        host = getattr(sched, "host_pool", None)
+        self._send({"k": "stats", "added": self.added, "waiting": inst.num_waiting + len(self.incoming),
+                    "running": inst.num_running, "queued_tokens": inst.queued_tokens,
+                    "kv_usage": kv.usage, "kv_free": kv.num_free_blocks, "kv_total": kv.num_blocks,
+                    "host_free": host.num_free_blocks if host is not None else None,
+                    "host_total": host.num_blocks if host is not None else None,
+                    "preemptions": inst.preemptions + getattr(sched, "num_preemptions", 0),
+                    "steps": inst.steps, "busy": inst.busy_time, "live": len(self.live),
+                    "incoming": len(self.incoming)})
+        self._last_stats = now
+        self._dirty = False
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def serve(self) -> None:
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.LINGER, 2000)
+        self.out.connect(self.spec.outbox)
+        inbox = self.ctx.socket(zmq.PULL)
+        inbox.setsockopt(zmq.LINGER, 0)
+        inbox.connect(self.spec.inbox)
+        try:
+            self.build()
+        except Exception as exc:  # noqa: BLE001 - report, then die
+            self._send({"k": "fatal", "msg": f"{type(exc).__name__}: {exc}"})
+            raise
+        receiver = threading.Thread(target=self._receiver, args=(inbox,), daemon=True,
+                                    name=f"recv-{self.spec.instance_id}")
+        receiver.start()
+        self._send({"k": "ready", "info": self.info})
+        inst = self.instance
+        parent = os.getppid()
+        try:
+            while not self.stopping:
+                self._drain()
+                self._handle_control()
+                if self.stopping:
+                    break
+                self._take_transfers()
+                outcome = inst.step()
+                if outcome is None:
+                    if os.getppid() != parent:      # the router died: nobody is listening
+                        break
+                    self._stats()
+                    due, wake = inst.next_due(), inst.scheduler.next_wakeup()
+                    now = self.clock.now()
+                    timeout = min([STATS_INTERVAL if self._dirty else HEARTBEAT_INTERVAL,
+                                   *(max(0.0, t - now) for t in (due, wake) if t is not None)])
+                    if self.messages.empty():
+                        self.wake.wait(timeout)
+                    self.wake.clear()
+                    continue
+                self._dirty = True
+                self._emit(outcome)
+                self._stats()
+        finally:
+            self.out.close()
+            inbox.close()
+
+
+def _logprobs(lp) -> list | None:
+    if lp is None:
+        return None
+    return [[float(lp.logprob), [[int(t), float(v)] for t, v in lp.top]]]
+
+
+def run_worker(spec: WorkerSpec, context: zmq.Context | None = None) -> None:
+    InstanceWorker(spec, context).serve()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = WorkerSpec.from_json(argv[0])
+    threads = spec.engine.get("num_threads")
+    if threads:
+        import torch
+        torch.set_num_threads(int(threads))
+    run_worker(spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""``laneserve serve``: an OpenAI-compatible server over prefill/decode instance processes.
+
+    laneserve serve --model PATH --prefill 1 --decode 1 --prefill-policy fcfs \\
+                    --decode-policy continuous --router-policy round-robin --port 8000
+    laneserve serve --colocated                 # one process: API + one colocated engine (smoke model)
+
+This process runs the HTTP API and the router; each instance runs in its own process (bound to a
+device from ``--devices``) and talks to the router over ZeroMQ; KV moves prefill -> decode
+through shared host memory (``--kv-transport shm``). ``--colocated`` runs colocated instances as
+threads of this one process. Without ``--model`` the embedded smoke model is used (random
+weights: its text is noise). ``--stub`` replaces the engine by an instance that echoes at once —
+a measurement harness for the API/router overhead, not a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible server", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="checkpoint folder (default: the embedded smoke model)")
+    p.add_argument("--served-model-name", help="model id clients send (default: the folder name)")
+    p.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the model folder)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    c = p.add_argument_group("deployment")
+    c.add_argument("--prefill", type=int, default=1, help="prefill instances (colocated instances with --colocated)")
+    c.add_argument("--decode", type=int, default=1, help="decode instances")
+    c.add_argument("--colocated", action="store_true",
+                   help="colocated instances (prefill and decode on one engine) in this single process")
+    c.add_argument("--prefill-policy", default="fcfs", help="prefill policy spec (laneserve sim --list)")
+    c.add_argument("--decode-policy", default="continuous", help="decode policy spec")
+    c.add_argument("--router-policy", "--router", dest="router", default="round-robin", help="prefill router")
+    c.add_argument("--decode-router-policy", dest="decode_router", default="least-loaded", help="decode router")
+    c.add_argument("--devices", default="cpu", help="comma-separated devices, assigned to instances in turn")
+    c.add_argument("--kv-tokens", type=int, default=65536, help="KV-cache tokens per instance")
+    c.add_argument("--kv-transport", default="shm", help="prefill->decode KV transport: shm | inline")
+    e = p.add_argument_group("engine")
+    e.add_argument("--dtype", default="float32")
+    e.add_argument("--attention", default="ragged", help="ragged | padded")
+    e.add_argument("--threads", type=int, default=1, help="torch threads per instance (CPU)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--host-kv-blocks", type=int, default=0, help="host KV pool blocks per decode instance")
+    e.add_argument("--seed", type=int, default=0)
+    a = p.add_argument_group("admission and SLOs")
+    a.add_argument("--max-inflight", type=int, default=256,
+                   help="requests in the system before new ones get 429 (default 256)")
+    a.add_argument("--max-queued-tokens", type=int, default=None,
+                   help="prompt tokens waiting for prefill before new requests get 429")
+    a.add_argument("--default-slo", default="", metavar="ttft_ms=X,tpot_ms=Y",
+                   help="SLO of requests that name none")
+    a.add_argument("--slo-class", action="append", default=[], metavar="NAME:ttft_ms=X,tpot_ms=Y[,priority=P]",
+                   help="a named SLO class with its defaults (repeatable)")
+    a.add_argument("--default-max-tokens", type=int, default=256,
+                   help="chat completions: max_tokens when the request sets none (capped by the context)")
+    h = p.add_argument_group("measurement harness")
+    h.add_argument("--stub", action="store_true", help="STUB instances that echo immediately (no model)")
+    h.add_argument("--stub-token-delay", type=float, default=0.0, help="seconds per token of a stub instance")
+    p.set_defaults(func=run)
+
+
+def _slo_opts(text: str, what: str) -> dict:
+    from laneserve.policies.registry import parse_spec
+    opts = parse_spec("x:" + text)[1] if text else {}
+    unknown = set(opts) - {"ttft_ms", "tpot_ms", "priority"}
+    if unknown:
+        raise ValueError(f"{what}: unknown key(s) {', '.join(sorted(unknown))} (use ttft_ms, tpot_ms, priority)")
+    return opts
+
+
+def make_defaults(args: argparse.Namespace):
+    from laneserve.core.slo import SLO, SLOClass
+    from laneserve.server.protocol import ServerDefaults
+
+    def slo(opts: dict) -> SLO:
+        ms = lambda k: None if opts.get(k) is None else float(opts[k]) / 1e3  # noqa: E731
+        return SLO(ms("ttft_ms"), ms("tpot_ms"))
+
+    classes = {}
+    for item in args.slo_class:
+        name, _, rest = item.partition(":")
+        opts = _slo_opts(rest, f"--slo-class {item}")
+        classes[name.strip()] = SLOClass(name.strip(), slo(opts), int(opts.get("priority", 0)))
+    return ServerDefaults(default_slo=slo(_slo_opts(args.default_slo, "--default-slo")), classes=classes,
+                          default_max_tokens=args.default_max_tokens)
+
+
+def _load_tokenizer(path: Path | None):
+    if path is None or not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json",
+                                                              "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def build_server(args: argparse.Namespace, log=None):
+    """(app, cluster) for ``args``; the cluster starts in the app's lifespan."""
+    import asyncio
+    import contextlib
+
+    from laneserve.cluster.process import ClusterSpec, ProcessCluster
+    from laneserve.server.api import ServerState, build_app
+    from laneserve.server.metrics import ServerMetrics
+
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    model = args.model
+    if model is None and not args.stub:
+        from laneserve.engine.smoke import smoke_model_path
+        model = smoke_model_path()
+        log(f"laneserve: no --model given: serving the embedded SMOKE model at {model} "
+            "(random weights: its text is noise)")
+    if model is not None and not Path(model).exists():
+        raise ValueError(f"model folder not found: {model}")
+    if args.prefill < 1 or (not args.colocated and args.decode < 1):
+        raise ValueError("need at least one prefill and one decode instance (or --colocated)")
+    from laneserve.policies import registry
+    for kind, spec in (("prefill", args.prefill_policy), ("decode", args.decode_policy),
+                       ("router", args.router), ("router", args.decode_router)):
+        registry.resolve(kind, spec)        # unknown names fail here, listing the valid ones
+    name = args.served_model_name or (Path(model).name if model is not None else "laneserve-stub")
+    engine = {"dtype": args.dtype, "attention": args.attention, "num_threads": args.threads,
+              "max_num_batched_tokens": args.max_num_batched_tokens, "num_host_blocks": args.host_kv_blocks,
+              "seed": args.seed}
+    spec = ClusterSpec(model=str(model) if model is not None else "", num_prefill=args.prefill,
+                       num_decode=args.decode, colocated=args.colocated, in_process=args.colocated,
+                       prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, router=args.router,
+                       decode_router=args.decode_router, kv_tokens=args.kv_tokens, engine=engine,
+                       devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
+                       transport=args.kv_transport, worker="stub" if args.stub else "engine",
+                       stub_token_delay=args.stub_token_delay, max_inflight=args.max_inflight,
+                       max_queued_tokens=args.max_queued_tokens)
+    cluster = ProcessCluster(spec, log=log)
+    if args.stub:
+        log("laneserve: --stub: instances are a MEASUREMENT HARNESS that echo the prompt at once (no model)")
+    state = ServerState(cluster, name, str(model or ""), None, make_defaults(args), ServerMetrics(name))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        tok_path = Path(args.tokenizer or model) if (args.tokenizer or model) else None
+        # processes load while this one loads the tokenizer; in-process instances import transformers
+        # in their threads, and its lazy imports are not thread-safe, so load it after them
+        tok_task = None if spec.in_process else asyncio.create_task(asyncio.to_thread(_load_tokenizer, tok_path))
+        try:
+            await cluster.start()
+            state.tokenizer = await tok_task if tok_task is not None else _load_tokenizer(tok_path)
+        except BaseException:
+            await cluster.close()
+            raise
+        mode = "colocated" if spec.colocated else f"{spec.num_prefill}P+{spec.num_decode}D"
+        log(f"laneserve: serving {name!r} ({mode}, prefill={spec.prefill_policy}, decode={spec.decode_policy}, "
+            f"router={spec.router}) on http://{args.host}:{args.port}")
+        try:
+            yield
+        finally:
+            await cluster.close()
+
+    return build_app(state, lifespan=lifespan), cluster
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+    try:
+        app, _ = build_server(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    loop = "auto"
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", loop=loop, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,70 @@
+"""Incremental detokenisation and stop strings for streamed outputs (the API process side).
+
+Token ids arrive from the instances a step at a time; :class:`IncrementalDetokenizer` turns them
+into text deltas with a sliding window (vLLM's prefix/read offsets): only the last few tokens are
+decoded per step, a delta is released only when it does not end in a partial UTF-8 character, and
+cost per token stays constant.
+
+Stop strings (OpenAI ``stop``): the accumulated text is searched; on a match the text is cut
+before the stop string, the request finishes with ``"stop"`` and the router cancels it on its
+instance. While streaming, the last ``len(longest stop) - 1`` characters are held back, so a stop
+string split across steps is never partly sent.
+
+A model without a tokenizer yields empty text (clients read ``token_ids`` with
+``return_token_ids``).
+"""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    __slots__ = ("tokenizer", "ids", "_prefix", "_read", "text", "_sent", "stop", "_hold", "stopped", "skip_special")
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+        self.text = ""
+        self._sent = 0
+        self.stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self.stopped = False
+        self.skip_special = skip_special
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def add(self, token_ids: list[int]) -> None:
+        """Append tokens; updates ``text`` (cut at a stop string, setting ``stopped``)."""
+        if self.stopped or not token_ids:
+            return
+        self.ids.extend(token_ids)
+        if self.tokenizer is None:
+            return
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        new_text = self._decode(self.ids[self._prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text):]
+            self._prefix, self._read = self._read, len(self.ids)
+            start = max(0, len(self.text) - self._hold)
+            self.text += delta
+            if self.stop:
+                hits = [p for s in self.stop if (p := self.text.find(s, start)) >= 0]
+                if hits:
+                    self.text = self.text[:min(hits)]
+                    self.stopped = True
+
+    def delta(self, final: bool = False) -> str:
+        """Text not yet sent that is safe to send (everything when ``final``)."""
+        end = len(self.text) if final or self.stopped else max(self._sent, len(self.text) - self._hold)
+        out = self.text[self._sent:end]
+        self._sent = end
+        return out
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """A display string for one token in logprob listings (vLLM's ``token_id:N`` without a tokenizer)."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id])

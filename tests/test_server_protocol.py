@@ -1,0 +1,125 @@
+"""Unit tests of the serving system's pure parts (no server): request validation and SLO
+precedence, incremental detokenisation with stop strings, the Prometheus text, the KV transports
+and the load generator's conversion to metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from laneserve.core.request import RequestSpec
+from laneserve.core.slo import SLO, SLOClass
+from laneserve.server.detok import IncrementalDetokenizer
+from laneserve.server.metrics import ServerMetrics
+from laneserve.server.protocol import BadRequest, ServerDefaults, parse_completion
+
+DEFAULTS = ServerDefaults(default_slo=SLO(1.0, 0.1),
+                          classes={"interactive": SLOClass("interactive", SLO(0.2, 0.04), priority=-1)})
+
+
+def parse(body, headers=None):
+    return parse_completion({"model": "m", **body}, tokenizer=None, max_model_len=100, vocab_size=50,
+                            kv_tokens=80, headers=headers or {}, defaults=DEFAULTS)
+
+
+def test_slo_precedence_field_over_header_over_class_over_default():
+    assert parse({"prompt": [1, 2]}).slo == SLO(1.0, 0.1)
+    g = parse({"prompt": [1, 2], "slo_class": "interactive"})
+    assert (g.slo, g.slo_class, g.priority) == (SLO(0.2, 0.04), "interactive", -1)
+    g = parse({"prompt": [1], "slo_class": "interactive"}, {"x-slo-ttft-ms": "300"})
+    assert g.slo == SLO(0.3, 0.04)
+    g = parse({"prompt": [1], "slo_class": "interactive", "slo": {"tpot_ms": 25}, "priority": 3},
+              {"x-slo-ttft-ms": "300"})
+    assert (g.slo, g.priority) == (SLO(0.3, 0.025), 3)
+    # an unknown class is a label when the request sets both targets itself
+    assert parse({"prompt": [1], "slo_class": "batch", "slo": {"ttft_ms": 5000, "tpot_ms": 200}}).slo_class == "batch"
+    with pytest.raises(BadRequest, match="unknown slo_class"):
+        parse({"prompt": [1], "slo_class": "batch", "slo": {"ttft_ms": 5000}})
+
+
+def test_sampling_and_limits():
+    g = parse({"prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0, "top_k": 0, "stop_token_ids": [7],
+               "ignore_eos": True, "seed": 4})
+    sp = g.sampling
+    assert (sp.max_tokens, sp.temperature, sp.top_k, sp.stop_token_ids, sp.ignore_eos, sp.seed) == (5, 0.0, -1, (7,), True, 4)
+    assert parse({"prompt": [1]}).sampling.max_tokens == 16
+    with pytest.raises(BadRequest, match="KV cache"):
+        parse({"prompt": [1] * 70, "max_tokens": 20})
+    with pytest.raises(BadRequest, match="maximum context length"):
+        parse({"prompt": [1] * 90, "max_tokens": 20})
+    with pytest.raises(BadRequest, match="no tokenizer"):
+        parse({"prompt": "text"})
+    with pytest.raises(BadRequest, match="stop strings need a tokenizer"):
+        parse({"prompt": [1], "stop": "x"})
+    with pytest.raises(BadRequest, match="batched prompts"):
+        parse({"prompt": [[1], [2]]})
+    with pytest.raises(BadRequest, match="must be a boolean"):
+        parse({"prompt": [1], "stream": "yes"})
+
+
+class _WordTokenizer:
+    """Decodes ids as space-joined words (like the smoke model's word-level tokenizer)."""
+
+    words = ["a", "b", "STOP", "c", "d"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(self.words[i] for i in ids)
+
+
+def test_detokenizer_stop_string_is_never_partly_streamed():
+    d = IncrementalDetokenizer(_WordTokenizer(), stop=(" STOP",))
+    sent = []
+    for tok in (0, 1, 2, 3):
+        d.add([tok])
+        sent.append(d.delta())
+        if d.stopped:
+            break
+    assert d.stopped and d.text == "a b"
+    assert "".join(sent) + d.delta(final=True) == "a b"
+    assert all("S" not in s for s in sent)
+    plain = IncrementalDetokenizer(_WordTokenizer())
+    plain.add([0, 1])
+    plain.add([3])
+    assert plain.delta() == "a b c"
+
+
+def test_metrics_render_prometheus_text():
+    m = ServerMetrics("m")
+    m.ttft.observe(0.03, model_name="m")
+    m.ttft.observe(3.0, model_name="m")
+    text = m.render([{"id": 0, "role": "prefill", "running": 2, "waiting": 1, "kv_usage": 0.5, "kv_free": 8,
+                      "kv_total": 16, "preemptions": 3, "alive": 1}], in_flight=2)
+    assert 'laneserve:time_to_first_token_seconds_bucket{model_name="m",le="0.04"} 1' in text
+    assert 'laneserve:time_to_first_token_seconds_bucket{model_name="m",le="+Inf"} 2' in text
+    assert 'laneserve:time_to_first_token_seconds_count{model_name="m"} 2' in text
+    assert 'laneserve:num_requests_running{model_name="m",instance="0",role="prefill"} 2.0' in text
+    assert 'laneserve:num_preemptions_total{model_name="m",instance="0",role="prefill"} 3.0' in text
+
+
+@pytest.mark.parametrize("name", ["shm", "inline"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_transport_roundtrip(tmp_path, name, dtype):
+    torch = pytest.importorskip("torch")
+    from laneserve.cluster.transport import make_transport
+    from laneserve.engine.kv_cache import KVPayload
+    kv = torch.randn(2, 2, 37, 2, 8).to(getattr(torch, dtype))
+    t = make_transport(name, directory=tmp_path)
+    desc = t.put(5, KVPayload(37, kv))
+    from laneserve.cluster.messages import pack, unpack
+    back = t.get(unpack(pack(desc)))           # the descriptor survives msgpack
+    assert back.num_tokens == 37 and back.kv.dtype == kv.dtype and torch.equal(back.kv, kv)
+    assert list(tmp_path.iterdir()) == []       # shm files are unlinked on receipt
+
+
+def test_loadgen_outcomes_become_vllm_style_summary():
+    from laneserve.bench.loadgen import LoadResult, RequestOutcome, bench_summary
+    specs = [RequestSpec(i, 0.0, 10, 4, slo=SLO(0.5, 0.1)) for i in range(3)]
+    ok = RequestOutcome(specs[0], True, 0.0, 0.2, [0.2, 0.25, 0.3, 0.35], 0.35, 4)
+    slow = RequestOutcome(specs[1], True, 0.0, 0.9, [0.9, 1.0, 1.1, 1.2], 1.2, 4)
+    failed = RequestOutcome(specs[2], False, 0.0, error="HTTP 429", status=429)
+    s = bench_summary(LoadResult([ok, slow, failed], 2.0, "m"))
+    assert (s["completed"], s["failed"], s["rejected_429"]) == (2, 1, 1)
+    assert s["attainment_ttft"] == pytest.approx(1 / 3)
+    assert s["mean_ttft_ms"] == pytest.approx(550.0)
+    assert s["mean_itl_ms"] == pytest.approx(75.0)        # gaps of 50 ms and 100 ms
+    assert s["ttfts"][:2] == pytest.approx([0.2, 0.9]) and s["output_lens"] == [4, 4, 0]
+    assert s["request_goodput"] == pytest.approx(0.5)
