@@ -39,7 +39,7 @@ from laneserve.policies import available  # noqa: E402
 from laneserve.sim import ClusterConfig  # noqa: E402
 from laneserve.workloads import make_workload  # noqa: E402
 
-N, RATES, SEED, TARGET = 50, (2.0, 4.0, 6.0), 0, 0.9
+N, RATES, SEED, TARGET = 50, (0.5, 1.0, 2.0, 4.0), 0, 0.9
 KV_TOKENS, HOST_BLOCKS = 65536, 4096
 SLOS = {"short": SLO(0.3, 0.1), "long": SLO(2.0, 0.1)}
 PROFILE = Path("out/serve_live/profile.json")
