@@ -12,7 +12,6 @@ across policies (scheduling must not change tokens).
 from __future__ import annotations
 
 import random
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -21,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from engine_models import random_checkpoint  # noqa: E402
+from engine_models import greedy_requests, random_checkpoint  # noqa: E402
 from laneserve.bench.metrics import summarize  # noqa: E402
 from laneserve.bench.results import markdown_table, write_result  # noqa: E402
 from laneserve.cluster import LocalCluster  # noqa: E402
-from laneserve.core import SLO, Request, RequestSpec, SamplingParams  # noqa: E402
+from laneserve.core import SLO, RequestSpec  # noqa: E402
 from laneserve.costmodel.profile import save_profile  # noqa: E402
 from laneserve.engine import EngineConfig, EngineExecutor  # noqa: E402
 from laneserve.engine.profiler import FULL, EngineProfiler  # noqa: E402
@@ -62,14 +61,9 @@ def main() -> None:
                 "alignedserve": "alignedserve:n_min=8,threshold=0.4,starvation_bound=5",
                 "kairos": f"kairos:profile={prof_file}"}
     specs = trace()
-    rng = random.Random(SEED + 1)
-    token_ids = [[rng.randrange(1, 4000) for _ in range(s.prompt_len)] for s in specs]
     rows, outputs = [], {}
     for label, spec in policies.items():
-        reqs = [Request.from_spec(s) for s in specs]
-        for r, ids in zip(reqs, token_ids):
-            r.prompt_token_ids = list(ids)
-            r.sampling = SamplingParams(max_tokens=r.max_output_tokens, temperature=0, ignore_eos=True)
+        reqs = greedy_requests(specs, SEED + 1)
         cluster = LocalCluster(path, decode_policy=spec, config=config, kv_tokens=KV_TOKENS)
         done = cluster.run(reqs, timeout=1200)
         dec = cluster.decode[0]

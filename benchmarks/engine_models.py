@@ -49,3 +49,19 @@ def quantile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def greedy_requests(specs, seed: int, vocab: int = 4000) -> list:
+    """Engine requests for ``specs``: random prompt token ids (deterministic by ``seed``, drawn in
+    spec order) and greedy sampling for exactly the spec's output length (EOS ignored)."""
+    import random
+
+    from laneserve.core import Request, SamplingParams
+    rng = random.Random(seed)
+    reqs = []
+    for spec in specs:
+        req = Request.from_spec(spec)
+        req.prompt_token_ids = [rng.randrange(1, vocab) for _ in range(spec.prompt_len)]
+        req.sampling = SamplingParams(max_tokens=req.max_output_tokens, temperature=0, ignore_eos=True)
+        reqs.append(req)
+    return reqs

@@ -117,7 +117,7 @@ def main() -> None:
                 title=f"Mooncake lengths, Poisson, TTFT SLO {headline_slo:.1f} s, Llama-3-8B / H100",
                 target=0.8)
     md = (f"Paper (§4.3): at QPS 3.0 FCFS 76.1% vs Kairos 100% TTFT attainment (+23.9%).\n\n"
-          f"Scaled TTFT SLOs: " + ", ".join(f"{k} {v:.2f} s" for k, v in slos.items())
+          "Scaled TTFT SLOs: " + ", ".join(f"{k} {v:.2f} s" for k, v in slos.items())
           + f"\n\n## TTFT attainment vs rate (SLO {headline_slo:.2f} s, {N_REQUESTS} requests per point)\n\n"
           + markdown_table(rows) + "\n![attainment vs rate](prefill_kairos.png)\n\n"
           "## Sensitivity to the SLO scaling\n\n" + markdown_table(sensitivity))

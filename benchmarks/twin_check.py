@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from engine_models import random_checkpoint  # noqa: E402
+from engine_models import greedy_requests, random_checkpoint  # noqa: E402
 from laneserve.bench.metrics import request_metrics, summarize  # noqa: E402
 from laneserve.bench.results import markdown_table, write_result  # noqa: E402
 from laneserve.cluster import LocalCluster  # noqa: E402
-from laneserve.core import SLO, Request, RequestSpec, SamplingParams  # noqa: E402
+from laneserve.core import SLO, RequestSpec  # noqa: E402
 from laneserve.costmodel.fitted import FittedCostModel  # noqa: E402
 from laneserve.engine import EngineConfig, EngineExecutor  # noqa: E402
 from laneserve.engine.profiler import FULL, EngineProfiler  # noqa: E402
@@ -58,11 +58,7 @@ def main() -> None:
     cost = FittedCostModel(profile)
 
     specs = trace()
-    rng = random.Random(SEED + 1)
-    reqs = [Request.from_spec(s) for s in specs]
-    for r in reqs:
-        r.prompt_token_ids = [rng.randrange(1, 4000) for _ in range(r.prompt_len)]
-        r.sampling = SamplingParams(max_tokens=r.max_output_tokens, temperature=0, ignore_eos=True)
+    reqs = greedy_requests(specs, SEED + 1)
     print(f"replaying {N} requests on the engine (1P+1D) ...", file=sys.stderr)
     cluster = LocalCluster(path, config=config, kv_tokens=KV_TOKENS)
     real = {r.request_id: r for r in cluster.run(reqs, timeout=900)}

@@ -23,7 +23,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from laneserve.core import SLO
 
 COMPARE_KEYS = ("completed", "request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
                 "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "attainment_ttft",
@@ -67,23 +66,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--sim-decode", type=int, default=None)
     s.add_argument("--sim-kv-tokens", type=int, default=None)
     p.set_defaults(func=run)
-
-
-def load_workload(args: argparse.Namespace):
-    from laneserve.policies.registry import parse_spec
-    from laneserve.workloads import load_trace, make_workload
-    if args.trace is not None:
-        wl = load_trace(args.trace)
-    else:
-        opts = parse_spec("x:" + ",".join(args.workload_opt))[1] if args.workload_opt else {}
-        wl = make_workload(args.workload, **opts)
-    if args.num_requests:
-        wl = wl.head(args.num_requests)
-    if args.ttft_slo is not None or args.tpot_slo is not None:
-        wl = wl.with_slo(SLO(args.ttft_slo, args.tpot_slo))
-    if args.slo_scale != 1.0:
-        wl = wl.scale_slo(args.slo_scale)
-    return wl
 
 
 def _rates(text: str) -> list[float]:
@@ -145,12 +127,13 @@ def side_by_side(live: dict, sim: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from laneserve.commands.common import load_workload
     from laneserve.bench.loadgen import LoadConfig, bench_summary, run_load
     from laneserve.bench.report import best_x_meeting, format_serving_block
 
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     try:
-        wl = load_workload(args)
+        wl = load_workload(args, apply_slo_scale=True)
         rates = _rates(args.request_rate)
         cost = config = None
         state = _server_state(base_url)

@@ -11,10 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from laneserve.core import SLO
 
 DEFAULT_POLICIES = "fcfs+continuous,cp-edf-2k+continuous,cp-edf-8k+continuous"
 
@@ -83,23 +81,6 @@ def _list() -> None:
     print(f"hardware: {', '.join(available_hardware())}")
 
 
-def _load_workload(args):
-    from laneserve.policies.registry import parse_spec
-    from laneserve.workloads import load_trace, make_workload
-    if args.trace is not None:
-        if not args.trace.exists():
-            raise SystemExit(f"error: trace file not found: {args.trace}")
-        wl = load_trace(args.trace)
-    else:
-        opts = parse_spec("x:" + ",".join(args.workload_opt))[1] if args.workload_opt else {}
-        wl = make_workload(args.workload, **opts)
-    if args.num_requests:
-        wl = wl.head(args.num_requests)
-    if args.ttft_slo is not None or args.tpot_slo is not None:
-        wl = wl.with_slo(SLO(args.ttft_slo, args.tpot_slo))
-    return wl
-
-
 def run(args: argparse.Namespace) -> int:
     if args.list:
         _list()
@@ -108,12 +89,13 @@ def run(args: argparse.Namespace) -> int:
                                            tightest_slo_scale,
                                            split_policy_sets, validate)
     from laneserve.bench.progress import progress_bar
+    from laneserve.commands.common import load_workload
     from laneserve.bench.report import format_console_table, write_report
     from laneserve.costmodel import make_cost_model
     from laneserve.sim import ClusterConfig
 
     try:
-        wl = _load_workload(args)
+        wl = load_workload(args, apply_slo_scale=False)
         cost = make_cost_model(args.cost_model, model=args.model, hardware=args.hardware, tp=args.tp,
                                attention=args.attention,
                                profile=str(args.profile) if args.profile else None)

@@ -154,6 +154,26 @@ class DecodeScheduler(InstanceScheduler):
         self._preempt(self.waiting.pop(), plan)
         return True
 
+    def _prepare_step(self, now: float) -> StepPlan:
+        """The memory side of a step, common to every decode policy: grow the running requests
+        (preempting when needed), bring parked ones back, then admit waiting requests in arrival
+        order while slots and KV allow (they already hold their transferred KV, so they never
+        wait behind parked ones). The policy then picks ``plan.decodes`` among ``self.running``."""
+        plan = StepPlan(label=self.name)
+        self._grow_running(plan)
+        self._readmit_parked(plan, now)
+        kv, waiting, running = self.kv, self.waiting, self.running
+        while True:
+            while waiting and len(running) < self.max_batch_size:
+                req = waiting[0]
+                if not kv.can_grow(req.request_id, req.context_len):
+                    break
+                waiting.popleft()
+                self._admit(req, now)
+            if not self._unstick(plan):
+                break
+        return plan
+
     def _after_update(self, plan: StepPlan, outcome: StepOutcome, now: float) -> None:
         for chunk in plan.prefills:      # recomputed requests rejoin the running batch
             req = chunk.request

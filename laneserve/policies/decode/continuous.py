@@ -14,19 +14,6 @@ class ContinuousBatchingDecode(DecodeScheduler):
     name = "continuous"
 
     def schedule(self, now: float) -> StepPlan | None:
-        plan = StepPlan(label=self.name)
-        self._grow_running(plan)
-        self._readmit_parked(plan, now)
-        kv, waiting, running = self.kv, self.waiting, self.running
-        while True:
-            # waiting requests hold their KV already: they never wait behind parked ones
-            while waiting and len(running) < self.max_batch_size:
-                req = waiting[0]
-                if not kv.can_grow(req.request_id, req.context_len):
-                    break
-                waiting.popleft()
-                self._admit(req, now)
-            if not self._unstick(plan):
-                break
-        plan.decodes = list(running)
+        plan = self._prepare_step(now)
+        plan.decodes = list(self.running)
         return None if plan.is_empty else plan

@@ -216,20 +216,8 @@ class KairosDecode(DecodeScheduler):
 
     # ---- the scheduler contract ------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan | None:
-        plan = StepPlan(label=self.name)
-        self._grow_running(plan)
-        self._readmit_parked(plan, now)
-        kv, waiting, running = self.kv, self.waiting, self.running
-        while True:
-            while waiting and len(running) < self.max_batch_size:
-                req = waiting[0]
-                if not kv.can_grow(req.request_id, req.context_len):
-                    break
-                waiting.popleft()
-                self._admit(req, now)
-            if not self._unstick(plan):
-                break
-        plan.decodes = self.select(running, now)
+        plan = self._prepare_step(now)
+        plan.decodes = self.select(self.running, now)
         return None if plan.is_empty else plan
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
