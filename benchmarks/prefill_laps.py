@@ -60,6 +60,7 @@ SPATIAL = {  # name -> (prefill policy, router)
     "laps temporal + least-loaded": ("laps", "least-loaded"),
     "laps spatial (laps-pools)": ("laps:mode=spatial", "laps-pools"),
     "laps spatial, lanes only (laps-pools)": ("laps:mode=spatial,shape_buckets=false,awd=false", "laps-pools"),
+    "laps spatial (laps-pools, token/rate backlog)": ("laps:mode=spatial", "laps-pools:backlog=tokens"),
 }
 
 

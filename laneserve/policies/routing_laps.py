@@ -12,11 +12,14 @@ period has elapsed it first runs the controller.
 Per-instance signals over the last period (our concrete reading of "queue, SLA deviation,
 utilisation"; all dimensionless so the two pools compare):
 
-* ``q`` — backlog in SLO units: queued prefill tokens / the instance's measured prefill rate
-  (tokens per busy second, EWMA; the pool's mean until the instance has one, 0 while no instance
-  of the pool has one) / the TTFT SLO, saturating at ``q_cap`` (2 SLOs): one huge prompt queued
-  on a long instance says little about whether its pool needs another instance, and with P90
-  over four instances it would otherwise decide alone;
+* ``q`` — backlog in SLO units, saturating at ``q_cap`` (2 SLOs: one huge prompt queued on a long
+  instance says little about whether its pool needs another instance). ``backlog="wait"``
+  (default): the age of the oldest request routed here and not started yet / the TTFT SLO — a
+  direct measurement. ``backlog="tokens"``: queued prefill tokens / the instance's measured
+  prefill rate (tokens per busy second, EWMA; the pool's mean until the instance has one) / the
+  SLO; it overstates the short pool's backlog (small padded batches have a low token rate and AWD
+  holds requests on purpose), kept the short pool at 5–6 of 8 instances on ShareGPT and lost to
+  least-loaded routing (benchmarks/prefill_laps: 2502 vs 1410 violations);
 * ``e`` — SLO deviation caused by waiting: the mean over requests whose first token came (or whose
   deadline passed) in the period of ``min(TTFT − SLO, queue wait)⁺ / SLO``. Only the waiting part
   counts: a prompt too long to ever meet the SLO should not pull instances into its pool;
@@ -125,7 +128,10 @@ class LapsPoolRouter(Router):
                  cool_down: float = 10.0, tau: float = 0.5, min_pool: int = 1, floor: float = 0.2,
                  a: float = 1.0, b: float = 1.0, c: float = 0.1, slo_ttft: float = 0.4,
                  cached_prefix: bool = True, controller: bool = True, q_cap: float = 2.0,
-                 smoothing: float = 0.3) -> None:
+                 smoothing: float = 0.3, backlog: str = "wait") -> None:
+        if backlog not in ("wait", "tokens"):
+            raise ValueError("backlog must be 'wait' (queue waiting time) or 'tokens' (tokens / rate)")
+        self.backlog = backlog
         if boundary < 1 or not 0 <= short_fraction <= 1 or period <= 0 or slo_ttft <= 0:
             raise ValueError("need boundary >= 1, 0 <= short_fraction <= 1, period > 0, slo_ttft > 0")
         self.boundary, self.short_fraction = boundary, short_fraction
@@ -209,9 +215,15 @@ class LapsPoolRouter(Router):
         if busy_delta > 0 and served > 0:
             obs = served / busy_delta
             stats.rate = obs if stats.rate is None else 0.7 * stats.rate + 0.3 * obs
-        rate = stats.rate or pool_rate
-        # no rate measured anywhere yet: no backlog estimate (0), rather than a count in other units
-        q = min(inst.queued_tokens / rate / slo, self.q_cap) if rate else 0.0
+        if self.backlog == "wait":
+            # the age of the oldest request not yet started here, in SLO units: measured directly,
+            # so neither padding nor AWD's deliberate batching window distorts a rate estimate
+            waiting = [now - r.arrival_time for r in keep if r.times.prefill_start is None]
+            q = min(max(waiting, default=0.0) / slo, self.q_cap)
+        else:
+            rate = stats.rate or pool_rate
+            # no rate measured anywhere yet: no backlog estimate (0), rather than a count in other units
+            q = min(inst.queued_tokens / rate / slo, self.q_cap) if rate else 0.0
         e = sum(deviations) / len(deviations) if deviations else 0.0
         u = min(busy_delta / period, 1.0) if period > 0 else 0.0
         return q, e, u
