@@ -102,12 +102,7 @@ class StubWorker:
                     "live": len(self.reqs), "incoming": 0})
 
     def serve(self) -> None:
-        self.out = self.ctx.socket(zmq.PUSH)
-        self.out.setsockopt(zmq.LINGER, 2000)
-        self.out.connect(self.spec.outbox)
-        inbox = self.ctx.socket(zmq.PULL)
-        inbox.setsockopt(zmq.LINGER, 0)
-        inbox.connect(self.spec.inbox)
+        self.out, inbox = self.spec.connect(self.ctx)
         self._send({"k": "ready", "info": {"max_model_len": MAX_MODEL_LEN, "kv_blocks": KV_BLOCKS,
                                            "block_size": BLOCK, "vocab_size": 1 << 20, "pid": os.getpid(),
                                            "policy": "stub", "role": self.spec.role, "device": "none",

@@ -61,6 +61,16 @@ class WorkerSpec:
     def from_json(cls, text: str) -> WorkerSpec:
         return cls(**json.loads(text))
 
+    def connect(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+        """The instance's two sockets to the router: (PUSH to ``outbox``, PULL from ``inbox``)."""
+        out = ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 2000)
+        out.connect(self.outbox)
+        inbox = ctx.socket(zmq.PULL)
+        inbox.setsockopt(zmq.LINGER, 0)
+        inbox.connect(self.inbox)
+        return out, inbox
+
 
 class _RecordingExecutor:
     """The engine executor, remembering the last step's logprobs (EngineInstance drops results)."""
@@ -290,12 +300,7 @@ class InstanceWorker:
 
     # ---- the loop ------------------------------------------------------------------------------
     def serve(self) -> None:
-        self.out = self.ctx.socket(zmq.PUSH)
-        self.out.setsockopt(zmq.LINGER, 2000)
-        self.out.connect(self.spec.outbox)
-        inbox = self.ctx.socket(zmq.PULL)
-        inbox.setsockopt(zmq.LINGER, 0)
-        inbox.connect(self.spec.inbox)
+        self.out, inbox = self.spec.connect(self.ctx)
         try:
             self.build()
         except Exception as exc:  # noqa: BLE001 - report, then die
