@@ -133,3 +133,16 @@ def test_registry_specs_and_errors():
         Simulator(ClusterConfig(prefill_policy="fcfs:bogus=1"), COST).run(mixed_specs(n=2))
     with pytest.raises(ValueError):
         ClusterConfig(mode="mesh")
+
+
+def test_colocated_runs_laps_with_buckets_and_awd_wakeups():
+    """A colocated instance forwards the prefill policy's wake-ups (AWD windows) and keeps its
+    bucket shapes on pure prefill steps; every request still finishes once."""
+    specs = mixed_specs(n=400, rate=20, max_prompt=200, max_out=8)
+    sim = Simulator(ClusterConfig(mode="colocated", colocated_policy="colocated:prefill=laps"), COST)
+    res = sim.run(specs)
+    assert res.unfinished == 0
+    assert all(r.num_output_tokens == r.max_output_tokens for r in res.requests)
+    laps = sim.front[0].scheduler.prefill
+    assert laps.padded_tokens > 0                      # bucketed steps ran
+    assert sum(laps.awd.reasons.values()) > 0          # AWD dispatched batches

@@ -71,8 +71,18 @@ class EngineInstance(SchedulerLoad):
         return not self.scheduler.has_work and not self._inbox
 
     # ---- the loop ------------------------------------------------------------------------
+    def release_dropped(self) -> int:
+        """Free the executor state of preempted plans the scheduler gave up (a member was
+        aborted: FlowPrefill lists them in ``dropped_plans``). Returns how many were parked."""
+        dropped = getattr(self.scheduler, "dropped_plans", None)
+        freed = 0
+        while dropped:
+            freed += bool(self.executor.discard(dropped.pop()))
+        return freed
+
     def step(self) -> StepOutcome | None:
         """Run one step if the scheduler has one; ``None`` when it has nothing to run now."""
+        self.release_dropped()
         self.take_arrivals()
         now = self.clock.now()
         plan = self.scheduler.schedule(now)

@@ -26,7 +26,7 @@ class ColocatedScheduler(InstanceScheduler):
         self.decode: DecodeScheduler = registry.make("decode", decode, kv, host_pool=host_pool)
         self.token_budget = token_budget
         self.name = f"colocated({self.prefill.name}+{self.decode.name})"
-        self._prefill_chunks: dict[int, set[int]] = {}   # plan id -> ids of prefill-side chunks
+        self._prefill_plans: dict[int, StepPlan | None] = {}   # step plan id -> the prefill side's plan
 
     def add_request(self, req: Request, now: float) -> None:
         self.prefill.add_request(req, now)
@@ -39,30 +39,34 @@ class ColocatedScheduler(InstanceScheduler):
 
     def schedule(self, now: float) -> StepPlan | None:
         plan = self.decode.schedule(now) or StepPlan()
+        decode_only = plan.is_empty
         budget = self.token_budget - len(plan.decodes) - plan.num_prefill_tokens
-        side = set()
-        if budget > 0:
-            pplan = self.prefill.schedule(now, token_budget=budget)
-            if pplan is not None:
-                plan.prefills.extend(pplan.prefills)
-                side = {c.request.request_id for c in pplan.prefills}
+        pplan = self.prefill.schedule(now, token_budget=budget) if budget > 0 else None
+        if pplan is not None:
+            plan.prefills.extend(pplan.prefills)
+            if decode_only:
+                plan.padded_shape = pplan.padded_shape     # a pure (possibly bucketed) prefill step
         if plan.is_empty:
             return None
         plan.label = self.name
-        self._prefill_chunks[plan.plan_id] = side
+        self._prefill_plans[plan.plan_id] = pplan
         return plan
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
-        side = self._prefill_chunks.pop(plan.plan_id, set())
-        p_chunks = [c for c in plan.prefills if c.request.request_id in side]
-        d_plan = StepPlan(prefills=[c for c in plan.prefills if c.request.request_id not in side],
-                          decodes=plan.decodes)
-        p_out = self.prefill.update(StepPlan(prefills=p_chunks), result, now)
+        # the prefill policy gets back its own plan object (its bookkeeping keys on it)
+        pplan = self._prefill_plans.pop(plan.plan_id, None) or StepPlan()
+        side = {id(c) for c in pplan.prefills}
+        d_plan = StepPlan(prefills=[c for c in plan.prefills if id(c) not in side], decodes=plan.decodes)
+        p_out = self.prefill.update(pplan, result, now)
         d_out = self.decode.update(d_plan, result, now)
         for req in p_out.prefilled:          # no transfer: the KV stays, decoding starts here
             self.prefill.requests.pop(req.request_id, None)
             self.decode.add_request(req, now)
         return StepOutcome(prefilled=[], finished=p_out.finished + d_out.finished)
+
+    def next_wakeup(self) -> float | None:
+        wakes = [w for w in (self.prefill.next_wakeup(), self.decode.next_wakeup()) if w is not None]
+        return min(wakes) if wakes else None
 
     def abort(self, request_id: int, now: float, reason: str = "abort") -> Request | None:
         return self.prefill.abort(request_id, now, reason) or self.decode.abort(request_id, now, reason)
