@@ -61,12 +61,7 @@ class _Worker:
             if not sched.can_reserve(req):
                 return
             self.incoming.popleft()
-            sched.reserve(req)
-            # a decode policy may park arriving KV in its host pool (AlignedServe §3.2)
-            self.instance.executor.import_kv(req.request_id, payload,
-                                             into_host=getattr(sched, "kv_lands_in_host", False))
-            req.times.transfer_end = self.instance.clock.now()
-            sched.add_request(req, req.times.transfer_end)
+            self.instance.accept_kv(req, lambda payload=payload: payload)
 
 
 class LocalCluster:

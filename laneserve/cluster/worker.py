@@ -212,18 +212,11 @@ class InstanceWorker:
             if not sched.can_reserve(req):
                 return
             self.incoming.popleft()
-            sched.reserve(req)
-            in_host = getattr(sched, "kv_lands_in_host", False)   # AlignedServe parks KV in the host pool
             try:
-                payload = self.transport.get(desc)
-                self.instance.executor.import_kv(req.request_id, payload, into_host=in_host)
+                self.instance.accept_kv(req, lambda desc=desc: self.transport.get(desc))
             except Exception as exc:  # noqa: BLE001 - a failed transfer fails its request only
-                (sched.host_pool if in_host else sched.kv).free(req.request_id)
                 self.live.pop(req.request_id, None)
                 self._send({"k": "err", "rids": [req.request_id], "msg": f"KV transfer failed: {exc}"})
-                continue
-            req.times.transfer_end = self.clock.now()
-            sched.add_request(req, req.times.transfer_end)
 
     # ---- outputs -----------------------------------------------------------------------------
     def _send(self, msg: dict) -> None:

@@ -71,6 +71,22 @@ class EngineInstance(SchedulerLoad):
         return not self.scheduler.has_work and not self._inbox
 
     # ---- the loop ------------------------------------------------------------------------
+    def accept_kv(self, req: Request, fetch: Callable[[], object]) -> None:
+        """Take in a prefilled request whose KV arrives from another instance: reserve blocks where
+        the decode policy wants them (device, or the host pool for AlignedServe §3.2), import the
+        payload ``fetch()`` returns, and hand the request to the scheduler. If fetching or
+        importing fails, the reservation is released and the error re-raised."""
+        sched = self.scheduler
+        sched.reserve(req)
+        in_host = getattr(sched, "kv_lands_in_host", False)
+        try:
+            self.executor.import_kv(req.request_id, fetch(), into_host=in_host)
+        except Exception:
+            (sched.host_pool if in_host else sched.kv).free(req.request_id)
+            raise
+        req.times.transfer_end = self.clock.now()
+        sched.add_request(req, req.times.transfer_end)
+
     def release_dropped(self) -> int:
         """Free the executor state of preempted plans the scheduler gave up (a member was
         aborted: FlowPrefill lists them in ``dropped_plans``). Returns how many were parked."""

@@ -38,6 +38,14 @@ class PrefillScheduler(InstanceScheduler):
     def _push(self, req: Request, now: float) -> None:
         raise NotImplementedError
 
+    def _remove(self, req: Request) -> None:
+        """Default for policies that keep their waiting requests in one sequence, ``self.queue``
+        (FCFS, CP-EDF, Kairos); policies with other structures override it."""
+        try:
+            self.queue.remove(req)
+        except ValueError:
+            pass
+
     @property
     def num_waiting(self) -> int:
         return len(self.pending)

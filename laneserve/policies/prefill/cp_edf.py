@@ -31,23 +31,17 @@ class ChunkedEDFPrefill(PrefillScheduler):
             raise ValueError("chunk must be >= 1")
         self.chunk_size = chunk
         self.name = f"cp-edf-{chunk}"
-        self.order: list[Request] = []
+        self.queue: list[Request] = []
 
     def _push(self, req: Request, now: float) -> None:
-        insort(self.order, req, key=_edf_key)
-
-    def _remove(self, req: Request) -> None:
-        try:
-            self.order.remove(req)
-        except ValueError:
-            pass
+        insort(self.queue, req, key=_edf_key)
 
     def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
-        if not self.order:
+        if not self.queue:
             return None
         plan = StepPlan(label=self.name)
         budget = self.chunk_size if token_budget is None else token_budget
-        for req in self.order:
+        for req in self.queue:
             if budget <= 0 or len(plan.prefills) >= self.max_batch_size:
                 break
             if not self.admit(req, now):

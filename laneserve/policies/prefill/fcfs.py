@@ -23,12 +23,6 @@ class FCFSPrefill(PrefillScheduler):
     def _push(self, req: Request, now: float) -> None:
         self.queue.append(req)
 
-    def _remove(self, req: Request) -> None:
-        try:
-            self.queue.remove(req)
-        except ValueError:
-            pass
-
     def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
         budget = self.token_budget if token_budget is None else token_budget
         queue = self.queue

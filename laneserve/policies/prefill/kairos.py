@@ -108,12 +108,6 @@ class KairosPrefill(PrefillScheduler):
     def _push(self, req: Request, now: float) -> None:
         insort(self.queue, req, key=_arrival_key)
 
-    def _remove(self, req: Request) -> None:
-        try:
-            self.queue.remove(req)
-        except ValueError:
-            pass
-
     # ---- Algorithm 1 -------------------------------------------------------------------------
     def scores(self, now: float) -> list[tuple[float, Request]]:
         finishes = fcfs_finish_times(self.queue, now, self.throughput)
