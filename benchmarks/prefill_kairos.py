@@ -8,16 +8,25 @@ Setup and choices:
   that shape (p50 6.9K, p99 85K, max 126K tokens) while the Azure conversation trace tops out at
   14K. Mooncake's timestamps are quantised to ~3 s ticks (89% of gaps are zero: bursts of ~10
   simultaneous requests that survive any rescaling and make attainment flat in rate), so the
-  lengths are kept and arrivals are redrawn as a Poisson process at each rate. Prefix caching
-  is off (every prompt token is computed) for all policies.
-- **SLO**: the paper's 8 s TTFT (MiniMax-M2.5, TP4 H200s; §2.2: 8K tokens prefill in 0.40 s, 128K
-  in 8.8 s) scaled to Llama-3-8B on one H100 by the ratio of *mean prefill time over the trace's
-  prompts*: ours from the cost model, the paper's from the power law through its two quoted
-  points (T = 0.40 s · (n/8K)^1.11). Sensitivity: the same scaling anchored on the 8K point only
-  (tighter) and on the 128K point only (looser) is reported too.
+  lengths are kept and arrivals are redrawn as a Poisson process (``SEEDS``; the attainment
+  curves are averaged over the seeds before the knee is located, and each seed's knee is
+  reported too). Prefix caching is off (every prompt token is computed) for all policies.
+- **SLO.** The paper's 8 s TTFT is for MiniMax-M2.5 on TP4 H200s (§2.2: 8K tokens prefill in
+  0.40 s, 128K in 8.8 s: T = 0.40 s · (n/8K)^1.11). Our Llama-3-8B/H100 prefill time grows much
+  faster with length (×106 from 8K to 128K, quadratic attention, vs ×22), so no single factor
+  keeps every property of the paper's setup; which one is kept decides the result:
+  * **equal reach (headline)**: the SLO is our prefill time of the longest prompt the paper's SLO
+    can afford (T_paper(n*) = 8 s, n* ≈ 120K tokens). This keeps the property the paper's results
+    show — at low load *every* request meets the SLO under both systems (§4.3: "both systems
+    achieve 100%") — which a scaling that leaves some prompts unservable even on an idle
+    instance cannot reproduce;
+  * mean prefill (the ratio of mean prefill times over the trace), 8K anchor and 128K anchor,
+    reported as sensitivity. For each scaling the run reports the *feasible fraction* (prompts
+    whose prefill alone fits the SLO) and hence the largest gain any scheduler could have at the
+    knee (feasible fraction − FCFS attainment there).
 - 1 prefill + 1 decode instance (continuous batching decode); Kairos chunk C = 8192 tokens.
 - Headline: ``ttft_attainment_gain_at_knee`` = Kairos (pseudo-code order) − FCFS TTFT attainment
-  at the first swept rate where FCFS falls below 80%.
+  at the first swept rate where FCFS (mean over seeds) falls below 80%.
 
     python benchmarks/prefill_kairos.py
 """
@@ -38,38 +47,58 @@ from laneserve.sim import ClusterConfig
 from laneserve.workloads import make_workload
 
 N_REQUESTS = 800
+SEEDS = (0, 1, 2, 3)
 METRIC = "attainment_ttft"
 PAPER_SLO, PAPER_8K, PAPER_128K = 8.0, 0.4004, 8.8
-RATES = tuple(round(0.1 + 0.05 * k, 2) for k in range(15))        # 0.10 .. 0.80 req/s
-POLICIES = {"FCFS (DistServe)": "fcfs", "Kairos (pseudo-code, descending)": "kairos",
-            "Kairos ascending (ablation)": "kairos-asc", "CP-EDF 2K": "cp-edf-2k", "CP-EDF 8K": "cp-edf-8k"}
-SENSITIVITY_POLICIES = ("FCFS (DistServe)", "Kairos (pseudo-code, descending)", "Kairos ascending (ablation)")
+RATES = tuple(round(0.1 + 0.05 * k, 2) for k in range(19))        # 0.10 .. 1.00 req/s
+SENSITIVITY_RATES = RATES[::2]
+FCFS, KAIROS, KAIROS_ASC = "FCFS (DistServe)", "Kairos (pseudo-code, descending)", "Kairos ascending (ablation)"
+POLICIES = {FCFS: "fcfs", KAIROS: "kairos", KAIROS_ASC: "kairos-asc", "CP-EDF 2K": "cp-edf-2k",
+            "CP-EDF 8K": "cp-edf-8k"}
+SENSITIVITY_POLICIES = (FCFS, KAIROS, KAIROS_ASC)
+HEADLINE = "equal reach (headline)"
+
+
+def paper_prefill_time(n: np.ndarray | float) -> np.ndarray | float:
+    """The paper's prefill time law through its two quoted points (§2.2)."""
+    alpha = math.log(PAPER_128K / PAPER_8K) / math.log(16.0)
+    return PAPER_8K * (np.asarray(n, dtype=float) / 8192.0) ** alpha
 
 
 def scaled_slos(cost, prompts: np.ndarray) -> dict[str, float]:
     alpha = math.log(PAPER_128K / PAPER_8K) / math.log(16.0)
-    paper_mean = float(np.mean(PAPER_8K * (prompts / 8192.0) ** alpha))
+    reach = 8192.0 * (PAPER_SLO / PAPER_8K) ** (1.0 / alpha)         # T_paper(reach) = 8 s
+    paper_mean = float(np.mean(paper_prefill_time(prompts)))
     ours_mean = float(np.mean([cost.prefill_time([(int(n), 0)]) for n in prompts]))
-    return {"mean-prefill (headline)": PAPER_SLO * ours_mean / paper_mean,
+    return {HEADLINE: cost.prefill_time([(int(reach), 0)]),
+            "mean prefill": PAPER_SLO * ours_mean / paper_mean,
             "8K anchor": PAPER_SLO * cost.prefill_time([(8192, 0)]) / PAPER_8K,
             "128K anchor": PAPER_SLO * cost.prefill_time([(131072, 0)]) / PAPER_128K}
 
 
-def sweep(wl, cost, policies, rates) -> list[dict]:
+def sweep(base, slo: float, cost, policies, rates) -> list[dict]:
+    """Attainment per (policy, rate), mean over the seeds, with each seed's value kept."""
     rows = []
+    workloads = [base.with_arrivals("poisson", 1.0, seed=seed).with_slo(SLO(ttft=slo, tpot=0.05))
+                 for seed in SEEDS]
     for name in policies:
         config = ClusterConfig(prefill_policy=POLICIES[name])
         for rate in rates:
-            s, _ = run_point(wl, config, cost, rate=rate)
-            rows.append({"policy": name, "rate": rate, METRIC: s[METRIC], "median_ttft_ms": s["median_ttft_ms"],
-                         "p90_ttft_ms": s["p90_ttft_ms"]})
+            per_seed = [run_point(wl, config, cost, rate=rate)[0] for wl in workloads]
+            rows.append({"policy": name, "rate": rate,
+                         METRIC: float(np.mean([s[METRIC] for s in per_seed])),
+                         "per_seed": [round(s[METRIC], 4) for s in per_seed],
+                         "median_ttft_ms": float(np.mean([s["median_ttft_ms"] for s in per_seed])),
+                         "p90_ttft_ms": float(np.mean([s["p90_ttft_ms"] for s in per_seed]))})
         print(f"  {name:34s} " + " ".join(f"{r[METRIC]:.3f}" for r in rows if r["policy"] == name), flush=True)
     return rows
 
 
-def knee(rows: list[dict], policy: str) -> dict:
-    fcfs = {r["rate"]: r[METRIC] for r in rows if r["policy"] == "FCFS (DistServe)"}
-    other = {r["rate"]: r[METRIC] for r in rows if r["policy"] == policy}
+def knee(rows: list[dict], policy: str, seed_index: int | None = None) -> dict:
+    def value(r):
+        return r[METRIC] if seed_index is None else r["per_seed"][seed_index]
+    fcfs = {r["rate"]: value(r) for r in rows if r["policy"] == FCFS}
+    other = {r["rate"]: value(r) for r in rows if r["policy"] == policy}
     rate = next((x for x in sorted(fcfs) if fcfs[x] < 0.8), None)
     if rate is None:
         return {"rate": None, "gain": None}
@@ -79,53 +108,59 @@ def knee(rows: list[dict], policy: str) -> dict:
 def main() -> None:
     t0 = time.perf_counter()
     cost = make_cost_model("analytic", model="llama-3-8b", hardware="h100")
-    base = make_workload("mooncake_conv").head(N_REQUESTS).with_arrivals("poisson", 1.0, seed=0)
+    base = make_workload("mooncake_conv").head(N_REQUESTS)
     prompts = np.array([s.prompt_len for s in base.specs])
+    solo = np.array([cost.prefill_time([(int(n), 0)]) for n in prompts])
     slos = scaled_slos(cost, prompts)
-    print("scaled TTFT SLOs:", {k: round(v, 2) for k, v in slos.items()}, flush=True)
+    feasible = {k: float(np.mean(solo <= v)) for k, v in slos.items()}
+    print("scaled TTFT SLOs:", {k: round(v, 2) for k, v in slos.items()}, "feasible:", feasible, flush=True)
 
-    headline_slo = slos["mean-prefill (headline)"]
-    wl = base.with_slo(SLO(ttft=headline_slo, tpot=0.05))
-    rows = sweep(wl, cost, POLICIES, RATES)
-    k_desc = knee(rows, "Kairos (pseudo-code, descending)")
-    k_asc = knee(rows, "Kairos ascending (ablation)")
+    rows = sweep(base, slos[HEADLINE], cost, POLICIES, RATES)
+    k_desc, k_asc = knee(rows, KAIROS), knee(rows, KAIROS_ASC)
+    per_seed = [knee(rows, KAIROS, i) for i in range(len(SEEDS))]
 
     sensitivity = []
-    for label in ("8K anchor", "128K anchor"):
+    for label in ("mean prefill", "8K anchor", "128K anchor"):
         print(f"sensitivity, SLO {label} = {slos[label]:.2f} s", flush=True)
-        s_rows = sweep(base.with_slo(SLO(ttft=slos[label], tpot=0.05)), cost, SENSITIVITY_POLICIES,
-                       RATES[::2] + (0.9, 1.0))
+        s_rows = sweep(base, slos[label], cost, SENSITIVITY_POLICIES, SENSITIVITY_RATES)
         for pol in SENSITIVITY_POLICIES[1:]:
             kn = knee(s_rows, pol)
-            sensitivity.append({"slo": label, "ttft_slo_s": slos[label], "policy": pol, "knee_rate": kn["rate"],
-                                "fcfs_at_knee": kn.get("fcfs"), "policy_at_knee": kn.get("policy"),
-                                "gain": kn["gain"]})
+            sensitivity.append({"slo": label, "ttft_slo_s": slos[label], "feasible_fraction": feasible[label],
+                                "policy": pol, "knee_rate": kn["rate"], "fcfs_at_knee": kn.get("fcfs"),
+                                "policy_at_knee": kn.get("policy"), "gain": kn["gain"],
+                                "largest_possible_gain": (feasible[label] - kn["fcfs"]) if kn["rate"] else None})
 
+    by_rate = {(r["policy"], r["rate"]): r[METRIC] for r in rows}
     metrics = {
         "ttft_attainment_gain_at_knee": k_desc["gain"],
         "knee_rate": k_desc["rate"],
         "fcfs_attainment_at_knee": k_desc.get("fcfs"),
         "kairos_attainment_at_knee": k_desc.get("policy"),
+        "gain_at_knee_per_seed": [round(k["gain"], 4) if k["gain"] is not None else None for k in per_seed],
         "ttft_attainment_gain_at_knee_ascending_ablation": k_asc["gain"],
-        "ttft_slo_s": headline_slo,
-        "max_gain_over_fcfs": max(r[METRIC] - f[METRIC] for r in rows for f in rows
-                                  if r["policy"] == "Kairos (pseudo-code, descending)"
-                                  and f["policy"] == "FCFS (DistServe)" and f["rate"] == r["rate"]),
+        "ttft_slo_s": slos[HEADLINE],
+        "feasible_fraction": feasible[HEADLINE],
+        "max_gain_over_fcfs": max(by_rate[(KAIROS, x)] - by_rate[(FCFS, x)] for x in RATES),
+        "gain_at_knee_mean_prefill_slo": next(s["gain"] for s in sensitivity
+                                              if s["slo"] == "mean prefill" and s["policy"] == KAIROS),
         "wall_seconds": time.perf_counter() - t0,
     }
     plot_curves(RESULTS_DIR / "prefill_kairos.png", rows, x_key="rate", y_keys=(METRIC,), group_key="policy",
-                title=f"Mooncake lengths, Poisson, TTFT SLO {headline_slo:.1f} s, Llama-3-8B / H100",
+                title=f"Mooncake lengths, Poisson ×{len(SEEDS)}, TTFT SLO {slos[HEADLINE]:.1f} s, Llama-3-8B / H100",
                 target=0.8)
-    md = (f"Paper (§4.3): at QPS 3.0 FCFS 76.1% vs Kairos 100% TTFT attainment (+23.9%).\n\n"
-          "Scaled TTFT SLOs: " + ", ".join(f"{k} {v:.2f} s" for k, v in slos.items())
-          + f"\n\n## TTFT attainment vs rate (SLO {headline_slo:.2f} s, {N_REQUESTS} requests per point)\n\n"
-          + markdown_table(rows) + "\n![attainment vs rate](prefill_kairos.png)\n\n"
+    md = ("Paper (§4.3): at QPS 3.0 FCFS 76.1% vs Kairos 100% TTFT attainment (+23.9%); at low QPS both 100%.\n\n"
+          "Scaled TTFT SLOs (feasible fraction = prompts whose prefill alone fits): "
+          + ", ".join(f"{k} {v:.2f} s ({feasible[k]:.3f})" for k, v in slos.items())
+          + f"\n\n## TTFT attainment vs rate (SLO {slos[HEADLINE]:.2f} s, {N_REQUESTS} requests per point, "
+            f"mean over Poisson seeds {list(SEEDS)})\n\n"
+          + markdown_table([{k: v for k, v in r.items()} for r in rows])
+          + "\n![attainment vs rate](prefill_kairos.png)\n\n"
           "## Sensitivity to the SLO scaling\n\n" + markdown_table(sensitivity))
     write_result("prefill_kairos", metrics, markdown=md,
-                 extra={"rows": rows, "sensitivity": sensitivity, "slos": slos, "n_requests": N_REQUESTS,
+                 extra={"rows": rows, "sensitivity": sensitivity, "slos": slos, "feasible": feasible,
+                        "n_requests": N_REQUESTS, "seeds": list(SEEDS),
                         "setup": "Llama-3-8B, H100 analytic cost model, 1 prefill + 1 decode (continuous), "
-                                 "Mooncake conversation lengths (first N), Poisson arrivals seed 0, "
-                                 "Kairos chunk 8192"})
+                                 "Mooncake conversation lengths (first N), Poisson arrivals, Kairos chunk 8192"})
     print(metrics)
 
 
