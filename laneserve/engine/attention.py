@@ -13,6 +13,10 @@ runner before attention; each layer then gathers the contexts it needs from the 
 preallocated workspace with ``index_select(..., out=)`` (DESIGN.md facts: fresh allocation is 3–10x
 slower). A sequence without cached tokens attends to its fresh K/V directly (no gather).
 Backends are selected by name through :data:`ATTENTION_BACKENDS`.
+
+A third, unregistered path, :class:`StaticPaddedAttention`, is the padded path on fixed-shape,
+preallocated metadata for the shape buckets of ``engine/graphs.py`` (CUDA graphs on CUDA; the same
+static path runs eagerly on CPU).
 """
 
 from __future__ import annotations
@@ -257,3 +261,60 @@ class PaddedAttention(AttentionBackend):
                                                attn_mask=meta.mask, is_causal=meta.causal, enable_gqa=True)
             o = o.transpose(1, 2).reshape(b * q_pad, heads, dim)
         return o if meta.q_rows is None else o.index_select(0, meta.q_rows)
+
+
+# ---- static: fixed-shape padded attention for shape buckets / CUDA graphs ----------------------
+@dataclass(slots=True)
+class StaticAttentionMeta:
+    """Metadata of one shape bucket (``engine/graphs.py``): every tensor is preallocated once per
+    bucket and refilled in place before each run, so the same kernels with the same shapes and
+    addresses run every time (what a captured CUDA graph replays).
+
+    Decode bucket ``(B, C)``: ``q_len = 1``, ``k_len = C``; ``gather_index`` ``[B * C]`` holds the
+    cache slots of each row's context, padding columns pointing at the scratch slot; the gathered
+    K/V land in ``k_buf``/``v_buf`` ``[B * C, kv_heads, d]``. Prefill bucket ``(L, B)`` (fresh
+    prompts only): ``q_len = k_len = L``, ``gather_index = None`` (attends to its fresh K/V).
+    ``mask`` ``[B, 1, q_len, k_len]``: True where a query may look; every row sees at least key 0,
+    so padding rows stay finite."""
+
+    batch: int
+    q_len: int
+    k_len: int
+    mask: torch.Tensor
+    gather_index: torch.Tensor | None = None
+    k_buf: torch.Tensor | None = None
+    v_buf: torch.Tensor | None = None
+
+
+class StaticPaddedAttention(AttentionBackend):
+    """The padded path on :class:`StaticAttentionMeta`: capture-safe (no host syncs, no
+    allocation whose size depends on data, no Python branch on tensor values). Not in the registry:
+    only the bucket runner builds its metadata, so :meth:`prepare` is not available."""
+
+    name = "static"
+
+    def __init__(self, workspace: GatherWorkspace | None = None) -> None:
+        self.workspace = workspace
+
+    def prepare(self, batch: AttentionBatch, device: torch.device) -> StaticAttentionMeta:
+        raise NotImplementedError("static attention metadata is filled by the bucket runner (engine/graphs.py)")
+
+    def forward(self, q, k_new, v_new, k_cache, v_cache, meta: StaticAttentionMeta) -> torch.Tensor:
+        b, q_len, k_len = meta.batch, meta.q_len, meta.k_len
+        heads, dim = q.shape[1], q.shape[2]
+        if meta.gather_index is None:
+            k = k_new.reshape(b, k_len, *k_new.shape[1:])
+            v = v_new.reshape(b, k_len, *v_new.shape[1:])
+        else:
+            torch.index_select(k_cache, 0, meta.gather_index, out=meta.k_buf)
+            torch.index_select(v_cache, 0, meta.gather_index, out=meta.v_buf)
+            k = meta.k_buf.view(b, k_len, *meta.k_buf.shape[1:])
+            v = meta.v_buf.view(b, k_len, *meta.v_buf.shape[1:])
+        if q_len == 1:   # decode: fold the query heads onto their KV head (as the padded path does)
+            kv_heads = k.shape[2]
+            o = F.scaled_dot_product_attention(q.view(b, kv_heads, heads // kv_heads, dim), k.transpose(1, 2),
+                                               v.transpose(1, 2), attn_mask=meta.mask)
+            return o.reshape(b, heads, dim)
+        o = F.scaled_dot_product_attention(q.view(b, q_len, heads, dim).transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), attn_mask=meta.mask, enable_gqa=True)
+        return o.transpose(1, 2).reshape(b * q_len, heads, dim)

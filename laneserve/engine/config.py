@@ -3,6 +3,12 @@ computed, not mutated into the config).
 
 The engine defaults to fp32 on CPU ("Facts measured on this machine": bf16 changes logits and is
 2x slower for batched decode on CPU).
+
+``cuda_graphs`` turns on the static shape-bucket path of ``engine/graphs.py`` (LAPS §3): decode
+steps padded to ``(batch, context)`` buckets and short fresh prefills with a ``plan.padded_shape``
+padded to ``(L, B)`` buckets, each bucket a power-of-two grid up to the ``graph_max_*`` fields.
+On CUDA each bucket is captured as a CUDA graph on first use and replayed afterwards; on CPU the
+same static path runs eagerly (DESIGN.md, LAPS note), which is how the tests verify it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,9 @@ from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _GRANULARITIES = ("operator", "layer", "chunk")
+#: smallest decode-context and prefill-length buckets of the ``cuda_graphs`` grids
+MIN_GRAPH_CONTEXT = 16
+MIN_GRAPH_PREFILL_LEN = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +43,18 @@ class EngineConfig:
     num_threads: int | None = None
     #: record per-operator durations on every plan (they are always recorded on preemptible plans)
     record_op_times: bool = False
-    #: CUDA graphs for decode / short-prefill shape buckets (CUDA only; currently a hook, see runner.py)
+    #: static shape buckets for non-preemptible decode and short fresh prefill steps (engine/graphs.py):
+    #: captured as CUDA graphs on CUDA, run eagerly on the same static buffers on CPU; other steps
+    #: (mixed, cached-prefix chunks, preemptible plans, record_op_times, beyond the grid) take the eager path
     cuda_graphs: bool = False
+    #: decode buckets: batch in {1, 2, 4, .., graph_max_batch} x padded context in
+    #: {16, 32, .., graph_max_context} (the context gather workspace holds max_batch x max_context rows)
+    graph_max_batch: int = 64
+    graph_max_context: int = 2048
+    #: short-prefill buckets (LAPS grid): L in {8, 16, .., graph_max_prefill_len} x B in
+    #: {1, 2, .., graph_max_prefill_batch}
+    graph_max_prefill_len: int = 256
+    graph_max_prefill_batch: int = 64
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -52,6 +71,11 @@ class EngineConfig:
             raise ValueError("num_host_blocks must be >= 0")
         if self.dtype == "float16" and not self.device.startswith("cuda"):
             raise ValueError("float16 is only supported on CUDA; use float32 or bfloat16 on CPU")
+        for name, low in (("graph_max_batch", 1), ("graph_max_context", MIN_GRAPH_CONTEXT),
+                          ("graph_max_prefill_len", MIN_GRAPH_PREFILL_LEN), ("graph_max_prefill_batch", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= {low}, got {value!r}")
 
     def resolve_num_kv_blocks(self, kv_bytes_per_token: int, free_bytes: int | None = None) -> int:
         """Device KV blocks: ``num_kv_blocks`` when set, else ``kv_memory_fraction`` of the free

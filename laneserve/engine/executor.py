@@ -15,6 +15,11 @@ generator is parked under ``plan.plan_id``, ``plan.ops_done`` is set (operators 
 ``num_layers * 5``) and ``StepResult(completed=False)`` returned. Executing the same plan object
 again resumes it with identical results. The KV blocks of a parked plan must stay allocated and
 unmoved until it resumes (or :meth:`EngineExecutor.discard` drops it).
+
+With ``EngineConfig.cuda_graphs``, a step the runner maps to a shape bucket (non-preemptible
+decode-only steps, fresh short prefills with a ``padded_shape``; ``engine/graphs.py``) runs there
+in one go — a CUDA graph replay on CUDA, the same static path eagerly elsewhere — and reports
+``plan.ops_done = num_operators``; every other step takes the generator path above.
 """
 
 from __future__ import annotations
@@ -111,15 +116,21 @@ class EngineExecutor:
                 if not seqs:
                     self._sync()
                     return EngineStepResult(time.perf_counter() - t0, True, {}, set())
-                forward = self.runner.forward(self.runner.prepare(seqs, plan.padded_shape))
+                bucket = self.runner.select_bucket(plan, seqs)
+                if bucket is None:
+                    forward = self.runner.forward(self.runner.prepare(seqs, plan.padded_shape))
             else:
                 if parked.plan is not plan:
                     raise ValueError(f"plan {plan.plan_id} resumed with a different plan object")
-                seqs, forward = parked.seqs, parked.forward
-            logits = self._advance(plan, forward, seqs, should_stop, t0)
-            if logits is None:
-                self._sync()
-                return EngineStepResult(time.perf_counter() - t0, completed=False)
+                seqs, forward, bucket = parked.seqs, parked.forward, None
+            if bucket is not None:     # a shape bucket: not preemptible, no operator boundaries
+                logits = self.runner.run_bucket(bucket, seqs)
+                plan.ops_done = self.model.num_operators
+            else:
+                logits = self._advance(plan, forward, seqs, should_stop, t0)
+                if logits is None:
+                    self._sync()
+                    return EngineStepResult(time.perf_counter() - t0, completed=False)
             sampled, stop_hit, logprobs = self._sample(seqs, logits)
         self._sync()
         return EngineStepResult(time.perf_counter() - t0, True, sampled, stop_hit, logprobs or None)

@@ -5,6 +5,10 @@ One tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` per tier,
 copy between tiers (device <-> host pool, AlignedServe §3) or an export for prefill -> decode
 transfer moves every layer in one indexing operation. Layer ``l``'s K cache is the contiguous view
 ``data[l, 0]`` (``[num_blocks, block_size, kv_heads, head_dim]``).
+
+``scratch_blocks`` extra blocks after the ``num_blocks`` the core's ``KVCacheManager`` hands out
+are owned by no request: the shape-bucket runner (``engine/graphs.py``) points the K/V writes and
+context gathers of its padding rows there, so padding never touches a request's KV.
 """
 
 from __future__ import annotations
@@ -32,13 +36,17 @@ class KVPayload:
 
 
 class PagedKVCache:
-    __slots__ = ("data", "block_size", "num_blocks", "num_layers", "num_kv_heads", "head_dim")
+    __slots__ = ("data", "block_size", "num_blocks", "scratch_blocks", "num_layers", "num_kv_heads", "head_dim")
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, pin_memory: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device | str, pin_memory: bool = False,
+                 scratch_blocks: int = 0) -> None:
+        if scratch_blocks < 0:
+            raise ValueError("scratch_blocks must be >= 0")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.scratch_blocks = scratch_blocks
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, 2, num_blocks + scratch_blocks, block_size, num_kv_heads, head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
     @property
@@ -49,10 +57,18 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    @property
+    def scratch_block(self) -> int:
+        """Index of the first scratch block (right after the managed ones)."""
+        if not self.scratch_blocks:
+            raise ValueError("this KV cache has no scratch block")
+        return self.num_blocks
+
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s K and V caches flattened to ``[num_blocks * block_size, kv_heads, head_dim]``."""
+        """Layer ``layer``'s K and V caches flattened to ``[(num_blocks + scratch_blocks) * block_size,
+        kv_heads, head_dim]``."""
         kv = self.data[layer]
-        flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        flat = ((self.num_blocks + self.scratch_blocks) * self.block_size, self.num_kv_heads, self.head_dim)
         return kv[0].view(flat), kv[1].view(flat)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -15,8 +15,15 @@ fresh prompt's last chunk (the first output token), or a recompute that also cov
 output token. A recompute chunk that stops short of it samples nothing and returns no token for
 the request (the update rule records none either: ``policies/base.py`` ``_advance_prefill``).
 
-CUDA graphs (LAPS §3 shape buckets) are a hook here: on CUDA the step runs eagerly through the
-same code (SDPA on GPU); ``EngineConfig.cuda_graphs`` only logs that capture is not implemented.
+Shape buckets and CUDA graphs (LAPS §3): with ``EngineConfig.cuda_graphs`` the runner also owns a
+:class:`~laneserve.engine.graphs.BucketRunner` and the KV cache gets one scratch block that the
+``KVCacheManager`` never hands out. :meth:`ModelRunner.select_bucket` sends non-preemptible
+decode-only steps and fresh short-prefill steps with a ``plan.padded_shape`` to it — captured and
+replayed as CUDA graphs on CUDA, run eagerly on the very same static buffers elsewhere — and every
+other step to the resumable path of :meth:`prepare` / :meth:`forward`. The static path (bucket
+selection, padding, scratch slot, masks, token identity with the eager path, no host reads inside
+the forward) is verified on CPU by ``tests/test_engine_graphs.py``; the capture and replay calls
+themselves only run on a CUDA device (``benchmarks/cuda_graphs.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from laneserve.core.plan import StepPlan
 from laneserve.core.request import Request
 from laneserve.engine.attention import AttentionBatch, GatherWorkspace, make_attention
 from laneserve.engine.config import EngineConfig
+from laneserve.engine.graphs import BucketKey, BucketRunner
 from laneserve.engine.kv_cache import PagedKVCache
 from laneserve.engine.models.llama import LlamaModel, StepTensors
 
@@ -100,16 +108,29 @@ class ModelRunner:
         self.kv_manager = kv_manager
         self.config = config
         self.device = model.device
+        # the bucket path needs one block no request owns (padding rows write there)
         self.cache = PagedKVCache(cfg.num_layers, kv_manager.num_blocks, kv_manager.block_size,
-                                  cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device)
+                                  cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device,
+                                  scratch_blocks=1 if config.cuda_graphs else 0)
         self.workspace = GatherWorkspace(config.max_num_batched_tokens, cfg.num_kv_heads, cfg.head_dim,
                                          model.dtype, self.device)
         self.attention = make_attention(config.attention, self.workspace)
+        self.graphs: BucketRunner | None = None
         if config.cuda_graphs:
-            if self.device.type == "cuda":
-                log.warning("cuda_graphs: capture is not implemented yet (hook in engine/runner.py); running eagerly")
-            else:
-                log.info("cuda_graphs ignored on %s", self.device)
+            self.graphs = BucketRunner(model, self.cache, config)
+            log.info("cuda_graphs: shape buckets %s on %s", "captured as CUDA graphs" if self.device.type == "cuda"
+                     else "run eagerly on static buffers", self.device)
+
+    def select_bucket(self, plan: StepPlan, seqs: list[SeqInput]) -> BucketKey | None:
+        """The shape bucket of this step, or None for the resumable eager path (always None
+        without ``cuda_graphs``)."""
+        return None if self.graphs is None else self.graphs.select(plan, seqs)
+
+    def run_bucket(self, key: BucketKey, seqs: list[SeqInput]) -> torch.Tensor:
+        """Run a step in its bucket; returns the logits of the sampled sequences."""
+        assert self.graphs is not None
+        tables = [self.kv_manager.table(s.request.request_id) for s in seqs]
+        return self.graphs.run(key, seqs, tables)
 
     def prepare(self, seqs: list[SeqInput], padded_shape: tuple[int, int] | None = None) -> StepTensors:
         bs = self.kv_manager.block_size
