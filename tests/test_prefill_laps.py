@@ -168,6 +168,33 @@ def test_long_prefills_run_in_chunks_between_short_batches():
     assert first.prefills[0].request.tags[LANE_TAG] == SHORT
 
 
+def test_sla_guard_runs_a_squeezed_short_batch_before_the_next_long_chunk():
+    """A short request still inside its AWD window goes before a long chunk when the chunk, run
+    first, would leave it ≤ σ of slack; a loose one lets the chunk through (work-conserving)."""
+    cost = LinearCostModel(prefill_per_token=1e-4)           # a 2048-token chunk: 0.2048 s
+
+    def first_lane(ttft, **opts):
+        s = sched(w_min=0.1, w_max=0.1, **opts)
+        s.bind_cost_model(cost)
+        s.add_request(req(0, 0.0, 4096, ttft=10.0), 0.0)
+        s.add_request(req(1, 0.0, 64, ttft=ttft), 0.0)
+        assert s._short_due(0.0)[0] is False                 # AWD alone would keep waiting
+        return s.schedule(0.0).prefills[0].request.tags[LANE_TAG], s
+
+    lane, s = first_lane(0.25)                               # 0.25 − (0.2048 + Ŝ 0.02) ≤ σ 0.05
+    assert lane == SHORT and s.guard_dispatches == 1 and s.awd.reasons == {"sla_guard": 1}
+    assert first_lane(0.25, sla_guard=False)[0] == LONG
+    assert first_lane(1.0)[0] == LONG
+    # without a cost model the guard predicts a chunk by the last long step it observed
+    s = sched(w_min=0.1, w_max=0.1)
+    s.add_request(req(0, 0.0, 4096, ttft=10.0), 0.0)
+    plan = s.schedule(0.0)
+    assert plan.prefills[0].request.tags[LANE_TAG] == LONG
+    s.update(plan, StepResult(duration=0.2), 0.2)
+    s.add_request(req(1, 0.2, 64, ttft=0.25), 0.2)
+    assert s.schedule(0.2).prefills[0].request.tags[LANE_TAG] == SHORT
+
+
 def test_controller_moves_one_instance_with_cool_down_and_min_pool():
     c = PoolController(cool_down=10.0, tau=0.5, floor=0.1, min_pool=1)
     pools = {0: SHORT, 1: SHORT, 2: LONG, 3: LONG}

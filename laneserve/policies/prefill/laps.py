@@ -11,9 +11,15 @@ instance is free,
 1. the short lane runs if AWD says its batch is due (depth D reached, window expired, slack ≤ σ,
    head wait > T_max; token-max in deadline-free mode) — unless ``max_short_streak`` short
    batches in a row already ran while long work waited, then one long chunk goes first;
-2. otherwise a long chunk runs (work-conserving: a short batch still filling its window waits
+2. SLA-first guard (``sla_guard``, SLA-constrained mode): a short batch that is not yet due still
+   goes now if running the next long chunk first would leave its tightest request no more than σ
+   of slack — ``min DDL − (now + Ŝ_long + Ŝ) ≤ σ``, with Ŝ_long the chunk's predicted time (the
+   bound cost model, else the last long step's observed time) and Ŝ AWD's short-batch estimate.
+   AWD's own slack test only counts Ŝ; on one instance the alternative to dispatching is a long
+   chunk that cannot be interrupted, so its time belongs in the slack too;
+3. otherwise a long chunk runs (work-conserving: a short batch still filling its window waits
    for at most one chunk of ``long_chunk`` tokens);
-3. otherwise the instance idles and asks for a wake-up at the window's expiry (``next_wakeup``).
+4. otherwise the instance idles and asks for a wake-up at the window's expiry (``next_wakeup``).
 
 A short batch takes the head of the short lane and the other requests of its length bucket (lane
 order, up to the captured depth that fits ``short_budget`` padded tokens); the batch is padded to
@@ -55,7 +61,7 @@ class LapsPrefill(PrefillScheduler):
     def __init__(self, kv, *, mode: str = "temporal", boundary: int | str = 256, awd: bool = True,
                  deadline_free: bool = False, order: str = "fcfs", long_chunk: int = 2048,
                  long_batch: str = "fill", short_budget: int = 2048, shape_buckets: bool = True,
-                 max_short_streak: int = 4, lane: str | None = None,
+                 max_short_streak: int = 4, lane: str | None = None, sla_guard: bool = True,
                  w_min: float = 0.0, w_max: float = 0.03, delta: float = 0.02, sigma: float = 0.05,
                  t_max: float = 0.1, short_tokens: int | None = None, **opts) -> None:
         super().__init__(kv, **opts)
@@ -74,6 +80,10 @@ class LapsPrefill(PrefillScheduler):
         self.awd_on = awd
         self.long_chunk, self.long_batch, self.short_budget = long_chunk, long_batch, short_budget
         self.max_short_streak = max_short_streak
+        self.sla_guard = sla_guard and not deadline_free
+        self._cost_model = None
+        self._long_seconds = 0.0                     # last long step's observed time
+        self.guard_dispatches = 0
         cfg = AWDConfig(w_min=w_min, w_max=w_max, delta=delta, sigma=sigma, t_max=t_max,
                         deadline_free=deadline_free, token_target=short_tokens or short_budget)
         self.awd = AdaptiveWaitDepth(cfg, depth_cap=min(self.grid.max_depth(short_budget),
@@ -131,6 +141,8 @@ class LapsPrefill(PrefillScheduler):
         self._wakeup = None
         short, long_ = self.lanes[SHORT], self.lanes[LONG]
         short_due, reason = self._short_due(now) if short else (False, "")
+        if not short_due and short and long_ and self.sla_guard and self._short_squeezed(now, token_budget):
+            short_due, reason = True, "sla_guard"
         if short_due and long_ and self._short_streak >= self.max_short_streak:
             plan = self._long_plan(now, token_budget)       # let one long chunk through
             if plan is not None:
@@ -140,6 +152,7 @@ class LapsPrefill(PrefillScheduler):
             plan = self._short_plan(now, token_budget)
             if plan is not None:
                 self._short_streak += 1
+                self.guard_dispatches += reason == "sla_guard"
                 self.awd.on_dispatch(now, len(plan.prefills), reason, queue_left=len(short) > 0)
                 return plan
         if long_:                    # long requests stay in their lane until their prompt is done
@@ -160,6 +173,26 @@ class LapsPrefill(PrefillScheduler):
             self._wakeup = d.wake_at
             return False, ""
         return True, d.reason
+
+    def _short_squeezed(self, now: float, token_budget: int | None) -> bool:
+        """Would the next long chunk, run first, leave the tightest waiting short request ≤ σ slack?
+        (Predicted from the lane as it stands; nothing is admitted here.)"""
+        if self._cost_model is not None:
+            budget = min(self.long_chunk, token_budget or self.long_chunk)
+            chunks = []
+            for r in self.lanes[LONG].ordered(now):
+                if budget <= 0 or len(chunks) >= self.max_batch_size:
+                    break
+                n = min(self.new_tokens(r), budget)
+                chunks.append((n, r.prompt_len - self.new_tokens(r)))
+                budget -= n
+                if self.long_batch == "single":
+                    break
+            long_s = self._cost_model.prefill_time(chunks) if chunks else 0.0
+        else:
+            long_s = self._long_seconds
+        min_deadline = min(r.ttft_deadline for r in self.lanes[SHORT])
+        return min_deadline - (now + long_s + self.awd.service) <= self.awd.config.sigma
 
     def _short_plan(self, now: float, token_budget: int | None) -> StepPlan | None:
         reqs = self.lanes[SHORT].ordered(now)
@@ -249,6 +282,7 @@ class LapsPrefill(PrefillScheduler):
                          dynamic=True)
 
     def bind_cost_model(self, cost_model) -> None:
+        self._cost_model = cost_model
         if self._online:
             self.predict, self._online = make_predictor(None, cost_model)
 
@@ -264,6 +298,8 @@ class LapsPrefill(PrefillScheduler):
             self.steps[lane] += 1
         if lane == SHORT:
             self.awd.on_service(result.duration)
+        elif lane == LONG:
+            self._long_seconds = result.duration
         if len(plan.prefills) == 1:
             c = plan.prefills[0]
             new = plan.padded_shape[0] if plan.padded_shape else c.num_new_tokens
