@@ -24,6 +24,10 @@ Setup and choices:
     reported as sensitivity. For each scaling the run reports the *feasible fraction* (prompts
     whose prefill alone fits the SLO) and hence the largest gain any scheduler could have at the
     knee (feasible fraction − FCFS attainment there).
+- **The paper's own timing law** (a diagnostic, not the headline): the same sweep with prefill
+  time following the paper's power law (:class:`PaperLawPrefill`, the paper's 8 s SLO, rates in its
+  units) instead of Llama-3-8B/H100, to separate what the algorithm does from what the steeper
+  length scaling of a dense 8B model does to it.
 - 1 prefill + 1 decode instance (continuous batching decode); Kairos chunk C = 8192 tokens.
 - Headline: ``ttft_attainment_gain_at_knee`` = Kairos (pseudo-code order) − FCFS TTFT attainment
   at the first swept rate where FCFS (mean over seeds) falls below 80%.
@@ -65,6 +69,31 @@ def paper_prefill_time(n: np.ndarray | float) -> np.ndarray | float:
     return PAPER_8K * (np.asarray(n, dtype=float) / 8192.0) ** alpha
 
 
+class PaperLawPrefill:
+    """Prefill time from the paper's law: a chunk of ``n`` tokens on ``s`` cached costs
+    ``T(s + n) − T(s)`` (the cumulative cost of a prompt is ``T``); steps add their chunks. Everything
+    else (decode, transfer, capacity) is the wrapped cost model's."""
+
+    def __init__(self, base) -> None:
+        self.base = base
+        self.name = "paper-law"
+        self.attention, self.num_layers, self.kv_bytes_per_token = base.attention, base.num_layers, base.kv_bytes_per_token
+
+    def __getattr__(self, item):
+        return getattr(self.base, item)
+
+    def prefill_time(self, batch) -> float:
+        return float(sum(paper_prefill_time(s + n) - (paper_prefill_time(s) if s else 0.0) for n, s in batch))
+
+    def prefill_op_times(self, batch) -> list[float]:
+        ops = self.base.prefill_op_times(batch)
+        scale = self.prefill_time(batch) / sum(ops)
+        return [t * scale for t in ops]
+
+    def graphed_prefill_time(self, batch) -> float:
+        return self.prefill_time(batch)
+
+
 def scaled_slos(cost, prompts: np.ndarray) -> dict[str, float]:
     alpha = math.log(PAPER_128K / PAPER_8K) / math.log(16.0)
     reach = 8192.0 * (PAPER_SLO / PAPER_8K) ** (1.0 / alpha)         # T_paper(reach) = 8 s
@@ -74,6 +103,9 @@ def scaled_slos(cost, prompts: np.ndarray) -> dict[str, float]:
             "mean prefill": PAPER_SLO * ours_mean / paper_mean,
             "8K anchor": PAPER_SLO * cost.prefill_time([(8192, 0)]) / PAPER_8K,
             "128K anchor": PAPER_SLO * cost.prefill_time([(131072, 0)]) / PAPER_128K}
+
+
+PAPER_LAW_RATES = tuple(round(0.2 + 0.1 * k, 1) for k in range(15))     # 0.2 .. 1.6 req/s
 
 
 def sweep(base, slo: float, cost, policies, rates) -> list[dict]:
@@ -130,6 +162,11 @@ def main() -> None:
                                 "policy_at_knee": kn.get("policy"), "gain": kn["gain"],
                                 "largest_possible_gain": (feasible[label] - kn["fcfs"]) if kn["rate"] else None})
 
+    print(f"paper's prefill law, SLO {PAPER_SLO} s", flush=True)
+    law_rows = sweep(base, PAPER_SLO, PaperLawPrefill(cost), SENSITIVITY_POLICIES, PAPER_LAW_RATES)
+    law_knee, law_asc = knee(law_rows, KAIROS), knee(law_rows, KAIROS_ASC)
+    law_feasible = float(np.mean(paper_prefill_time(prompts) <= PAPER_SLO))
+
     by_rate = {(r["policy"], r["rate"]): r[METRIC] for r in rows}
     metrics = {
         "ttft_attainment_gain_at_knee": k_desc["gain"],
@@ -143,6 +180,10 @@ def main() -> None:
         "max_gain_over_fcfs": max(by_rate[(KAIROS, x)] - by_rate[(FCFS, x)] for x in RATES),
         "gain_at_knee_mean_prefill_slo": next(s["gain"] for s in sensitivity
                                               if s["slo"] == "mean prefill" and s["policy"] == KAIROS),
+        "gain_at_knee_paper_law": law_knee["gain"],
+        "knee_rate_paper_law": law_knee["rate"],
+        "kairos_attainment_at_knee_paper_law": law_knee.get("policy"),
+        "gain_at_knee_paper_law_ascending_ablation": law_asc["gain"],
         "wall_seconds": time.perf_counter() - t0,
     }
     plot_curves(RESULTS_DIR / "prefill_kairos.png", rows, x_key="rate", y_keys=(METRIC,), group_key="policy",
@@ -155,9 +196,14 @@ def main() -> None:
             f"mean over Poisson seeds {list(SEEDS)})\n\n"
           + markdown_table([{k: v for k, v in r.items()} for r in rows])
           + "\n![attainment vs rate](prefill_kairos.png)\n\n"
-          "## Sensitivity to the SLO scaling\n\n" + markdown_table(sensitivity))
+          "## Sensitivity to the SLO scaling\n\n" + markdown_table(sensitivity)
+          + f"\n\n## The paper's prefill-time law (T = 0.40 s · (n/8K)^1.11, SLO {PAPER_SLO} s, feasible fraction "
+            f"{law_feasible:.3f})\n\nKnee: rate {law_knee['rate']}, FCFS {law_knee.get('fcfs')}, Kairos "
+            f"{law_knee.get('policy')}, gain {law_knee['gain']}; ascending ablation gain {law_asc['gain']}.\n\n"
+          + markdown_table(law_rows))
     write_result("prefill_kairos", metrics, markdown=md,
                  extra={"rows": rows, "sensitivity": sensitivity, "slos": slos, "feasible": feasible,
+                        "paper_law_rows": law_rows, "paper_law_feasible": law_feasible,
                         "n_requests": N_REQUESTS, "seeds": list(SEEDS),
                         "setup": "Llama-3-8B, H100 analytic cost model, 1 prefill + 1 decode (continuous), "
                                  "Mooncake conversation lengths (first N), Poisson arrivals, Kairos chunk 8192"})
