@@ -3,9 +3,10 @@
 Llama-3-8B on the H100 analytic cost model, 1 prefill + 1 decode instance, the four task classes
 (Table 1 lengths, Table 2 TTFT SLOs), 1500 requests. Goodput = the highest rate at which >= 90%
 of requests meet their TTFT SLO (the metric FlowPrefill uses), searched per policy; seeds 0-2,
-mean reported. Compositions: LAPS lanes with S-EDF or EDF ordering inside each lane, and S-EDF
-with chunked preemption. Singles: S-EDF (operator preemption), Kairos urgency, LAPS (FCFS lanes),
-CP-EDF 2K, FCFS.
+mean reported. Compositions: LAPS lanes with S-EDF or EDF ordering inside each lane, with and
+without FlowPrefill's operator-level preemption of the long lane's chunks (``laps-preempt``: a
+short batch that is due, or whose slack the running chunk would eat, stops it). Singles: S-EDF
+(operator preemption), Kairos urgency, LAPS (FCFS lanes), CP-EDF 2K, FCFS.
 
     python benchmarks/prefill_combined.py
 """
@@ -21,7 +22,8 @@ from laneserve.sim import ClusterConfig
 from laneserve.workloads import make_workload
 
 SINGLES = ("fcfs", "cp-edf-2k", "kairos", "laps", "sedf")
-COMPOSITIONS = ("laps:order=sedf", "laps:order=edf", "laps-nobuckets:order=sedf")
+COMPOSITIONS = ("laps:order=sedf", "laps:order=edf", "laps-nobuckets:order=sedf", "laps-preempt:order=sedf",
+                "laps-nobuckets:order=sedf,preempt=operator")
 SEEDS = (0, 1, 2)
 
 

@@ -303,3 +303,12 @@ def test_engine_sedf_with_operator_preemption_keeps_greedy_tokens():
     sedf, sched_ = _engine_pd_run("sedf")
     assert sched_.num_preemptions > 0 and not sched_.parked
     assert sedf == fcfs and all(len(t) == 5 for t in sedf.values())
+
+
+def test_engine_laps_lanes_with_operator_preemption_keep_greedy_tokens():
+    """Composition on the engine: LAPS lanes whose long chunks FlowPrefill-style preemption stops
+    when a short batch is due; parked chunks resume with the same tokens as FCFS."""
+    fcfs, _ = _engine_pd_run("fcfs")
+    laps, sched_ = _engine_pd_run("laps-preempt:boundary=64,long_chunk=256,w_min=0,w_max=0")
+    assert sched_.preemptions > 0 and sched_._parked_long is None and not sched_.dropped_plans
+    assert laps == fcfs

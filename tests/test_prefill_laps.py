@@ -195,6 +195,55 @@ def test_sla_guard_runs_a_squeezed_short_batch_before_the_next_long_chunk():
     assert s.schedule(0.2).prefills[0].request.tags[LANE_TAG] == SHORT
 
 
+def test_preempt_parks_the_long_chunk_and_resumes_the_same_plan():
+    cost = LinearCostModel(prefill_per_token=1e-4)           # a 2048-token chunk: 0.2048 s
+    s = sched(preempt="operator", w_min=0.1, w_max=0.1)
+    s.bind_cost_model(cost)
+    s.add_request(req(0, 0.0, 4096, ttft=10.0), 0.0)
+    long_plan = s.schedule(0.0)
+    assert long_plan.preemptible and long_plan.preempt_granularity == "operator"
+    s.add_request(req(1, 0.05, 64, ttft=1.0), 0.05)          # loose: only AWD's window closing stops it
+    assert not s.should_preempt(long_plan, 0.05) and s.next_wakeup() == pytest.approx(0.15)
+    assert s.should_preempt(long_plan, s.next_wakeup())
+    s.add_request(req(2, 0.06, 64, ttft=0.2), 0.06)          # tight: the chunk's remaining time eats its slack
+    assert s.should_preempt(long_plan, 0.06)
+    s.update(long_plan, StepResult(duration=0.06, completed=False), 0.06)
+    assert s.preemptions == 1 and long_plan.prefills[0].request.num_computed_tokens == 0
+    short_plan = s.schedule(0.06)
+    assert {c.request.request_id for c in short_plan.prefills} == {1, 2}
+    s.update(short_plan, StepResult(duration=0.01), 0.07)
+    assert s.schedule(0.07) is long_plan                      # resumed, not rebuilt
+    s.update(long_plan, StepResult(duration=0.15), 0.22)
+    assert long_plan.prefills[0].request.num_computed_tokens == 2048
+    # an aborted member: the parked plan is given up for the engine to discard
+    nxt = s.schedule(0.22)
+    s.update(nxt, StepResult(duration=0.01, completed=False), 0.23)
+    s.abort(0, 0.23)
+    assert s.dropped_plans == [nxt] and s.schedule(0.23) is None
+    # LAPS alone never preempts
+    plain = sched()
+    plain.add_request(req(0, 0.0, 4096), 0.0)
+    plan = plain.schedule(0.0)
+    plain.add_request(req(1, 0.0, 64, ttft=0.01), 0.0)
+    assert not plan.preemptible and not plain.should_preempt(plan, 0.0)
+
+
+def test_preemption_lets_a_short_request_past_a_long_chunk_in_the_simulator():
+    cost = LinearCostModel(prefill_per_token=2e-4, decode_fixed=0.001)   # a 2048-token chunk: 0.41 s
+    specs = [RequestSpec(0, 0.0, 8000, 1, slo=SLO(10.0, 1.0)), RequestSpec(1, 0.1, 64, 1, slo=SLO(0.3, 1.0))]
+
+    def short_ttft(policy):
+        res = Simulator(ClusterConfig(prefill_policy=policy), cost).run(specs)
+        assert res.unfinished == 0 and all(r.times.first_token is not None for r in res.requests)
+        r = res.requests[1]
+        return r.times.first_token - r.arrival_time, res.instances[0]["preemptions"]
+
+    waited, none = short_ttft("laps")
+    fast, preempted = short_ttft("laps-preempt")
+    assert waited > 0.3 and none == 0                         # behind the running chunk (till 0.41 s)
+    assert fast < 0.3 and preempted >= 1
+
+
 def test_controller_moves_one_instance_with_cool_down_and_min_pool():
     c = PoolController(cool_down=10.0, tau=0.5, floor=0.1, min_pool=1)
     pools = {0: SHORT, 1: SHORT, 2: LONG, 3: LONG}

@@ -129,6 +129,13 @@ class Simulator:
                 seq += 1
                 push(heap, (max(wake, t), seq, _WAKEUP, inst, 0))
 
+        def rearm(inst: SimInstance, t: float) -> None:
+            """After a preemption check that did not stop the running step: a policy may now want
+            a look at a later time (LAPS' AWD window closing during a long chunk)."""
+            wake = inst.scheduler.next_wakeup()
+            if inst.preempt_at is None and wake is not None and wake > t:
+                schedule_wakeup(inst, t)
+
         def start_step(inst: SimInstance, t: float) -> None:
             nonlocal seq
             plan = inst.scheduler.schedule(t)
@@ -201,6 +208,7 @@ class Simulator:
                 start_step(inst, t)
             elif inst.plan.preemptible:
                 try_preempt(inst, t)
+                rearm(inst, t)
 
         total = len(requests)
         next_arrival = 0
@@ -256,6 +264,7 @@ class Simulator:
                     start_step(inst, now)
                 elif inst.plan.preemptible:
                     try_preempt(inst, now)
+                    rearm(inst, now)
 
         unfinished = 0
         for req in requests:

@@ -21,6 +21,13 @@ instance is free,
    for at most one chunk of ``long_chunk`` tokens);
 4. otherwise the instance idles and asks for a wake-up at the window's expiry (``next_wakeup``).
 
+Composition with FlowPrefill's preemption (``preempt="operator"|"layer"``; off by default, LAPS
+itself never preempts): long chunks run as preemptible plans, and a running one is stopped at the
+next operator (or layer) boundary when a short batch becomes due or the guard of rule 2 holds for
+the chunk's remaining time; the parked chunk resumes (same plan object, identical results) the next
+time the long lane runs. ``max_short_streak`` still lets one long chunk through after that many
+short batches. With ``order=sedf`` this is LAPS' lanes with FlowPrefill's ordering and preemption.
+
 A short batch takes the head of the short lane and the other requests of its length bucket (lane
 order, up to the captured depth that fits ``short_budget`` padded tokens); the batch is padded to
 the nearest captured ``(L, B)`` shape (``plan.padded_shape``) and the padding rows up to B are
@@ -54,7 +61,8 @@ MODES = ("temporal", "spatial")
 
 @register("prefill", "laps", aliases={"laps-offline": {"deadline_free": True, "long_chunk": 8192},
                                       "laps-noawd": {"awd": False},
-                                      "laps-nobuckets": {"shape_buckets": False}})
+                                      "laps-nobuckets": {"shape_buckets": False},
+                                      "laps-preempt": {"preempt": "operator"}})
 class LapsPrefill(PrefillScheduler):
     name = "laps"
 
@@ -62,6 +70,7 @@ class LapsPrefill(PrefillScheduler):
                  deadline_free: bool = False, order: str = "fcfs", long_chunk: int = 2048,
                  long_batch: str = "fill", short_budget: int = 2048, shape_buckets: bool = True,
                  max_short_streak: int = 4, lane: str | None = None, sla_guard: bool = True,
+                 preempt: str = "none",
                  w_min: float = 0.0, w_max: float = 0.03, delta: float = 0.02, sigma: float = 0.05,
                  t_max: float = 0.1, short_tokens: int | None = None, **opts) -> None:
         super().__init__(kv, **opts)
@@ -81,6 +90,14 @@ class LapsPrefill(PrefillScheduler):
         self.long_chunk, self.long_batch, self.short_budget = long_chunk, long_batch, short_budget
         self.max_short_streak = max_short_streak
         self.sla_guard = sla_guard and not deadline_free
+        if preempt not in ("none", "operator", "layer"):
+            raise ValueError(f"preempt must be 'none', 'operator' or 'layer', got {preempt!r}")
+        self.preempt = preempt
+        self._running_long: StepPlan | None = None     # the long plan executing now
+        self._long_started = 0.0
+        self._parked_long: StepPlan | None = None      # a preempted long plan, resumed next
+        self.dropped_plans: list[StepPlan] = []        # parked plans given up (a member aborted)
+        self.preemptions = 0
         self._cost_model = None
         self._long_seconds = 0.0                     # last long step's observed time
         self.guard_dispatches = 0
@@ -129,6 +146,12 @@ class LapsPrefill(PrefillScheduler):
             self.awd.on_arrival(now)
 
     def _remove(self, req: Request) -> None:
+        parked = self._parked_long
+        if parked is not None and any(c.request is req for c in parked.prefills):
+            self._parked_long = None
+            self._plan_lane.pop(parked.plan_id, None)
+            if not req.prefill_done:                 # aborted mid-prompt: the engine drops the parked step
+                self.dropped_plans.append(parked)
         for lane in self.lanes.values():
             if lane.remove(req):
                 return
@@ -147,7 +170,7 @@ class LapsPrefill(PrefillScheduler):
             plan = self._long_plan(now, token_budget)       # let one long chunk through
             if plan is not None:
                 self._short_streak = 0
-                return plan
+                return self._start_long(plan, now)
         if short_due:
             plan = self._short_plan(now, token_budget)
             if plan is not None:
@@ -159,8 +182,24 @@ class LapsPrefill(PrefillScheduler):
             plan = self._long_plan(now, token_budget)
             if plan is not None:
                 self._short_streak = 0
-                return plan
+                return self._start_long(plan, now)
         return None
+
+    def _start_long(self, plan: StepPlan, now: float) -> StepPlan:
+        self._running_long, self._long_started = plan, now
+        return plan
+
+    def should_preempt(self, running: StepPlan, now: float) -> bool:
+        """Stop the running long chunk for a short batch that is due, or whose slack the chunk's
+        remaining time would eat (``preempt`` on only)."""
+        if self.preempt == "none" or running is not self._running_long or not self.lanes[SHORT]:
+            return False
+        if self._short_due(now)[0]:
+            return True
+        if not self.sla_guard:
+            return False
+        remaining = max(self._predict_long(running.prefills) - (now - self._long_started), 0.0)
+        return self._squeezed_by(now, remaining)
 
     def _short_due(self, now: float) -> tuple[bool, str]:
         reqs = self.lanes[SHORT].ordered(now)
@@ -177,22 +216,29 @@ class LapsPrefill(PrefillScheduler):
     def _short_squeezed(self, now: float, token_budget: int | None) -> bool:
         """Would the next long chunk, run first, leave the tightest waiting short request ≤ σ slack?
         (Predicted from the lane as it stands; nothing is admitted here.)"""
-        if self._cost_model is not None:
-            budget = min(self.long_chunk, token_budget or self.long_chunk)
-            chunks = []
-            for r in self.lanes[LONG].ordered(now):
-                if budget <= 0 or len(chunks) >= self.max_batch_size:
-                    break
-                n = min(self.new_tokens(r), budget)
-                chunks.append((n, r.prompt_len - self.new_tokens(r)))
-                budget -= n
-                if self.long_batch == "single":
-                    break
-            long_s = self._cost_model.prefill_time(chunks) if chunks else 0.0
-        else:
-            long_s = self._long_seconds
+        if self._parked_long is not None:
+            return self._squeezed_by(now, self._predict_long(self._parked_long.prefills))
+        budget = min(self.long_chunk, token_budget or self.long_chunk)
+        chunks = []
+        for r in self.lanes[LONG].ordered(now):
+            if budget <= 0 or len(chunks) >= self.max_batch_size:
+                break
+            n = min(self.new_tokens(r), budget)
+            chunks.append(PrefillChunk(r, r.prompt_len - self.new_tokens(r), n))
+            budget -= n
+            if self.long_batch == "single":
+                break
+        return self._squeezed_by(now, self._predict_long(chunks))
+
+    def _predict_long(self, chunks: list[PrefillChunk]) -> float:
+        """A long step's time: the bound cost model, else the last long step observed."""
+        if self._cost_model is None:
+            return self._long_seconds
+        return self._cost_model.prefill_time([(c.num_new_tokens, c.start) for c in chunks]) if chunks else 0.0
+
+    def _squeezed_by(self, now: float, long_seconds: float) -> bool:
         min_deadline = min(r.ttft_deadline for r in self.lanes[SHORT])
-        return min_deadline - (now + long_s + self.awd.service) <= self.awd.config.sigma
+        return min_deadline - (now + long_seconds + self.awd.service) <= self.awd.config.sigma
 
     def _short_plan(self, now: float, token_budget: int | None) -> StepPlan | None:
         reqs = self.lanes[SHORT].ordered(now)
@@ -238,6 +284,9 @@ class LapsPrefill(PrefillScheduler):
         return self._emit(chosen, shape, SHORT)
 
     def _long_plan(self, now: float, token_budget: int | None) -> StepPlan | None:
+        if self._parked_long is not None:            # resume the preempted chunk first
+            plan, self._parked_long = self._parked_long, None
+            return plan
         budget = min(self.long_chunk, token_budget or self.long_chunk)
         chunks: list[PrefillChunk] = []
         for r in self.lanes[LONG].ordered(now):
@@ -252,7 +301,8 @@ class LapsPrefill(PrefillScheduler):
                 break
         if not chunks:
             return None
-        plan = StepPlan(prefills=chunks, label=f"{self.name}:long")
+        plan = StepPlan(prefills=chunks, label=f"{self.name}:long", preemptible=self.preempt != "none",
+                        preempt_granularity="layer" if self.preempt == "layer" else "operator")
         self._plan_lane[plan.plan_id] = LONG
         return plan
 
@@ -290,9 +340,14 @@ class LapsPrefill(PrefillScheduler):
         if self._online and result.completed and plan.prefills:
             self.predict.observe(plan.num_prefill_tokens, result.duration)
         lane = self._plan_lane.pop(plan.plan_id, None)
+        if plan is self._running_long:
+            self._running_long = None
         outcome = super().update(plan, result, now)
-        if not result.completed:                    # parked (not preemptible here); keep lane
+        if not result.completed:                    # preempted at a boundary: resume it later
             self._plan_lane[plan.plan_id] = lane
+            if lane == LONG:
+                self._parked_long = plan
+                self.preemptions += 1
             return outcome
         if lane is not None:
             self.steps[lane] += 1
