@@ -37,11 +37,13 @@ SHORT_SLO, LONG_SLO = SLO(ttft=0.3, tpot=0.1), SLO(ttft=6.0, tpot=0.1)
 # than the short requests' 0.3 s SLO, so the lane split cannot help; C_l = 256 (~0.1 s here) is
 # the same setting scaled to this machine. Both are reported.
 # LAPS runs with its SLA-first guard (a short batch goes before a long chunk that would eat its
-# slack; policies/prefill/laps.py); the C_l=256 arm is also run without it, as an ablation.
+# slack; policies/prefill/laps.py); the C_l=256 arm is also run without it, as an ablation. The last
+# arm composes LAPS' lanes with FlowPrefill's operator-level preemption of the long chunks.
 POLICIES = {"fcfs": "fcfs", "sedf (operator preemption)": "sedf", "laps (temporal, AWD)": "laps",
             "laps (temporal, AWD, C_l=256)": "laps:long_chunk=256",
-            "laps (C_l=256, no SLA guard)": "laps:long_chunk=256,sla_guard=false"}
-KEYS = ("fcfs", "sedf", "laps", "laps_cl256", "laps_cl256_noguard")
+            "laps (C_l=256, no SLA guard)": "laps:long_chunk=256,sla_guard=false",
+            "laps lanes + operator preemption (C_l=2048)": "laps-preempt"}
+KEYS = ("fcfs", "sedf", "laps", "laps_cl256", "laps_cl256_noguard", "laps_preempt")
 SIM_RATES = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0)
 
 
