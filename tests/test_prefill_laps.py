@@ -220,6 +220,19 @@ def test_preempt_parks_the_long_chunk_and_resumes_the_same_plan():
     s.update(nxt, StepResult(duration=0.01, completed=False), 0.23)
     s.abort(0, 0.23)
     assert s.dropped_plans == [nxt] and s.schedule(0.23) is None
+    # a chunk let through by max_short_streak is not preempted
+    s = sched(preempt="operator", awd=False, max_short_streak=1)
+    s.add_request(req(0, 0.0, 4096, ttft=10.0), 0.0)
+    s.add_request(req(1, 0.0, 64), 0.0)
+    first = s.schedule(0.0)
+    s.update(first, StepResult(duration=0.01), 0.01)
+    assert first.prefills[0].request.request_id == 1
+    s.add_request(req(2, 0.01, 64), 0.01)
+    forced = s.schedule(0.01)                                 # streak reached: the long chunk goes
+    assert forced.prefills[0].request.request_id == 0 and not s.should_preempt(forced, 0.02)
+    s.update(forced, StepResult(duration=0.2), 0.21)
+    s.add_request(req(3, 0.21, 64), 0.21)
+    assert s.schedule(0.21).prefills[0].request.tags[LANE_TAG] == SHORT
     # LAPS alone never preempts
     plain = sched()
     plain.add_request(req(0, 0.0, 4096), 0.0)

@@ -95,6 +95,7 @@ class LapsPrefill(PrefillScheduler):
         self.preempt = preempt
         self._running_long: StepPlan | None = None     # the long plan executing now
         self._long_started = 0.0
+        self._long_forced = False
         self._parked_long: StepPlan | None = None      # a preempted long plan, resumed next
         self.dropped_plans: list[StepPlan] = []        # parked plans given up (a member aborted)
         self.preemptions = 0
@@ -170,7 +171,7 @@ class LapsPrefill(PrefillScheduler):
             plan = self._long_plan(now, token_budget)       # let one long chunk through
             if plan is not None:
                 self._short_streak = 0
-                return self._start_long(plan, now)
+                return self._start_long(plan, now, forced=True)
         if short_due:
             plan = self._short_plan(now, token_budget)
             if plan is not None:
@@ -185,15 +186,16 @@ class LapsPrefill(PrefillScheduler):
                 return self._start_long(plan, now)
         return None
 
-    def _start_long(self, plan: StepPlan, now: float) -> StepPlan:
-        self._running_long, self._long_started = plan, now
+    def _start_long(self, plan: StepPlan, now: float, forced: bool = False) -> StepPlan:
+        self._running_long, self._long_started, self._long_forced = plan, now, forced
         return plan
 
     def should_preempt(self, running: StepPlan, now: float) -> bool:
         """Stop the running long chunk for a short batch that is due, or whose slack the chunk's
         remaining time would eat (``preempt`` on only)."""
-        if self.preempt == "none" or running is not self._running_long or not self.lanes[SHORT]:
-            return False
+        if self.preempt == "none" or running is not self._running_long or self._long_forced \
+                or not self.lanes[SHORT]:
+            return False                 # a chunk let through by max_short_streak runs to its end
         if self._short_due(now)[0]:
             return True
         if not self.sla_guard:
