@@ -39,6 +39,24 @@ def test_fcfs_finish_times_and_score():
     assert urgency_score(Request(9, 0.0, 10, 1, SLO()), 5.0) == 0.0
 
 
+def test_cost_estimate_diagnostic_walks_fcfs_with_the_cost_model():
+    q = [req(0, 0.0, 60000, 30.0), req(1, 0.0, 500, 5.0)]
+    s = kairos(spec="kairos-costest")
+    for r in q:
+        s.add_request(r, 0.0)
+    with pytest.raises(RuntimeError, match="needs a cost model"):
+        s.scores(0.0)
+    s.bind_cost_model(COST)
+    t0 = COST.prefill_time([(60000, 0)])
+    t1 = t0 + COST.prefill_time([(500, 0)])
+    scores = dict((r.request_id, u) for u, r in s.scores(0.0))
+    assert scores[0] == pytest.approx(urgency_score(q[0], t0))
+    assert scores[1] == pytest.approx(urgency_score(q[1], t1))
+    # the throughput walk (μ of an 8K chunk) charges the long prompt linearly: it under-predicts
+    mu = 8192 / COST.prefill_time([(8192, 0)])
+    assert fcfs_finish_times(q, 0.0, mu)[0] < 0.5 * t0
+
+
 def test_descending_order_and_partial_chunk():
     s = kairos(chunk=300)
     s.add_request(req(0, 0.0, 1000, 10.0), 0.0)     # finish 1.0: u = 0.9/1000

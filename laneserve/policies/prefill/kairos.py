@@ -28,6 +28,9 @@ Choices where the paper is silent or inconsistent (say so in reports):
   this step (order is not admission).
 - ``C`` defaults to 8192 tokens (SGLang's default chunked-prefill size on 80 GB GPUs; the paper
   does not give its value).
+- Diagnostic, not the paper: ``estimate="cost"`` (alias ``kairos-costest``) replaces ``n_r' / μ`` in
+  the FCFS walk with the bound cost model's time for the request's remaining chunk, to measure how
+  much the constant-throughput estimate costs on a model whose prefill time is superlinear.
 """
 
 from __future__ import annotations
@@ -49,15 +52,17 @@ def _arrival_key(req: Request) -> tuple[float, int]:
     return (req.arrival_time, req.request_id)
 
 
-def fcfs_finish_times(queue: list[Request], now: float, throughput: float) -> list[float]:
+def fcfs_finish_times(queue: list[Request], now: float, throughput: float,
+                      duration: Any = None) -> list[float]:
     """Algorithm 2 for every request of ``queue`` (sorted by arrival) at once: the prefix sums of
-    the FCFS walk (each request's estimate includes everyone who arrived before it)."""
+    the FCFS walk (each request's estimate includes everyone who arrived before it). Each request
+    takes ``remaining_prefill / throughput``, or ``duration(req)`` when given."""
     cursor = now
     out = []
     for r in queue:
         if r.arrival_time > cursor:
             cursor = r.arrival_time
-        cursor += r.remaining_prefill / throughput
+        cursor += r.remaining_prefill / throughput if duration is None else duration(r)
         out.append(cursor)
     return out
 
@@ -72,12 +77,13 @@ def urgency_score(req: Request, finish: float) -> float:
 
 @register("prefill", "kairos", aliases={"kairos-desc": {"order": "descending"},
                                          "kairos-asc": {"order": "ascending"},
-                                         "kairos-ascending": {"order": "ascending"}})
+                                         "kairos-ascending": {"order": "ascending"},
+                                         "kairos-costest": {"estimate": "cost"}})
 class KairosPrefill(PrefillScheduler):
     name = "kairos"
 
     def __init__(self, kv, *, chunk: int = 8192, order: str = "descending", throughput: float | None = None,
-                 mu_ema: float = 0.0, cost_model: Any = None, **opts) -> None:
+                 mu_ema: float = 0.0, estimate: str = "throughput", cost_model: Any = None, **opts) -> None:
         opts.setdefault("token_budget", chunk)
         super().__init__(kv, **opts)
         if chunk < 1:
@@ -88,8 +94,12 @@ class KairosPrefill(PrefillScheduler):
             raise ValueError("throughput must be > 0")
         if not 0.0 <= mu_ema < 1.0:
             raise ValueError("mu_ema must be in [0, 1)")
+        if estimate not in ("throughput", "cost"):
+            raise ValueError(f"estimate must be 'throughput' or 'cost', got {estimate!r}")
         self.chunk_size = chunk
         self.order = order
+        self.estimate = estimate
+        self._cost_model: Any = None
         self.mu_ema = mu_ema
         self.name = f"kairos-{chunk}" + ("" if order == "descending" else "-asc")
         self.queue: list[Request] = []               # pending, in arrival order
@@ -102,6 +112,7 @@ class KairosPrefill(PrefillScheduler):
 
     def bind_cost_model(self, cost_model: Any) -> None:
         """Initial μ from the instance's cost model (a full chunk), unless given or observed."""
+        self._cost_model = cost_model
         if not self._prior_given and self._seconds_seen == 0.0:
             self.throughput = self.chunk_size / cost_model.prefill_time([(self.chunk_size, 0)])
 
@@ -110,7 +121,13 @@ class KairosPrefill(PrefillScheduler):
 
     # ---- Algorithm 1 -------------------------------------------------------------------------
     def scores(self, now: float) -> list[tuple[float, Request]]:
-        finishes = fcfs_finish_times(self.queue, now, self.throughput)
+        duration = None
+        if self.estimate == "cost":
+            if self._cost_model is None:
+                raise RuntimeError("kairos estimate='cost' needs a cost model (bind_cost_model)")
+            cost = self._cost_model
+            duration = lambda r: cost.prefill_time([(r.remaining_prefill, r.num_computed_tokens)])  # noqa: E731
+        finishes = fcfs_finish_times(self.queue, now, self.throughput, duration)
         return [(urgency_score(r, f), r) for r, f in zip(self.queue, finishes)]
 
     def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
