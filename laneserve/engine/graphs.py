@@ -51,6 +51,7 @@ from laneserve.engine.attention import StaticAttentionMeta, StaticPaddedAttentio
 from laneserve.engine.config import MIN_GRAPH_CONTEXT, MIN_GRAPH_PREFILL_LEN, EngineConfig
 from laneserve.engine.kv_cache import PagedKVCache
 from laneserve.engine.models.llama import LlamaModel, StepTensors
+from laneserve.policies.prefill.laps_awd import ShapeGrid
 
 if TYPE_CHECKING:
     from laneserve.engine.runner import SeqInput
@@ -69,13 +70,6 @@ def pow2_grid(low: int, high: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _ceil_pow2(value: int, grid: Sequence[int]) -> int | None:
-    for g in grid:
-        if g >= value:
-            return g
-    return None
-
-
 @dataclass(frozen=True, slots=True)
 class BucketKey:
     """``kind`` "decode": ``batch`` rows over a padded context of ``length``; "prefill":
@@ -92,30 +86,47 @@ class BucketKey:
 
 @dataclass(frozen=True, slots=True)
 class BucketGrid:
-    decode_batches: tuple[int, ...]
-    decode_contexts: tuple[int, ...]
-    prefill_lengths: tuple[int, ...]
-    prefill_batches: tuple[int, ...]
+    """Two LAPS shape grids (:class:`~laneserve.policies.prefill.laps_awd.ShapeGrid`): decode
+    ``(context, batch)`` and short prefill ``(length, batch)``; a step takes the nearest covering shape."""
+
+    decode_grid: ShapeGrid
+    prefill_grid: ShapeGrid
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> BucketGrid:
-        return cls(pow2_grid(1, config.graph_max_batch), pow2_grid(MIN_GRAPH_CONTEXT, config.graph_max_context),
-                   pow2_grid(MIN_GRAPH_PREFILL_LEN, config.graph_max_prefill_len),
-                   pow2_grid(1, config.graph_max_prefill_batch))
+        return cls(ShapeGrid(pow2_grid(MIN_GRAPH_CONTEXT, config.graph_max_context), pow2_grid(1, config.graph_max_batch)),
+                   ShapeGrid(pow2_grid(MIN_GRAPH_PREFILL_LEN, config.graph_max_prefill_len),
+                             pow2_grid(1, config.graph_max_prefill_batch)))
+
+    @property
+    def decode_batches(self) -> tuple[int, ...]:
+        return self.decode_grid.batches
+
+    @property
+    def decode_contexts(self) -> tuple[int, ...]:
+        return self.decode_grid.lengths
+
+    @property
+    def prefill_lengths(self) -> tuple[int, ...]:
+        return self.prefill_grid.lengths
+
+    @property
+    def prefill_batches(self) -> tuple[int, ...]:
+        return self.prefill_grid.batches
 
     def decode(self, batch: int, max_context: int) -> BucketKey | None:
         """The smallest decode bucket covering ``batch`` requests of contexts ``<= max_context``."""
-        b, c = _ceil_pow2(batch, self.decode_batches), _ceil_pow2(max_context, self.decode_contexts)
-        return None if b is None or c is None else BucketKey(DECODE, b, c)
+        shape = self.decode_grid.shape(max_context, batch)
+        return None if shape is None else BucketKey(DECODE, shape[1], shape[0])
 
     def prefill(self, length: int, batch: int) -> BucketKey | None:
         """The smallest prefill bucket covering ``batch`` sequences of ``<= length`` tokens."""
-        n, b = _ceil_pow2(length, self.prefill_lengths), _ceil_pow2(batch, self.prefill_batches)
-        return None if n is None or b is None else BucketKey(PREFILL, b, n)
+        shape = self.prefill_grid.shape(length, batch)
+        return None if shape is None else BucketKey(PREFILL, shape[1], shape[0])
 
     @property
     def max_decode_rows(self) -> int:
-        return self.decode_batches[-1] * self.decode_contexts[-1]
+        return self.decode_grid.max_batch * self.decode_grid.max_length
 
 
 @dataclass(slots=True)

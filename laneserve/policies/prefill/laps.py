@@ -220,17 +220,7 @@ class LapsPrefill(PrefillScheduler):
         (Predicted from the lane as it stands; nothing is admitted here.)"""
         if self._parked_long is not None:
             return self._squeezed_by(now, self._predict_long(self._parked_long.prefills))
-        budget = min(self.long_chunk, token_budget or self.long_chunk)
-        chunks = []
-        for r in self.lanes[LONG].ordered(now):
-            if budget <= 0 or len(chunks) >= self.max_batch_size:
-                break
-            n = min(self.new_tokens(r), budget)
-            chunks.append(PrefillChunk(r, r.prompt_len - self.new_tokens(r), n))
-            budget -= n
-            if self.long_batch == "single":
-                break
-        return self._squeezed_by(now, self._predict_long(chunks))
+        return self._squeezed_by(now, self._predict_long(self._long_chunks(now, token_budget, admit=False)))
 
     def _predict_long(self, chunks: list[PrefillChunk]) -> float:
         """A long step's time: the bound cost model, else the last long step observed."""
@@ -289,24 +279,35 @@ class LapsPrefill(PrefillScheduler):
         if self._parked_long is not None:            # resume the preempted chunk first
             plan, self._parked_long = self._parked_long, None
             return plan
-        budget = min(self.long_chunk, token_budget or self.long_chunk)
-        chunks: list[PrefillChunk] = []
-        for r in self.lanes[LONG].ordered(now):
-            if budget <= 0 or len(chunks) >= self.max_batch_size:
-                break
-            if not self.admit(r, now):
-                continue
-            chunk = self.chunk(r, budget)
-            chunks.append(chunk)
-            budget -= chunk.num_new_tokens
-            if self.long_batch == "single":
-                break
+        chunks = self._long_chunks(now, token_budget, admit=True)
         if not chunks:
             return None
         plan = StepPlan(prefills=chunks, label=f"{self.name}:long", preemptible=self.preempt != "none",
                         preempt_granularity="layer" if self.preempt == "layer" else "operator")
         self._plan_lane[plan.plan_id] = LONG
         return plan
+
+    def _long_chunks(self, now: float, token_budget: int | None, *, admit: bool) -> list[PrefillChunk]:
+        """The next long step's chunks: ``long_chunk`` tokens in lane order, the last one partial
+        (one request with ``long_batch="single"``). ``admit=False`` only predicts them (the SLA
+        guard): nothing is admitted, no KV reserved."""
+        budget = min(self.long_chunk, token_budget or self.long_chunk)
+        chunks: list[PrefillChunk] = []
+        for r in self.lanes[LONG].ordered(now):
+            if budget <= 0 or len(chunks) >= self.max_batch_size:
+                break
+            if admit:
+                if not self.admit(r, now):
+                    continue
+                chunk = self.chunk(r, budget)
+            else:
+                new = self.new_tokens(r)
+                chunk = PrefillChunk(r, r.prompt_len - new, min(new, budget))
+            chunks.append(chunk)
+            budget -= chunk.num_new_tokens
+            if self.long_batch == "single":
+                break
+        return chunks
 
     def _emit(self, chosen: list[Request], shape: tuple[int, int] | None, lane: str) -> StepPlan:
         for r in chosen:
