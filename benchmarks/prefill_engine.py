@@ -25,6 +25,7 @@ from laneserve.bench.metrics import summarize  # noqa: E402
 from laneserve.bench.results import markdown_table, write_result  # noqa: E402
 from laneserve.cluster import LocalCluster  # noqa: E402
 from laneserve.core import SLO, RequestSpec  # noqa: E402
+from laneserve.costmodel import make_cost_model  # noqa: E402
 from laneserve.costmodel.fitted import FittedCostModel  # noqa: E402
 from laneserve.engine import EngineConfig, EngineExecutor  # noqa: E402
 from laneserve.engine.profiler import FULL, EngineProfiler  # noqa: E402
@@ -32,18 +33,28 @@ from laneserve.sim import ClusterConfig, Simulator  # noqa: E402
 
 N, SEED, KV_TOKENS = 70, 0, 65536
 SHORT_SLO, LONG_SLO = SLO(ttft=0.3, tpot=0.1), SLO(ttft=6.0, tpot=0.1)
-# LAPS' long lane advances long prompts in chunks of C_l tokens (2048 by default, sized for a GPU,
-# where such a chunk takes tens of ms). On this CPU model a 2048-token chunk takes ~1 s, longer
-# than the short requests' 0.3 s SLO, so the lane split cannot help; C_l = 256 (~0.1 s here) is
-# the same setting scaled to this machine. Both are reported.
+# LAPS' long lane advances long prompts in fixed chunks of C_l tokens (2048 by default, sized for a
+# GPU). What matters for short requests is a chunk's time against their SLO: in the LAPS setup of
+# prefill_laps (Qwen2.5-14B on H200, 0.4 s SLO) a 2048-token chunk takes 0.26-0.53 of the SLO over
+# 0-8K of context (GPU_REFERENCE below). On this CPU model a 2048-token chunk takes ~1 s, over three
+# times the 0.3 s SLO, so the lane split cannot help. The smaller chunks are the same setting scaled
+# to this machine; the table reports each arm's chunk time / SLO over the long prompts' contexts
+# (C_l=256: 0.55-1.3, C_l=128: 0.3-0.7, C_l=64: 0.17-0.35 when measured), so the scaling is visible.
 # LAPS runs with its SLA-first guard (a short batch goes before a long chunk that would eat its
 # slack; policies/prefill/laps.py); the C_l=256 arm is also run without it, as an ablation. The last
 # arm composes LAPS' lanes with FlowPrefill's operator-level preemption of the long chunks.
 POLICIES = {"fcfs": "fcfs", "sedf (operator preemption)": "sedf", "laps (temporal, AWD)": "laps",
             "laps (temporal, AWD, C_l=256)": "laps:long_chunk=256",
             "laps (C_l=256, no SLA guard)": "laps:long_chunk=256,sla_guard=false",
+            "laps (temporal, AWD, C_l=128)": "laps:long_chunk=128",
+            "laps (temporal, AWD, C_l=64)": "laps:long_chunk=64",
             "laps lanes + operator preemption (C_l=2048)": "laps-preempt"}
-KEYS = ("fcfs", "sedf", "laps", "laps_cl256", "laps_cl256_noguard", "laps_preempt")
+KEYS = ("fcfs", "sedf", "laps", "laps_cl256", "laps_cl256_noguard", "laps_cl128", "laps_cl64", "laps_preempt")
+CHUNKS = {"laps": 2048, "laps_cl256": 256, "laps_cl256_noguard": 256, "laps_cl128": 128, "laps_cl64": 64,
+          "laps_preempt": 2048}
+LONG_CONTEXTS = (0, 1024, 2048, 2816)           # where the long prompts' (1536-3072 tokens) chunks start
+GPU_REFERENCE = {"model": "qwen2.5-14b", "hardware": "h200", "chunk": 2048, "slo": 0.4,
+                 "contexts": (0, 2048, 4096, 8192)}
 SIM_RATES = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0)
 
 
@@ -82,9 +93,17 @@ def main() -> None:
             break
     print(f"simulated FCFS short attainment {sim_curve}; engine rate {rate} req/s", file=sys.stderr)
 
+    ref = make_cost_model("analytic", model=GPU_REFERENCE["model"], hardware=GPU_REFERENCE["hardware"])
+    gpu_ratio = [ref.prefill_time([(GPU_REFERENCE["chunk"], c)]) / GPU_REFERENCE["slo"]
+                 for c in GPU_REFERENCE["contexts"]]
+
+    def chunk_over_slo(chunk: int) -> str:
+        ratios = [cost.prefill_time([(chunk, c)]) / SHORT_SLO.ttft for c in LONG_CONTEXTS]
+        return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
     rows = []
     specs = trace(rate)
-    for label, policy in POLICIES.items():
+    for (label, policy), key in zip(POLICIES.items(), KEYS):
         reqs = greedy_requests(specs, SEED + 1)
         cluster = LocalCluster(path, prefill_policy=policy, config=config, kv_tokens=KV_TOKENS)
         for inst in cluster.prefill:       # online predictors use this engine's own profile
@@ -100,15 +119,22 @@ def main() -> None:
                      "long_ttft_attainment": per["long"]["attainment_ttft"],
                      "short_p90_ttft_ms": per["short"]["p90_ttft_ms"],
                      "sim_short_ttft_attainment": short_attainment(sim.requests),
-                     "preemptions": cluster.prefill[0].preemptions, "completed": s["completed"]})
+                     "preemptions": cluster.prefill[0].preemptions, "completed": s["completed"],
+                     "long_chunk_time_over_short_slo": chunk_over_slo(CHUNKS[key]) if key in CHUNKS else ""})
         print(rows[-1], file=sys.stderr)
     base = rows[0]["short_ttft_attainment"]
     metrics = {"rate": rate, "fcfs_short_attainment": base}
     for row, key in zip(rows[1:], KEYS[1:]):
         metrics[f"{key}_short_attainment"] = row["short_ttft_attainment"]
         metrics[f"{key}_over_fcfs"] = row["short_ttft_attainment"] / base if base else None
-    write_result("prefill_engine", metrics, markdown=markdown_table(rows),
+    md = (markdown_table(rows) + "\n\nlong_chunk_time_over_short_slo: the profiled time of one long-lane chunk at "
+          f"contexts {list(LONG_CONTEXTS)} over the short SLO ({SHORT_SLO.ttft} s). GPU reference (LAPS setup, "
+          f"{GPU_REFERENCE['model']} on {GPU_REFERENCE['hardware']}, C_l={GPU_REFERENCE['chunk']}, SLO "
+          f"{GPU_REFERENCE['slo']} s, contexts {list(GPU_REFERENCE['contexts'])}): "
+          f"{min(gpu_ratio):.2f}-{max(gpu_ratio):.2f}.\n")
+    write_result("prefill_engine", metrics, markdown=md,
                  extra={"rows": rows, "sim_fcfs_curve": sim_curve, "requests": N,
+                        "gpu_reference": {**GPU_REFERENCE, "chunk_time_over_slo": gpu_ratio},
                         "slo": {"short": [SHORT_SLO.ttft, SHORT_SLO.tpot], "long": [LONG_SLO.ttft, LONG_SLO.tpot]},
                         "model": "Qwen2-shaped 8 layers, hidden 512, vocab 4096, random", "threads_per_instance": 1})
 
