@@ -6,10 +6,16 @@ TTFT, overall P90 TTFT and request throughput vs FCFS unified batching over a ra
 ablations (no shape buckets, no AWD, EDF inside the lanes).
 Part B — 8 prefill instances: LAPS spatial mode (pools + Algorithm 2 controller, ``laps-pools``)
 vs FCFS behind round-robin and least-loaded routers, TTFT SLO 0.4 s: SLO violations per router.
+Part C — Part B with per-instance prefix caches (``prefix_cache_tokens``: each prefill instance
+holds the KV of the prompts it prefilled, LRU, up to its KV capacity) instead of Parts A–B's
+idealisation that every history is cached on every instance; adds the cache-aware router and
+LAPS pools without cache affinity.
 
 Setup notes (also in the markdown output):
-* prefix caching is on for every policy (``prefill_opts={"prefix_caching": True}``): a turn's
-  history is cached, so its prefill computes only the new tokens (LAPS' re-prefills);
+* prefix caching is on for every policy (``prefill_opts={"prefix_caching": True}``). In Parts A–B a
+  turn's history counts as cached wherever the turn lands, so its prefill computes only the new
+  tokens (LAPS' re-prefills); this favours cache-blind routers. In Part C a turn reuses only the
+  history blocks the instance it lands on prefilled itself (``prefix_hit`` = reused / history);
 * outputs are cut to one token: the paper measures the prefill stage (TTFT, prefill RPS), and with
   ShareGPT's ~290-token replies the decode pool, not the prefill instance, would saturate first
   (measured: 4 decode instances at 90%+ busy while the prefill instance was 16–23% busy);
@@ -46,6 +52,8 @@ SLO_TTFT = 0.4
 SHORT = 256
 TEMPORAL_RATES = (5.0, 10.0, 15.0, 20.0, 25.0)
 SPATIAL_RATES = (80.0, 120.0, 160.0)
+CONVERSATION_RATES = (4.0, 12.0, 24.0)    # Part C: conversation starts / s
+THINK_TIME, REPLY_TIME = 5.0, 0.05        # Part C: mean think time (s); reply pace (s / output token)
 TEMPORAL = {
     "fcfs": "fcfs",
     "laps": "laps",
@@ -61,6 +69,13 @@ SPATIAL = {  # name -> (prefill policy, router)
     "laps spatial (laps-pools)": ("laps:mode=spatial", "laps-pools"),
     "laps spatial, lanes only (laps-pools)": ("laps:mode=spatial,shape_buckets=false,awd=false", "laps-pools"),
     "laps spatial (laps-pools, token/rate backlog)": ("laps:mode=spatial", "laps-pools:backlog=tokens"),
+}
+CACHED = {  # Part C: per-instance prefix caches
+    "fcfs + round-robin": ("fcfs", "round-robin"),
+    "fcfs + least-loaded": ("fcfs", "least-loaded"),
+    "fcfs + cache-aware": ("fcfs", "cache-aware"),
+    "laps spatial (laps-pools, cache affinity)": ("laps:mode=spatial", "laps-pools"),
+    "laps spatial (laps-pools, no affinity)": ("laps:mode=spatial", "laps-pools:affinity=false"),
 }
 
 
@@ -78,12 +93,21 @@ def ttfts(requests, short: bool | None = None) -> np.ndarray:
     return np.asarray(out)
 
 
-def run(wl: Workload, rate: float, cost, cfg: ClusterConfig) -> dict:
-    res = Simulator(cfg, cost).run(wl.with_rate(rate).specs)
+def session_workload(conversation_rate: float) -> Workload:
+    """Part C's workload: the same 2000 conversations built at ``conversation_rate`` starts/s, each
+    turn arriving after the previous reply streamed at the TPOT SLO pace (REPLY_TIME s per token of
+    the real ShareGPT reply) plus a think time, not compressed by a rate rescale: a turn must find
+    its predecessor's KV on an instance, so it must not arrive before that prefill ran."""
+    return prefill_only(make_workload("sharegpt", max_conversations=2000, rate=conversation_rate,
+                                      think_time=THINK_TIME, reply_time=REPLY_TIME))
+
+
+def run(wl: Workload, rate: float | None, cost, cfg: ClusterConfig) -> dict:
+    res = Simulator(cfg, cost).run((wl.with_rate(rate) if rate is not None else wl).specs)
     s = summarize(res.requests, duration=res.duration)
     short, long_ = ttfts(res.requests, True), ttfts(res.requests, False)
     all_ = ttfts(res.requests)
-    return {"rate": rate, "short_p90_ttft_ms": float(np.percentile(short, 90) * 1e3),
+    return {"rate": rate if rate is not None else round(wl.mean_rate, 2), "short_p90_ttft_ms": float(np.percentile(short, 90) * 1e3),
             "long_p90_ttft_ms": float(np.percentile(long_, 90) * 1e3),
             "p90_ttft_ms": s["p90_ttft_ms"], "mean_ttft_ms": s["mean_ttft_ms"],
             "request_throughput": s["request_throughput"],
@@ -91,6 +115,7 @@ def run(wl: Workload, rate: float, cost, cfg: ClusterConfig) -> dict:
             "short_violations": int((short > SLO_TTFT + 1e-9).sum()),
             "violation_rate": float((all_ > SLO_TTFT + 1e-9).mean()),
             "prefill_util": float(np.mean([i["utilization"] for i in res.instances if i["role"] == "prefill"])),
+            "prefix_hit": sum(r.num_cached_tokens for r in res.requests) / max(sum(r.prefix_len for r in res.requests), 1),
             "unfinished": res.unfinished}
 
 
@@ -122,6 +147,17 @@ def main() -> None:
             print(f"[B] {name:40s} rate {rate:5.1f}  violations {rows_b[-1]['violations']}", file=sys.stderr)
     viol = {name: sum(r["violations"] for r in rows_b if r["setup"] == name) for name in SPATIAL}
 
+    rows_c = []
+    session_wls = {c: session_workload(c) for c in CONVERSATION_RATES}
+    for name, (policy, router) in CACHED.items():
+        cfg = ClusterConfig(num_prefill=8, num_decode=1, prefill_policy=policy, router=router, prefill_opts=opts,
+                            prefix_cache_tokens=0)
+        for conv_rate, wl in session_wls.items():
+            rows_c.append({"setup": name, "conversation_rate": conv_rate, **run(wl, None, cost, cfg)})
+            print(f"[C] {name:40s} rate {rate:5.1f}  violations {rows_c[-1]['violations']}  "
+                  f"prefix hit {rows_c[-1]['prefix_hit']:.2f}", file=sys.stderr)
+    viol_c = {name: sum(r["violations"] for r in rows_c if r["setup"] == name) for name in CACHED}
+
     metrics = {
         "short_p90_ttft_reduction": reductions[knee],
         "knee_rate": knee,
@@ -137,33 +173,44 @@ def main() -> None:
             viol["fcfs + round-robin"], viol["fcfs + least-loaded"]),
         "spatial_lanes_only_fewer_violations_than_both": viol["laps spatial, lanes only (laps-pools)"] < min(
             viol["fcfs + round-robin"], viol["fcfs + least-loaded"]),
+        "instance_cache_violations_laps_pools": viol_c["laps spatial (laps-pools, cache affinity)"],
+        "instance_cache_violations_laps_pools_no_affinity": viol_c["laps spatial (laps-pools, no affinity)"],
+        "instance_cache_violations_round_robin": viol_c["fcfs + round-robin"],
+        "instance_cache_violations_least_loaded": viol_c["fcfs + least-loaded"],
+        "instance_cache_violations_cache_aware": viol_c["fcfs + cache-aware"],
+        "instance_cache_fewer_violations_than_both": viol_c["laps spatial (laps-pools, cache affinity)"] < min(
+            viol_c["fcfs + round-robin"], viol_c["fcfs + least-loaded"]),
         "requests_temporal": len(wl1), "requests_spatial": len(wl8),
         "wall_seconds": time.perf_counter() - t0,
     }
-    plot(rows_a, rows_b)
+    plot(rows_a, rows_b, rows_c)
     cols_a = ["policy", "rate", "short_p90_ttft_ms", "long_p90_ttft_ms", "p90_ttft_ms", "mean_ttft_ms",
               "request_throughput", "violation_rate", "prefill_util"]
     cols_b = ["setup", "rate", "violations", "short_violations", "violation_rate", "short_p90_ttft_ms",
               "p90_ttft_ms", "request_throughput", "prefill_util"]
+    cols_c = ["setup", "conversation_rate"] + cols_b[1:] + ["prefix_hit"]
     md = (__doc__.split("Run:")[0] + "\n## A. Temporal mode, 1 prefill instance\n\n" + markdown_table(rows_a, cols_a)
           + "\nShort P90 TTFT reduction vs FCFS per rate: "
           + ", ".join(f"{r:g} req/s: {v:+.2f}" for r, v in reductions.items())
           + "\n\n## B. 8 prefill instances, TTFT SLO 0.4 s\n\n" + markdown_table(rows_b, cols_b)
           + "\nViolations summed over rates: " + ", ".join(f"{k}: {v}" for k, v in viol.items())
+          + "\n\n## C. 8 prefill instances, per-instance prefix caches (capacity = instance KV), TTFT SLO 0.4 s\n\n"
+          + markdown_table(rows_c, cols_c)
+          + "\nViolations summed over rates: " + ", ".join(f"{k}: {v}" for k, v in viol_c.items())
           + "\n\n![LAPS](prefill_laps.png)\n")
     write_result("prefill_laps", metrics, markdown=md,
-                 extra={"temporal": rows_a, "spatial": rows_b,
+                 extra={"temporal": rows_a, "spatial": rows_b, "spatial_instance_caches": rows_c,
                         "setup": {"model": "qwen2.5-14b", "hardware": "h200", "workload": "sharegpt",
                                   "prefix_caching": True, "outputs": "1 token (prefill stage only)",
                                   "slo_ttft_s": SLO_TTFT, "short_boundary": SHORT}})
     print(markdown_table([{"metric": k, "value": v} for k, v in metrics.items()]))
 
 
-def plot(rows_a, rows_b) -> None:
+def plot(rows_a, rows_b, rows_c) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.5))
     for name in TEMPORAL:
         pts = [(r["rate"], r["short_p90_ttft_ms"]) for r in rows_a if r["policy"] == name]
         ax1.plot(*zip(*pts), marker="o", label=name)
@@ -175,8 +222,14 @@ def plot(rows_a, rows_b) -> None:
         pts = [(r["rate"], r["violation_rate"]) for r in rows_b if r["setup"] == name]
         ax2.plot(*zip(*pts), marker="o", label=name)
     ax2.set(xlabel="request rate (req/s)", ylabel="TTFT SLO violation rate (0.4 s)",
-            title="8 prefill instances")
+            title="8 prefill instances (every history cached everywhere)")
     ax2.legend(fontsize=8)
+    for name in CACHED:
+        pts = [(r["rate"], r["violation_rate"]) for r in rows_c if r["setup"] == name]
+        ax3.plot(*zip(*pts), marker="o", label=name)
+    ax3.set(xlabel="request rate (req/s)", ylabel="TTFT SLO violation rate (0.4 s)",
+            title="8 prefill instances, per-instance prefix caches")
+    ax3.legend(fontsize=8)
     fig.suptitle("LAPS on ShareGPT re-prefills, Qwen2.5-14B / H200 (simulator)")
     fig.tight_layout()
     fig.savefig(RESULTS_DIR / "prefill_laps.png", dpi=110)

@@ -45,6 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--router", default="round-robin", help="prefill router")
     c.add_argument("--decode-router", default="least-loaded", help="decode router")
     c.add_argument("--host-kv-tokens", type=int, default=0, help="host KV pool per decode instance")
+    c.add_argument("--prefix-cache-tokens", type=int, default=None, metavar="N",
+                   help="give each prefill instance its own LRU prefix cache of N tokens (0 = its KV "
+                        "capacity) for policies run with prefix_caching=true; default: idealised "
+                        "(a request's prefix counts as cached wherever it lands)")
     c.add_argument("--kv-link", default="nvlink", help="prefill->decode KV link (nvlink, infiniband, pcie)")
     m = p.add_argument_group("cost model")
     m.add_argument("--cost-model", default="analytic", help="analytic | fitted | linear")
@@ -101,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
                                profile=str(args.profile) if args.profile else None)
         base = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.prefill,
                              router=args.router, decode_router=args.decode_router,
-                             host_kv_tokens=args.host_kv_tokens, kv_link=args.kv_link)
+                             host_kv_tokens=args.host_kv_tokens, kv_link=args.kv_link,
+                             prefix_cache_tokens=args.prefix_cache_tokens)
         policies = {spec: policy_config(spec, base) for spec in split_policy_sets(args.policies)}
         if not policies:
             raise ValueError("--policies names no policy set")

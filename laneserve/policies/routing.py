@@ -56,6 +56,17 @@ class SchedulerLoad:
     def kv_usage(self) -> float:
         return self.scheduler.kv.usage
 
+    def cached_prefix(self, req: Request) -> int:
+        """Prompt tokens of ``req`` this instance holds in its prefix cache (0 without one)."""
+        probe = getattr(self.scheduler, "cached_prefix", None)
+        return probe(req) if probe is not None else 0
+
+
+def cached_prefix(inst: InstanceLoad, req: Request) -> int:
+    """``inst.cached_prefix(req)`` for instances that expose one, else 0."""
+    probe = getattr(inst, "cached_prefix", None)
+    return probe(req) if probe is not None else 0
+
 
 class Router:
     name = "router"
@@ -102,14 +113,64 @@ class LeastLoadedRouter(Router):
         self._picks = 0
 
     def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
-        live = self._candidates(instances)
+        return self.pick(instances, self._candidates(instances))
+
+    def pick(self, instances: Sequence[InstanceLoad], candidates: Sequence[int]) -> int:
+        """The least-loaded of ``candidates`` (indices of accepting instances)."""
         last = self._last_pick
-        if instances[live[0]].role == "decode":
+        if instances[candidates[0]].role == "decode":
             key = lambda i: (instances[i].kv_usage, instances[i].num_running + instances[i].num_waiting,
                              last.get(i, -1), i)
         else:
             key = lambda i: (instances[i].queued_tokens, instances[i].num_waiting, last.get(i, -1), i)
-        choice = min(live, key=key)
+        choice = min(candidates, key=key)
         self._picks += 1
         last[choice] = self._picks
         return choice
+
+
+@register("router", "cache-aware")
+class CacheAwareRouter(Router):
+    """Prefix-cache affinity with a load guard (the idea of SGLang's cache-aware router, over the
+    instances' own caches). Prefill side: the instance holding the longest cached prefix of the
+    prompt, when that prefix is at least ``threshold`` of the prompt and that instance's queued
+    tokens exceed the least-loaded instance's by at most ``balance_tokens``; otherwise (and on the
+    decode side) least-loaded. Ties between equal prefixes go to the less loaded instance."""
+
+    name = "cache-aware"
+
+    def __init__(self, *, threshold: float = 0.5, balance_tokens: int = 16384) -> None:
+        if not 0.0 <= threshold <= 1.0 or balance_tokens < 0:
+            raise ValueError("cache-aware router needs 0 <= threshold <= 1 and balance_tokens >= 0")
+        self.threshold, self.balance_tokens = threshold, balance_tokens
+        self.fallback = LeastLoadedRouter()
+        self.affinity_picks = 0
+
+    def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
+        live = self._candidates(instances)
+        if instances[live[0]].role == "decode":
+            return self.fallback.pick(instances, live)
+        preferred = affinity_candidates(req, instances, live, self.threshold, self.balance_tokens)
+        if preferred is None:
+            return self.fallback.pick(instances, live)
+        self.affinity_picks += 1
+        return self.fallback.pick(instances, preferred)
+
+
+def affinity_candidates(req: Request, instances: Sequence[InstanceLoad], candidates: Sequence[int],
+                        threshold: float, balance_tokens: int) -> list[int] | None:
+    """The candidates holding the longest cached prefix of ``req``, if it covers ≥ ``threshold``
+    of the prompt and only some candidates hold it, keeping those whose queue is within
+    ``balance_tokens`` of the shortest; None when no candidate is to be preferred."""
+    if not candidates:
+        return None
+    hits = {i: cached_prefix(instances[i], req) for i in candidates}
+    top = max(hits.values())
+    if top <= 0 or top < threshold * req.prompt_len:
+        return None
+    preferred = [i for i in candidates if hits[i] == top]
+    if len(preferred) == len(candidates):
+        return None                                    # everyone holds it: nothing to prefer
+    lightest = min(instances[i].queued_tokens for i in candidates)
+    preferred = [i for i in preferred if instances[i].queued_tokens - lightest <= balance_tokens]
+    return preferred or None

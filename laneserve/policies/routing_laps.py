@@ -2,12 +2,17 @@
 prefill instances, a router that sends each request to an instance of its lane's pool, and the
 lightweight instance-pressure controller that moves one instance between pools at a time.
 
-Router side (``laps-pools``): each arrival is classified by its new tokens (``prompt − prefix``;
-the history counts as cached, as with ``prefix_caching`` on the prefill side — ``cached_prefix=
-false`` counts the whole prompt) against L_m, tagged ``req.tags["laps_lane"]`` and sent to the
-least-loaded accepting instance of that lane's pool (fewest queued tokens, then fewest waiting,
-then least recently picked). The router is called on every arrival with ``now``; when a control
-period has elapsed it first runs the controller.
+Router side (``laps-pools``): each arrival is classified by its new tokens against L_m: the prompt
+minus the longest prefix an accepting instance holds (``cached_prefix``; with the simulator's
+idealised flag-mode caching that is the request's ``prefix_len``; ``cached_prefix=false`` counts
+the whole prompt), tagged ``req.tags["laps_lane"]`` and sent to an instance of that lane's pool:
+with ``affinity`` (default) to the pool instances that hold the longest cached prefix when it
+covers ≥ ``affinity_threshold`` of the prompt and their queue is within ``balance_tokens`` of the
+pool's shortest, and among those (or else among the whole pool) to the least-loaded (fewest queued
+tokens, then fewest waiting, then least recently picked). Affinity is ours: the paper's router
+sends a request to its pool and says nothing of caches; without it a multi-turn session's
+re-prefill lands wherever the load is lowest and loses its cached history. The router is called on
+every arrival with ``now``; when a control period has elapsed it first runs the controller.
 
 Per-instance signals over the last period (our concrete reading of "queue, SLA deviation,
 utilisation"; all dimensionless so the two pools compare):
@@ -49,7 +54,7 @@ from dataclasses import dataclass, field
 from laneserve.core.request import Request
 from laneserve.policies.prefill.laps_lanes import LANE_TAG, LONG, SHORT
 from laneserve.policies.registry import register
-from laneserve.policies.routing import InstanceLoad, Router
+from laneserve.policies.routing import InstanceLoad, Router, affinity_candidates, cached_prefix
 
 
 def p90(values: Sequence[float], q: float = 0.9) -> float:
@@ -128,10 +133,14 @@ class LapsPoolRouter(Router):
                  cool_down: float = 10.0, tau: float = 0.5, min_pool: int = 1, floor: float = 0.2,
                  a: float = 1.0, b: float = 1.0, c: float = 0.1, slo_ttft: float = 0.4,
                  cached_prefix: bool = True, controller: bool = True, q_cap: float = 2.0,
-                 smoothing: float = 0.3, backlog: str = "wait") -> None:
+                 smoothing: float = 0.3, backlog: str = "wait", affinity: bool = True,
+                 affinity_threshold: float = 0.5, balance_tokens: int = 16384) -> None:
         if backlog not in ("wait", "tokens"):
             raise ValueError("backlog must be 'wait' (queue waiting time) or 'tokens' (tokens / rate)")
         self.backlog = backlog
+        if not 0.0 <= affinity_threshold <= 1.0 or balance_tokens < 0:
+            raise ValueError("need 0 <= affinity_threshold <= 1 and balance_tokens >= 0")
+        self.affinity, self.affinity_threshold, self.balance_tokens = affinity, affinity_threshold, balance_tokens
         if boundary < 1 or not 0 <= short_fraction <= 1 or period <= 0 or slo_ttft <= 0:
             raise ValueError("need boundary >= 1, 0 <= short_fraction <= 1, period > 0, slo_ttft > 0")
         self.boundary, self.short_fraction = boundary, short_fraction
@@ -152,9 +161,16 @@ class LapsPoolRouter(Router):
         self._picks = 0
 
     # ---- routing -------------------------------------------------------------------------
-    def classify(self, req: Request) -> str:
-        new = req.prompt_len - (req.prefix_len if self.cached_prefix else 0)
-        return SHORT if new < self.boundary else LONG
+    def classify(self, req: Request, instances: Sequence[InstanceLoad] = ()) -> str:
+        """Short or long by new tokens: the prompt minus the longest prefix an instance holds
+        (``prefix_len`` when no instance is given); the whole prompt with ``cached_prefix=false``."""
+        if not self.cached_prefix:
+            cached = 0
+        elif instances:
+            cached = max(cached_prefix(inst, req) for inst in instances)
+        else:
+            cached = req.prefix_len
+        return SHORT if req.prompt_len - cached < self.boundary else LONG
 
     def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
         if not self.pools:
@@ -163,17 +179,28 @@ class LapsPoolRouter(Router):
             self.last_tick = now
         elif now - self.last_tick >= self.controller.period:
             self.tick(instances, now)
-        lane = req.tags.get(LANE_TAG) or self.classify(req)
-        req.tags[LANE_TAG] = lane
         live = self._candidates(instances)
-        pool = [i for i in live if self.pools.get(i) == lane] or live
+        lane = req.tags.get(LANE_TAG) or self.classify(req, [instances[i] for i in live])
+        choice = self._pick(req, instances, live, lane)
+        if lane == SHORT and self.cached_prefix and not req.tags.get(LANE_TAG) \
+                and req.prompt_len - cached_prefix(instances[choice], req) >= self.boundary:
+            # the history it was classified by is held only outside the short pool: on the
+            # instance it would run on it is a long prefill
+            lane = LONG
+            choice = self._pick(req, instances, live, lane)
+        req.tags[LANE_TAG] = lane
         last = self._last_pick
-        choice = min(pool, key=lambda i: (instances[i].queued_tokens, instances[i].num_waiting,
-                                          last.get(i, -1), i))
         self._picks += 1
         last[choice] = self._picks
         self.stats[choice].outstanding.append(req)
         return choice
+
+    def _pick(self, req: Request, instances: Sequence[InstanceLoad], live: list[int], lane: str) -> int:
+        pool = [i for i in live if self.pools.get(i) == lane] or live
+        if self.affinity:
+            pool = affinity_candidates(req, instances, pool, self.affinity_threshold, self.balance_tokens) or pool
+        last = self._last_pick
+        return min(pool, key=lambda i: (instances[i].queued_tokens, instances[i].num_waiting, last.get(i, -1), i))
 
     def _init_pools(self, instances: Sequence[InstanceLoad]) -> None:
         n = len(instances)

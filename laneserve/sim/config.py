@@ -26,6 +26,11 @@ class ClusterConfig:
     gpu_memory_utilization: float = 0.9
     kv_link: str = "nvlink"              # prefill -> decode transfer link
     swap_link: str = "pcie"              # host pool <-> decode device (swap, AlignedServe prefetch)
+    #: per-prefill-instance prefix cache (with ``prefill_opts={"prefix_caching": True}``): None
+    #: idealises it (a request's ``prefix_len`` counts as cached wherever it runs); a number gives
+    #: each prefill instance its own LRU cache of that many tokens (requests reuse only what the
+    #: instance they land on prefilled before); 0 means "as large as the instance's KV capacity"
+    prefix_cache_tokens: int | None = None
     prefill_opts: dict[str, Any] = field(default_factory=dict)
     decode_opts: dict[str, Any] = field(default_factory=dict)
     record_token_times: bool = False
@@ -36,6 +41,8 @@ class ClusterConfig:
         counts = (self.num_prefill, self.num_decode) if self.mode == "disaggregated" else (self.num_colocated,)
         if min(counts) < 1:
             raise ValueError(f"a {self.mode} cluster needs at least one instance of each role")
+        if self.prefix_cache_tokens is not None and self.prefix_cache_tokens < 0:
+            raise ValueError("prefix_cache_tokens must be None or >= 0")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -18,6 +18,7 @@ from itertools import accumulate
 
 from laneserve.core.kv import HostKVPool, KVCacheManager, blocks_for
 from laneserve.core.plan import StepPlan, StepResult
+from laneserve.core.prefix_cache import PrefixCache
 from laneserve.core.request import Phase, Request, RequestSpec
 from laneserve.costmodel.base import CostModel
 from laneserve.policies import registry
@@ -96,6 +97,9 @@ class Simulator:
             bind = getattr(inst.scheduler, "bind_cost_model", None)
             if bind is not None:
                 bind(self.cost)
+            bind_cache = getattr(inst.scheduler, "bind_prefix_cache", None)
+            if cfg.prefix_cache_tokens is not None and bind_cache is not None:
+                bind_cache(PrefixCache(cfg.prefix_cache_tokens or cfg.prefill_kv_tokens or default_tokens))
         back = [SimInstance(cfg.num_prefill + j, "decode", registry.make(
                     "decode", cfg.decode_policy, kv(cfg.decode_kv_tokens), host_pool=host(),
                     **cfg.decode_opts))
@@ -276,7 +280,8 @@ class Simulator:
         first = requests[0].arrival_time if requests else 0.0
         stats = [{"instance": inst.instance_id, "role": inst.role, "steps": inst.steps,
                   "busy_time": inst.busy_time, "utilization": inst.busy_time / max(now - first, 1e-9),
-                  "preemptions": inst.preemptions + getattr(inst.scheduler, "num_preemptions", 0)}
+                  "preemptions": inst.preemptions + getattr(inst.scheduler, "num_preemptions", 0),
+                  **(cache.stats() if (cache := getattr(inst.scheduler, "prefix_cache", None)) else {})}
                  for inst in (*front, *back)]
         return SimResult(requests=requests, duration=now - first, config=cfg, instances=stats,
                          events=events, wall_seconds=time.perf_counter() - wall0, unfinished=unfinished)

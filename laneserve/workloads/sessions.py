@@ -9,9 +9,13 @@ prompt is the whole history plus the new message::
     output_len(k) = output_k
 
 Timing (kept simple on purpose): conversations start by a Poisson process at ``rate``
-conversations/s; turn ``k+1`` arrives an exponential think time (mean ``think_time`` s) after turn
+conversations/s; turn ``k+1`` arrives ``reply_time · output_k`` (the reply streaming at that many
+seconds per token; 0 by default) plus an exponential think time (mean ``think_time`` s) after turn
 ``k``'s *arrival*. The next turn can therefore arrive before the previous reply would have finished
 on an overloaded system; closed-loop replay is a job for the load generator, not the workload.
+Rescaling a workload's rate (``Workload.with_rate``) compresses these gaps too: for studies where a
+turn must find its predecessor's KV (per-instance prefix caches), build the workload at the rate
+instead, with a ``reply_time``.
 
 Context cap: a turn whose ``prompt_len + output_len`` exceeds ``max_context`` is dropped together
 with every later turn of its conversation (histories only grow).
@@ -32,10 +36,12 @@ Turn = tuple[int, int]
 
 def build_sessions(conversations: Sequence[Sequence[Turn]], *, rate: float, think_time: float,
                    seed: int, slo: SLO, slo_class: str = "default",
-                   max_context: int | None = None) -> tuple[list[RequestSpec], dict]:
+                   max_context: int | None = None, reply_time: float = 0.0) -> tuple[list[RequestSpec], dict]:
     """Requests (unsorted, ids unset) for ``conversations`` and a meta dict of what was dropped."""
     if think_time < 0:
         raise ValueError(f"think_time must be >= 0 seconds, got {think_time}")
+    if reply_time < 0:
+        raise ValueError(f"reply_time must be >= 0 seconds per token, got {reply_time}")
     if max_context is not None and max_context < 2:
         raise ValueError(f"max_context must be >= 2 tokens, got {max_context}")
     rng = np.random.default_rng(seed)
@@ -59,11 +65,12 @@ def build_sessions(conversations: Sequence[Sequence[Turn]], *, rate: float, thin
         t = float(start)
         for turn, (prompt, prefix, out) in enumerate(turns):
             if turn:
-                t += float(gaps[turn - 1])
+                t += float(gaps[turn - 1]) + reply_time * turns[turn - 1][2]
             specs.append(RequestSpec(request_id=len(specs), arrival_time=t, prompt_len=prompt,
                                      output_len=out, slo=slo, slo_class=slo_class,
                                      prefix_len=prefix, session_id=session_id, turn=turn))
     meta = {"conversations": len(kept), "dropped_conversations": len(conversations) - len(kept),
             "dropped_turns": dropped_turns, "conversation_rate": rate, "think_time_mean": think_time,
+            "reply_time_per_token": reply_time,
             "max_context": max_context}
     return specs, meta

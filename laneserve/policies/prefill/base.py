@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from laneserve.core.kv import KVCacheManager
 from laneserve.core.plan import PrefillChunk
+from laneserve.core.prefix_cache import PrefixCache, prefix_blocks
 from laneserve.core.request import Phase, Request
 from laneserve.policies.base import InstanceScheduler, StepOutcome
+
+
+_MEMO = "prefix_hit_memo"
 
 
 class PrefillScheduler(InstanceScheduler):
@@ -14,8 +18,11 @@ class PrefillScheduler(InstanceScheduler):
     is done until the instance loop calls :meth:`release` (their KV left for a decode instance).
 
     ``token_budget`` caps the new tokens of one step (the first request of a step is always
-    admitted, so a prompt larger than the budget still runs alone). ``prefix_caching`` treats a
-    request's ``prefix_len`` tokens as already cached (multi-turn history kept on the instance).
+    admitted, so a prompt larger than the budget still runs alone). ``prefix_caching`` reuses
+    cached prompt KV: with a :class:`~laneserve.core.prefix_cache.PrefixCache` bound
+    (:meth:`bind_prefix_cache`) a request reuses the leading blocks this instance holds and leaves
+    its own behind; without one, its ``prefix_len`` tokens count as cached wherever it runs (an
+    idealisation: every instance holds every history).
     """
 
     role = "prefill"
@@ -28,6 +35,7 @@ class PrefillScheduler(InstanceScheduler):
         self.token_budget = token_budget
         self.max_batch_size = max_batch_size
         self.prefix_caching = prefix_caching
+        self.prefix_cache: PrefixCache | None = None
         self.pending: set[int] = set()      # ids whose prompt is not finished yet
 
     def _enqueue(self, req: Request, now: float) -> None:
@@ -59,6 +67,32 @@ class PrefillScheduler(InstanceScheduler):
         reqs = self.requests
         return sum(reqs[i].remaining_prefill for i in self.pending)
 
+    def bind_prefix_cache(self, cache: PrefixCache | None) -> None:
+        """Give this instance its own prefix cache (used only with ``prefix_caching``)."""
+        self.prefix_cache = cache
+
+    def cached_prefix(self, req: Request, *, touch: bool = False) -> int:
+        """Prompt tokens of ``req`` this instance would not compute if it started it now (always
+        leaves one token to compute). ``touch`` marks the cached blocks used and counts the hit."""
+        if not self.prefix_caching:
+            return 0
+        cache = self.prefix_cache
+        if cache is None:
+            hit = req.prefix_len
+        elif touch:
+            hit = cache.match(prefix_blocks(req), touch=True)
+        else:                    # schedulers ask often between changes of the cache: memoise
+            memo = req.tags.get(_MEMO)
+            if memo is not None and memo[0] is cache and memo[1] == cache.version:
+                hit = memo[2]
+            else:
+                hit = cache.match(prefix_blocks(req))
+                req.tags[_MEMO] = (cache, cache.version, hit)
+        hit = min(hit, req.prompt_len - 1)
+        if touch and cache is not None:
+            cache.record(req.prompt_len, hit)
+        return hit
+
     def admit(self, req: Request, now: float) -> bool:
         """Reserve KV for the whole prompt the first time ``req`` is scheduled; False if it does
         not fit now (the caller decides whether to wait or skip)."""
@@ -68,9 +102,10 @@ class PrefillScheduler(InstanceScheduler):
             return False
         self.kv.allocate(req.request_id, req.prompt_len)
         req.times.prefill_start = now
-        if self.prefix_caching and req.prefix_len and req.num_computed_tokens == 0:
-            cached = min(req.prefix_len, req.prompt_len - 1)
-            req.num_computed_tokens = req.num_cached_tokens = cached
+        if self.prefix_caching and req.num_computed_tokens == 0:
+            cached = self.cached_prefix(req, touch=True)
+            if cached > 0:
+                req.num_computed_tokens = req.num_cached_tokens = cached
         req.phase = Phase.PREFILLING
         return True
 
@@ -83,6 +118,8 @@ class PrefillScheduler(InstanceScheduler):
             if chunk.request.prefill_done:
                 self.pending.discard(chunk.request.request_id)
                 self._remove(chunk.request)
+                if self.prefix_cache is not None and self.prefix_caching:
+                    self.prefix_cache.insert(prefix_blocks(chunk.request))
         for req in outcome.finished:      # one-token outputs end here: nothing to hand off
             self.release(req.request_id)
 

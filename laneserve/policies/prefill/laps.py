@@ -128,8 +128,8 @@ class LapsPrefill(PrefillScheduler):
     def new_tokens(self, req: Request) -> int:
         """Tokens this prefill computes: the prompt minus what is computed or cached."""
         done = req.num_computed_tokens
-        if done == 0 and self.prefix_caching and req.prefix_len:
-            done = min(req.prefix_len, req.prompt_len - 1)
+        if done == 0:
+            done = self.cached_prefix(req)
         return max(req.prompt_len - done, 0)
 
     def lane_of(self, req: Request) -> str:
