@@ -170,6 +170,22 @@ def test_with_arrivals_replaces_process():
     assert w.meta["rate"] == 4.0
 
 
+def test_spread_ticks_undoes_quantised_timestamps():
+    ticks = [RequestSpec(i, 3.0 * (i // 4), 100 + i, 1) for i in range(40)]      # 4 requests per 3 s tick
+    w = Workload("ticks", tuple(ticks))
+    spread = w.spread_ticks(3.0, seed=1)
+    _assert_ordered(spread)
+    by_prompt = {s.prompt_len: s for s in spread}                             # prompt lengths name them
+    assert sorted(by_prompt) == [s.prompt_len for s in ticks]
+    for s in ticks:
+        moved = by_prompt[s.prompt_len]
+        assert s.arrival_time <= moved.arrival_time < s.arrival_time + 3.0
+    assert len({s.arrival_time for s in spread}) == 40                       # no simultaneous arrivals left
+    assert [s.arrival_time for s in w.spread_ticks(3.0, seed=1)] == [s.arrival_time for s in spread]
+    with pytest.raises(ValueError, match="tick"):
+        w.spread_ticks(0.0)
+
+
 def test_slo_by_class_and_scaling():
     w = short_long_mix(200, 0.25, seed=0)
     tight, loose = SLO(0.1, 0.02), SLO(5.0, 0.1)
@@ -285,6 +301,21 @@ def test_lmsys_multiturn_sessions():
     assert len({s.session_id for s in w}) == 500
     assert len(w) / 500 == pytest.approx(2.0, rel=0.15)
     assert all(s.prompt_len + s.output_len <= 8192 for s in w)
+
+
+def test_sessions_reply_time_spaces_turns_by_the_previous_reply():
+    from laneserve.workloads.sessions import build_sessions
+    convs = [[(30, 100), (20, 40), (10, 5)], [(50, 200), (5, 9)]]
+    base, _ = build_sessions(convs, rate=1.0, think_time=2.0, seed=3, slo=SLO(0.4, 0.05))
+    paced, meta = build_sessions(convs, rate=1.0, think_time=2.0, seed=3, slo=SLO(0.4, 0.05), reply_time=0.05)
+    assert meta["reply_time_per_token"] == 0.05
+    for b_prev, b_cur, p_prev, p_cur in zip(base, base[1:], paced, paced[1:]):
+        if b_cur.session_id != b_prev.session_id:
+            continue                                    # same draws: only the reply time is added
+        assert (p_cur.arrival_time - p_prev.arrival_time) == pytest.approx(
+            b_cur.arrival_time - b_prev.arrival_time + 0.05 * b_prev.output_len)
+    with pytest.raises(ValueError, match="reply_time"):
+        build_sessions(convs, rate=1.0, think_time=2.0, seed=3, slo=SLO(0.4, 0.05), reply_time=-1)
 
 
 def test_registry_names_and_errors():

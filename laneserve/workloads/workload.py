@@ -124,6 +124,18 @@ class Workload:
         return self._derive(specs, f"with_arrivals({process}, rate={rate:g}, cv={cv:g}, seed={seed})",
                             rate=rate)
 
+    def spread_ticks(self, tick: float, *, seed: int = 0) -> Workload:
+        """Undo a trace's timestamp quantisation: move every request to a uniformly random time in
+        ``[t, t + tick)`` from its recorded ``t`` (seeded), then order by the new times (and
+        renumber, as every workload is). Mooncake's conversation trace, for one, records arrivals in ~3 s ticks; the
+        recorded burst structure between ticks is kept, the fake simultaneity inside one is not."""
+        if not (tick > 0 and np.isfinite(tick)):
+            raise ValueError(f"tick must be a finite number > 0 seconds, got {tick!r}")
+        rng = np.random.default_rng(seed)
+        offsets = rng.uniform(0.0, tick, size=len(self))
+        specs = [replace(s, arrival_time=s.arrival_time + float(o)) for s, o in zip(self.specs, offsets)]
+        return self._derive(specs, f"spread_ticks({tick:g}, seed={seed})")
+
     def head(self, n: int) -> Workload:
         """The first ``n`` requests."""
         if n < 0:
