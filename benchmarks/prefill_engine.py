@@ -39,7 +39,7 @@ SHORT_SLO, LONG_SLO = SLO(ttft=0.3, tpot=0.1), SLO(ttft=6.0, tpot=0.1)
 # 0-8K of context (GPU_REFERENCE below). On this CPU model a 2048-token chunk takes ~1 s, over three
 # times the 0.3 s SLO, so the lane split cannot help. The smaller chunks are the same setting scaled
 # to this machine; the table reports each arm's chunk time / SLO over the long prompts' contexts
-# (C_l=256: 0.55-1.3, C_l=128: 0.3-0.7, C_l=64: 0.17-0.35 when measured), so the scaling is visible.
+# (C_l=256: 0.6-1.3, C_l=128: 0.3-0.7, C_l=64: 0.17-0.35 in the committed runs), so the scaling is visible.
 # LAPS runs with its SLA-first guard (a short batch goes before a long chunk that would eat its
 # slack; policies/prefill/laps.py); the C_l=256 arm is also run without it, as an ablation. The last
 # arm composes LAPS' lanes with FlowPrefill's operator-level preemption of the long chunks.

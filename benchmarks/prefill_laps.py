@@ -9,7 +9,11 @@ vs FCFS behind round-robin and least-loaded routers, TTFT SLO 0.4 s: SLO violati
 Part C — Part B with per-instance prefix caches (``prefix_cache_tokens``: each prefill instance
 holds the KV of the prompts it prefilled, LRU, up to its KV capacity) instead of Parts A–B's
 idealisation that every history is cached on every instance; adds the cache-aware router and
-LAPS pools without cache affinity.
+LAPS pools without cache affinity. Part C's load is light: whatever the start rate, the realised
+request rate is ~1.7 req/s (the longest conversations, replies paced at 0.05 s/token, stretch the
+run over ~2 h) and prefill utilisation 2-12%, so Part C measures cache locality, not queueing: a
+violation there is a history recomputed on an instance that did not hold it. A loaded
+per-instance-cache study needs more conversations than these 2000 (not done).
 
 Setup notes (also in the markdown output):
 * prefix caching is on for every policy (``prefill_opts={"prefix_caching": True}``). In Parts A–B a
@@ -28,7 +32,7 @@ Setup notes (also in the markdown output):
 Headline ``short_p90_ttft_reduction``: 1 − LAPS/FCFS short P90 TTFT at the knee, the lowest swept
 rate at which FCFS's short P90 TTFT exceeds the 0.4 s SLO (every rate is in the table).
 
-Run: ``.venv/bin/python benchmarks/prefill_laps.py`` (~1–1.5 min on the shared 2-core machine).
+Run: ``.venv/bin/python benchmarks/prefill_laps.py`` (~2 min on the shared 2-core machine).
 """
 
 from __future__ import annotations

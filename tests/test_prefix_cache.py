@@ -186,3 +186,13 @@ def test_cache_aware_router_prefers_the_holder_unless_it_is_overloaded():
     assert router.affinity_picks == 1
     with pytest.raises(ValueError):
         CacheAwareRouter(threshold=1.5)
+
+
+def test_engine_instances_refuse_prefix_caching_they_cannot_honour():
+    from laneserve.engine.instance import EngineInstance
+    kv = KVCacheManager(256, 16)
+    with pytest.raises(ValueError, match="prefix_caching"):
+        EngineInstance(make("prefill", "fcfs", kv, prefix_caching=True), executor=None)
+    with pytest.raises(ValueError, match="prefix_caching"):
+        EngineInstance(make("colocated", "colocated", kv, prefix_caching=True), executor=None)
+    assert EngineInstance(make("prefill", "fcfs", kv), executor=None).role == "prefill"

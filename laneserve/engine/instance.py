@@ -26,6 +26,10 @@ from laneserve.policies.routing import SchedulerLoad
 class EngineInstance(SchedulerLoad):
     def __init__(self, scheduler: InstanceScheduler, executor, *, clock: Clock | None = None,
                  instance_id: int = 0, stop_checker=None) -> None:
+        inner = getattr(scheduler, "prefill", scheduler)          # colocated schedulers wrap one
+        if getattr(scheduler, "prefix_caching", False) or getattr(inner, "prefix_caching", False):
+            raise ValueError("prefix_caching=true is a simulator option: the engine keeps no prompt KV "
+                             "across requests and computes every prompt in full; drop the option")
         self.scheduler = scheduler
         self.executor = executor
         self.clock = clock or WallClock()
