@@ -11,7 +11,9 @@ covers ≥ ``affinity_threshold`` of the prompt and their queue is within ``bala
 pool's shortest, and among those (or else among the whole pool) to the least-loaded (fewest queued
 tokens, then fewest waiting, then least recently picked). Affinity is ours: the paper's router
 sends a request to its pool and says nothing of caches; without it a multi-turn session's
-re-prefill lands wherever the load is lowest and loses its cached history. The router is called on
+re-prefill lands wherever the load is lowest and loses its cached history. A request classified
+short by a history that only a long-pool instance holds would be a long prefill on the short
+instance it is routed to, so it goes to the long pool instead. The router is called on
 every arrival with ``now``; when a control period has elapsed it first runs the controller.
 
 Per-instance signals over the last period (our concrete reading of "queue, SLA deviation,
