@@ -5,7 +5,7 @@ instances only through :class:`InstanceLoad`, so the engine cluster and the simu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from laneserve.core.request import Request
@@ -158,14 +158,17 @@ class CacheAwareRouter(Router):
 
 
 def affinity_candidates(req: Request, instances: Sequence[InstanceLoad], candidates: Sequence[int],
-                        threshold: float, balance_tokens: int) -> list[int] | None:
+                        threshold: float, balance_tokens: int,
+                        hits: Mapping[int, int] | None = None) -> list[int] | None:
     """The candidates holding the longest cached prefix of ``req``, if it covers ≥ ``threshold``
     of the prompt and only some candidates hold it, keeping those whose queue is within
-    ``balance_tokens`` of the shortest; None when no candidate is to be preferred."""
+    ``balance_tokens`` of the shortest; None when no candidate is to be preferred. ``hits`` (index
+    -> cached tokens) saves the lookups when the caller already made them."""
     if not candidates:
         return None
-    hits = {i: cached_prefix(instances[i], req) for i in candidates}
-    top = max(hits.values())
+    if hits is None:
+        hits = {i: cached_prefix(instances[i], req) for i in candidates}
+    top = max(hits[i] for i in candidates)
     if top <= 0 or top < threshold * req.prompt_len:
         return None
     preferred = [i for i in candidates if hits[i] == top]

@@ -167,11 +167,12 @@ class LapsPoolRouter(Router):
         """Short or long by new tokens: the prompt minus the longest prefix an instance holds
         (``prefix_len`` when no instance is given); the whole prompt with ``cached_prefix=false``."""
         if not self.cached_prefix:
-            cached = 0
-        elif instances:
-            cached = max(cached_prefix(inst, req) for inst in instances)
-        else:
-            cached = req.prefix_len
+            return self._lane(req, 0)
+        if instances:
+            return self._lane(req, max(cached_prefix(inst, req) for inst in instances))
+        return self._lane(req, req.prefix_len)
+
+    def _lane(self, req: Request, cached: int) -> str:
         return SHORT if req.prompt_len - cached < self.boundary else LONG
 
     def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
@@ -182,14 +183,16 @@ class LapsPoolRouter(Router):
         elif now - self.last_tick >= self.controller.period:
             self.tick(instances, now)
         live = self._candidates(instances)
-        lane = req.tags.get(LANE_TAG) or self.classify(req, [instances[i] for i in live])
-        choice = self._pick(req, instances, live, lane)
-        if lane == SHORT and self.cached_prefix and not req.tags.get(LANE_TAG) \
-                and req.prompt_len - cached_prefix(instances[choice], req) >= self.boundary:
+        # one cache lookup per instance serves the lane, the affinity and the re-check below
+        hits = {i: cached_prefix(instances[i], req) for i in live}
+        tagged = req.tags.get(LANE_TAG)
+        lane = tagged or self._lane(req, max(hits.values()) if self.cached_prefix else 0)
+        choice = self._pick(instances, live, lane, req, hits)
+        if lane == SHORT and self.cached_prefix and not tagged and self._lane(req, hits[choice]) == LONG:
             # the history it was classified by is held only outside the short pool: on the
             # instance it would run on it is a long prefill
             lane = LONG
-            choice = self._pick(req, instances, live, lane)
+            choice = self._pick(instances, live, lane, req, hits)
         req.tags[LANE_TAG] = lane
         last = self._last_pick
         self._picks += 1
@@ -197,10 +200,12 @@ class LapsPoolRouter(Router):
         self.stats[choice].outstanding.append(req)
         return choice
 
-    def _pick(self, req: Request, instances: Sequence[InstanceLoad], live: list[int], lane: str) -> int:
+    def _pick(self, instances: Sequence[InstanceLoad], live: list[int], lane: str, req: Request,
+              hits: dict[int, int]) -> int:
         pool = [i for i in live if self.pools.get(i) == lane] or live
         if self.affinity:
-            pool = affinity_candidates(req, instances, pool, self.affinity_threshold, self.balance_tokens) or pool
+            pool = affinity_candidates(req, instances, pool, self.affinity_threshold, self.balance_tokens,
+                                       hits) or pool
         last = self._last_pick
         return min(pool, key=lambda i: (instances[i].queued_tokens, instances[i].num_waiting, last.get(i, -1), i))
 
