@@ -77,7 +77,7 @@ def servers():
     pd = Server("--prefill", "1", "--decode", "1", "--max-inflight", str(MAX_INFLIGHT), "--kv-tokens", "16384",
                 "--slo-class", "interactive:ttft_ms=200,tpot_ms=40,priority=-1")
     colo = Server("--colocated", "--kv-tokens", "16384")
-    stub = Server("--stub", "--prefill", "1", "--decode", "2", "--stub-token-delay", "0.02")
+    stub = Server("--stub", "--prefill", "1", "--decode", "2", "--stub-token-delay", "0.02", "--max-restarts", "0")
     try:
         for s in (stub, pd, colo):
             s.wait_ready()
@@ -297,6 +297,12 @@ def test_stub_decode_crash_fails_cleanly_and_routes_around(servers):
             ctx.__exit__(None, None, None)
     st = stub.state()
     assert [i["alive"] for i in st["instances"]].count(False) == 1
+    health = httpx.get(stub.url + "/health", timeout=5)
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
+    metrics = httpx.get(stub.url + "/metrics", timeout=5).text
+    vid = victim["id"]
+    assert f'laneserve:instance_up{{model_name="laneserve-stub",instance="{vid}",role="decode"}} 0.0' in metrics
+    assert f'laneserve:kv_cache_usage_perc{{model_name="laneserve-stub",instance="{vid}"' not in metrics
     client = stub.client()
     for _ in range(3):                          # routed to the surviving decode instance
         out = client.completions.create(model="laneserve-stub", prompt=[4, 5, 6], max_tokens=5)
@@ -313,8 +319,9 @@ def test_stub_decode_crash_fails_cleanly_and_routes_around(servers):
     assert r.status_code == 503 and "no decode instance" in r.json()["error"]["message"]
 
 
-def test_engine_decode_crash_gives_clean_errors(servers):
-    """Last test on the 1P+1D server: kill its decode process mid-request."""
+def test_engine_decode_crash_fails_cleanly_and_restarts(servers):
+    """Kill the 1P+1D server's decode process mid-request: the request ends with an error event,
+    the instance is restarted (a new process) and serves again."""
     pd = servers["pd"]
     _wait_all_free(pd)
     body = {"model": MODEL, "prompt": [9, 8, 7], "max_tokens": 3000, "ignore_eos": True}
@@ -325,6 +332,16 @@ def test_engine_decode_crash_gives_clean_errors(servers):
         os.kill(dec["pid"], signal.SIGKILL)
         rest = [ln for ln in lines if ln]
     assert any("crashed" in ln for ln in rest) and rest[-1] == "data: [DONE]"
-    r = httpx.post(pd.url + "/v1/completions", json=body, timeout=TIMEOUT)
-    assert r.status_code == 503
-    assert httpx.get(pd.url + "/health", timeout=5).status_code == 503
+    deadline = time.monotonic() + 120
+    while True:                                # bounded: the restart must happen
+        new = [i for i in pd.state()["instances"] if i["role"] == "decode"][0]
+        if new["status"] == "ready":
+            break
+        assert time.monotonic() < deadline, new
+        time.sleep(0.2)
+    assert new["restarts"] == 1 and new["pid"] != dec["pid"]
+    out = pd.client().completions.create(model=MODEL, prompt="hello again", max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 5
+    assert httpx.get(pd.url + "/health", timeout=5).json()["status"] == "ok"
+    _wait_all_free(pd)

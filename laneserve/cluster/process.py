@@ -12,10 +12,14 @@ Load figures for routers (``policies.routing.InstanceLoad``) are the instance's 
 plus what was sent to it after that snapshot (``added`` counts the messages it processed), so
 back-to-back arrivals do not all see the same stale figure.
 
-Crash handling: a monitor task polls each process (``Popen.poll``) or thread; a dead instance
-stops accepting, every request on it fails with a clear error, requests still prefilling
-elsewhere are routed to the surviving decode instances, and nothing waits on it any more. A
-worker stuck in a step is not detected (no heartbeat deadline): steps can legitimately be long.
+Supervision (issue 11): a monitor task watches every instance. A process that exits, or whose
+heartbeats (sent by a thread of its own every 0.5 s, whatever the engine is doing) stop for
+``heartbeat_timeout`` seconds — a hung or SIGSTOPped process — is down: it stops accepting, every
+request on it fails with a clear error, its KV files are removed, a hung process is killed, and
+the instance is restarted after a backoff (``restart_backoff`` doubling up to 30 s, at most
+``max_restarts`` times; each restart is logged). A restarted process is a new incarnation
+(``gen``) on a fresh inbox socket: late messages of the old one are ignored. While some instances
+are down :meth:`health` says ``degraded``; requests get 503 only when no instance of a role is left.
 
 Admission control: at most ``max_inflight`` requests in the system and ``max_queued_tokens``
 prompt tokens waiting on prefill instances; beyond that :class:`Overloaded` (HTTP 429) with a
@@ -85,6 +89,9 @@ class ClusterSpec:
     max_inflight: int = 256
     max_queued_tokens: int | None = None
     startup_timeout: float = 180.0
+    heartbeat_timeout: float = 10.0       # seconds without any message before an instance is hung
+    max_restarts: int = 5                 # per instance; 0 = never restart
+    restart_backoff: float = 0.5          # first restart delay (doubles per restart, at most 30 s)
 
     @property
     def colocated_policy(self) -> str:
@@ -108,10 +115,21 @@ class InstanceHandle:
     sent: deque = field(default_factory=deque)    # (seq, prompt tokens) sent after the stats snapshot
     seq: int = 0
     exit_reason: str | None = None
+    gen: int = 0                         # incarnation (restarts so far)
+    last_seen: float = 0.0               # monotonic time of its last message
+    restarting: bool = False
 
     @property
     def accepting(self) -> bool:
         return self.alive and self.ready
+
+    @property
+    def status(self) -> str:
+        if self.accepting:
+            return "ready"
+        if self.restarting or (self.alive and not self.ready):
+            return "starting"
+        return "down"
 
     def _pending(self) -> tuple[int, int]:
         added = self.stats.get("added", 0)
@@ -165,6 +183,8 @@ class ProcessCluster:
         self._completions: deque[float] = deque(maxlen=512)
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        self.draining = False                 # set on shutdown: new requests get 503
+        self.restarts = 0
         self.on_instance_down: Callable[[InstanceHandle], None] | None = None
         self.router = registry.make("router", spec.router)
         self.decode_router = registry.make("router", spec.decode_router)
@@ -201,26 +221,35 @@ class ProcessCluster:
         self.kv_dir = Path(tempfile.mkdtemp(prefix="laneserve-kv-", dir=default_shm_dir()))
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
-        outbox = f"ipc://{self.ipc_dir}/out"
-        self.pull.bind(outbox)
+        self._outbox = f"ipc://{self.ipc_dir}/out"
+        self.pull.bind(self._outbox)
         self._sync_ctx = zmq.Context() if s.in_process else None
         for i, (role, policy) in enumerate(self._roles()):
-            device = s.devices[i % len(s.devices)]
-            h = InstanceHandle(i, role, policy, device)
-            h.sock = self.ctx.socket(zmq.PUSH)
-            h.sock.setsockopt(zmq.LINGER, 0)
-            inbox = f"ipc://{self.ipc_dir}/in{i}"
-            h.sock.bind(inbox)
-            opts = {"token_delay": s.stub_token_delay} if s.worker == "stub" else {}
-            wspec = WorkerSpec(instance_id=i, role=role, policy=policy, model=str(s.model), inbox=inbox,
-                               outbox=outbox, epoch=self.clock.epoch, transport=s.transport,
-                               transport_dir=str(self.kv_dir), kv_tokens=s.kv_tokens, engine=dict(s.engine),
-                               policy_opts=opts, device=device)
-            h.proc = self._launch(wspec)
+            h = InstanceHandle(i, role, policy, s.devices[i % len(s.devices)])
+            self._spawn(h)
             self.instances.append(h)
         self._tasks.append(asyncio.create_task(self._read_loop(), name="cluster-reader"))
-        await self._wait_ready()
+        await self._wait_ready(self.instances)
         self._tasks.append(asyncio.create_task(self._monitor_loop(), name="cluster-monitor"))
+
+    def _spawn(self, h: InstanceHandle) -> None:
+        """Start incarnation ``h.gen`` of instance ``h`` on a fresh inbox socket."""
+        s = self.spec
+        if h.sock is not None:
+            h.sock.close()
+        h.sock = self.ctx.socket(zmq.PUSH)
+        h.sock.setsockopt(zmq.LINGER, 0)
+        inbox = f"ipc://{self.ipc_dir}/in{h.instance_id}.{h.gen}"
+        h.sock.bind(inbox)
+        opts = {"token_delay": s.stub_token_delay} if s.worker == "stub" else {}
+        wspec = WorkerSpec(instance_id=h.instance_id, role=h.role, policy=h.policy, model=str(s.model), inbox=inbox,
+                           outbox=self._outbox, epoch=self.clock.epoch, transport=s.transport,
+                           transport_dir=str(self.kv_dir), kv_tokens=s.kv_tokens, engine=dict(s.engine),
+                           policy_opts=opts, device=h.device, gen=h.gen)
+        h.alive, h.ready, h.exit_reason = True, False, None
+        h.stats, h.sent, h.seq = {}, deque(), 0
+        h.last_seen = time.monotonic()
+        h.proc = self._launch(wspec)
 
     def _launch(self, wspec: WorkerSpec):
         s = self.spec
@@ -238,12 +267,14 @@ class ProcessCluster:
         threads = s.engine.get("num_threads")
         if threads:
             env.setdefault("OMP_NUM_THREADS", str(threads))
-        return subprocess.Popen([sys.executable, "-m", WORKER_MODULES[s.worker], wspec.to_json()], env=env)
+        # a session of its own: a terminal's Ctrl-C reaches the server, which stops the instances itself
+        return subprocess.Popen([sys.executable, "-m", WORKER_MODULES[s.worker], wspec.to_json()], env=env,
+                                start_new_session=True)
 
-    async def _wait_ready(self) -> None:
+    async def _wait_ready(self, handles: list[InstanceHandle]) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout
-        while not all(h.ready for h in self.instances):
-            for h in self.instances:
+        while not all(h.ready for h in handles):
+            for h in handles:
                 if not h.ready and (not h.process_alive() or h.exit_reason):
                     raise RuntimeError(f"instance {h.instance_id} ({h.role}) failed to start: "
                                        f"{h.exit_reason or 'process exited'}")
@@ -255,6 +286,7 @@ class ProcessCluster:
         if self._closed:
             return
         self._closed = True
+        self.draining = True
         for h in self.instances:
             if h.alive:
                 with contextlib.suppress(Exception):
@@ -271,7 +303,8 @@ class ProcessCluster:
         for track in list(self.tracks.values()):
             self._fail(track, "server shutting down")
         for h in self.instances:
-            h.sock.close()
+            if h.sock is not None:
+                h.sock.close()
         self.pull.close()
         self.ctx.term()
         if self._sync_ctx is not None:
@@ -283,6 +316,8 @@ class ProcessCluster:
     def admission(self, prompt_len: int) -> None:
         """Raise :class:`Overloaded` or :class:`Unavailable` when a new request must be refused."""
         s = self.spec
+        if self.draining:
+            raise Unavailable("the server is shutting down")
         front = [h for h in self.front if h.accepting]
         if not front:
             raise Unavailable("no prefill instance is available (all crashed or stopped)")
@@ -314,10 +349,11 @@ class ProcessCluster:
         front = self.front
         i = self.router.route(req, front, now)
         h = front[i]
+        msg = pack({"k": "add", **request_fields(rid, prompt_ids, sampling, req.arrival_time, slo, slo_class,
+                                                 priority)})     # before the slot is taken: may raise
         track = Track(rid, req, asyncio.Queue(), instance=h.instance_id, prefill_instance=h.instance_id)
         self.tracks[rid] = track
-        self._send(h, {"k": "add", **request_fields(rid, prompt_ids, sampling, req.arrival_time, slo,
-                                                      slo_class, priority)}, tokens=len(prompt_ids))
+        self._send(h, msg, tokens=len(prompt_ids))
         return track
 
     def abort(self, rid: int) -> None:
@@ -330,23 +366,38 @@ class ProcessCluster:
         if h.alive:
             self._send(h, {"k": "abort", "rids": [rid]})
 
-    def _send(self, h: InstanceHandle, msg: dict, tokens: int | None = None) -> None:
+    def _send(self, h: InstanceHandle, msg: dict | bytes, tokens: int | None = None) -> None:
         if tokens is not None:
             h.seq += 1
             h.sent.append((h.seq, tokens))
-        h.sock.send(pack(msg), copy=False)    # zmq.asyncio: queued at once, never blocks the loop
+        # zmq.asyncio: queued at once, never blocks the loop
+        h.sock.send(msg if isinstance(msg, bytes) else pack(msg), copy=False)
 
-    def _fail(self, track: Track, message: str) -> None:
+    def _fail(self, track: Track, message: str, status: int = 503) -> None:
+        """End ``track`` with an error event; ``status`` is the HTTP status it maps to (503: the
+        service failed it and a retry may succeed; 500: the engine failed on it; 400: its input)."""
         self.tracks.pop(track.rid, None)
         track.stage = "done"
-        track.events.put_nowait(("err", message))
+        track.events.put_nowait(("err", message, status))
+
+    def _remove_kv_files(self, rid: int) -> None:
+        """KV files of ``rid`` nobody will read (its prefill or decode instance died)."""
+        for path in self.kv_dir.glob(f"kv-{rid}-*"):
+            path.unlink(missing_ok=True)
 
     # ---- instance messages -------------------------------------------------------------------
     async def _read_loop(self) -> None:
         while True:
             msg = unpack(await self.pull.recv())
             try:
-                self._on_message(msg)
+                h = self.instances[msg["inst"]]
+                if msg.get("gen", 0) != h.gen:
+                    if msg.get("k") == "handoff":
+                        discard_descriptor(msg.get("kv"))
+                    continue                  # a replaced incarnation's late message
+                h.last_seen = time.monotonic()
+                if msg["k"] != "hb":
+                    self._on_message(msg)
             except Exception as exc:  # noqa: BLE001 - a bad message must not kill the router
                 self.log(f"laneserve: router error on {msg.get('k')!r} message: {exc!r}")
 
@@ -371,7 +422,8 @@ class ProcessCluster:
             for rid in msg["rids"]:
                 track = self.tracks.get(rid)
                 if track is not None:
-                    self._fail(track, f"instance {h.instance_id} ({h.role}): {msg['msg']}")
+                    status = 400 if str(msg["msg"]).startswith("invalid request") else 500
+                    self._fail(track, f"instance {h.instance_id} ({h.role}): {msg['msg']}", status)
         elif kind == "ready":
             h.info = msg["info"]
             h.ready = True
@@ -402,14 +454,27 @@ class ProcessCluster:
                          "t_first": msg["t_first"], "kv": msg.get("kv"), "info": msg.get("info")}, tokens=0)
 
     async def _monitor_loop(self) -> None:
-        while True:
+        timeout = self.spec.heartbeat_timeout
+        while not self._closed:
             await asyncio.sleep(0.2)
+            now = time.monotonic()
             for h in self.instances:
-                if h.alive and not h.process_alive():
+                if not h.alive or h.restarting or self._closed:
+                    continue
+                if not h.process_alive():
                     self._instance_down(h)
+                elif h.ready and timeout > 0 and now - h.last_seen > timeout and not self._in_process:
+                    h.exit_reason = f"no heartbeat for {now - h.last_seen:.1f} s: hung, killed"
+                    h.proc.kill()
+                    self._instance_down(h)
+
+    @property
+    def _in_process(self) -> bool:
+        return self.spec.in_process
 
     def _instance_down(self, h: InstanceHandle) -> None:
         h.alive = False
+        h.stats = {}                          # its gauges no longer describe anything
         code = h.proc.returncode if isinstance(h.proc, subprocess.Popen) else None
         h.exit_reason = h.exit_reason or f"exit code {code}"
         self.log(f"laneserve: instance {h.instance_id} ({h.role}) is down ({h.exit_reason}); "
@@ -417,8 +482,53 @@ class ProcessCluster:
         for track in [t for t in self.tracks.values() if t.instance == h.instance_id]:
             self._fail(track, f"instance {h.instance_id} ({h.role}) crashed ({h.exit_reason}); "
                               "the request was cancelled")
+            self._remove_kv_files(track.rid)
         if self.on_instance_down is not None:
             self.on_instance_down(h)
+        if h.gen < self.spec.max_restarts and not self._closed:
+            h.restarting = True
+            self._tasks.append(asyncio.create_task(self._restart(h), name=f"restart-{h.instance_id}"))
+
+    async def _restart(self, h: InstanceHandle) -> None:
+        """Bring ``h`` back after a backoff; a start that fails counts as another crash."""
+        delay = min(30.0, self.spec.restart_backoff * 2 ** h.gen)
+        await asyncio.sleep(delay)
+        if self._closed:
+            return
+        if isinstance(h.proc, subprocess.Popen) and h.proc.poll() is None:
+            h.proc.kill()
+        h.gen += 1
+        self.restarts += 1
+        self.log(f"laneserve: restarting instance {h.instance_id} ({h.role}), restart {h.gen} of at most "
+                 f"{self.spec.max_restarts} (after {delay:.1f} s)")
+        self._spawn(h)
+        try:
+            await self._wait_ready([h])
+        except (RuntimeError, TimeoutError) as exc:
+            h.restarting = False
+            h.exit_reason = f"restart failed: {exc}"
+            if h.alive:
+                if isinstance(h.proc, subprocess.Popen) and h.proc.poll() is None:
+                    h.proc.kill()
+                self._instance_down(h)
+            return
+        h.restarting = False
+        self.log(f"laneserve: instance {h.instance_id} ({h.role}) is back (restart {h.gen})")
+
+    def health(self) -> dict[str, Any]:
+        """``ok`` when every instance accepts, ``degraded`` when some are down or restarting but each
+        role still has one, ``unavailable`` when a role has none (or the server is shutting down)."""
+        insts = [{"id": h.instance_id, "role": h.role, "status": h.status, "restarts": h.gen,
+                  **({"reason": h.exit_reason} if h.status != "ready" and h.exit_reason else {})}
+                 for h in self.instances]
+        try:
+            self.admission(0)
+            status = "ok" if all(h.accepting for h in self.instances) else "degraded"
+        except Overloaded:
+            status = "ok" if all(h.accepting for h in self.instances) else "degraded"
+        except Unavailable as exc:
+            return {"status": "unavailable", "message": str(exc), "instances": insts}
+        return {"status": status, "instances": insts}
 
     # ---- introspection -------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -428,9 +538,10 @@ class ProcessCluster:
                 "decode_router": s.decode_router, "num_prefill": s.num_prefill,
                 "host_kv_tokens": int(s.engine.get("num_host_blocks", 0)) * int(s.engine.get("block_size", 16)),
                 "num_decode": 0 if s.colocated else s.num_decode, "kv_tokens": s.kv_tokens,
-                "in_flight": len(self.tracks), "max_inflight": s.max_inflight,
+                "in_flight": len(self.tracks), "max_inflight": s.max_inflight, "restarts": self.restarts,
                 "instances": [{"id": h.instance_id, "role": h.role, "policy": h.policy, "device": h.device,
-                               "alive": h.alive, "ready": h.ready, "pid": h.info.get("pid"),
+                               "alive": h.alive, "ready": h.ready, "status": h.status, "restarts": h.gen,
+                               "pid": h.info.get("pid"),
                                "exit_reason": h.exit_reason,
                                "kv_free_blocks": h.stats.get("kv_free"), "kv_total_blocks": h.stats.get("kv_total"),
                                "host_kv_free_blocks": h.stats.get("host_free"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import os
 import sys
+import threading
 import time
 
 import zmq
@@ -44,6 +45,7 @@ class StubWorker:
 
     def _send(self, msg: dict) -> None:
         msg["inst"] = self.spec.instance_id
+        msg["gen"] = self.spec.gen
         self.out.send(pack(msg))
 
     def _token(self, r: dict) -> int:
@@ -107,6 +109,8 @@ class StubWorker:
                                            "block_size": BLOCK, "vocab_size": 1 << 20, "pid": os.getpid(),
                                            "policy": "stub", "role": self.spec.role, "device": "none",
                                            "stub": True}})
+        beat_stop = threading.Event()
+        self.spec.start_heartbeat(self.ctx, beat_stop)
         poller = zmq.Poller()
         poller.register(inbox, zmq.POLLIN)
         last_stats = 0.0
@@ -136,6 +140,7 @@ class StubWorker:
                     self._stats()
                     last_stats = time.monotonic()
         finally:
+            beat_stop.set()
             self.out.close()
             inbox.close()
 

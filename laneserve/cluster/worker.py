@@ -15,11 +15,20 @@ logprobs when asked for), hands finished prefills off (``export_kv`` -> KV trans
 blocks for an incoming transfer when its policy can (``can_reserve``/``reserve``), imports the KV
 and adds the request, as :class:`~laneserve.cluster.local.LocalCluster` does in one process.
 
+Failures stay with the request that caused them (issue 11): a request whose fields do not decode,
+a transfer that fails, or a step that raises fails the requests involved (an ``err`` message; their
+KV is freed) and the instance goes on. Only ``MAX_STEP_FAILURES`` failed steps in a row end the
+process (its supervisor in the router restarts it). A heartbeat thread with its own socket says
+"alive" every ``HEARTBEAT_INTERVAL`` seconds whatever the main loop is doing (a long step included),
+so the router can tell a slow step from a hung or stopped process. Every message carries the
+instance's incarnation ``gen``, so messages of a replaced process are ignored.
+
 Run as ``python -m laneserve.cluster.worker SPEC_JSON``; :func:`run_worker` runs it in a thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -35,7 +44,8 @@ import zmq
 from laneserve.cluster.messages import EpochClock, pack, request_from_fields, unpack
 
 STATS_INTERVAL = 0.05          # at most this often while busy
-HEARTBEAT_INTERVAL = 0.5       # at least this often while idle
+HEARTBEAT_INTERVAL = 0.5       # stats at least this often while idle; heartbeats this often always
+MAX_STEP_FAILURES = 3          # failed steps in a row before the process gives up (and is restarted)
 
 
 @dataclass(slots=True)
@@ -53,6 +63,7 @@ class WorkerSpec:
     engine: dict[str, Any] = field(default_factory=dict)   # EngineConfig fields
     policy_opts: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
+    gen: int = 0                             # incarnation: the router ignores messages of older ones
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -70,6 +81,28 @@ class WorkerSpec:
         inbox.setsockopt(zmq.LINGER, 0)
         inbox.connect(self.inbox)
         return out, inbox
+
+    def start_heartbeat(self, ctx: zmq.Context, stop: threading.Event) -> threading.Thread:
+        """A daemon thread that sends ``{"k": "hb"}`` every ``HEARTBEAT_INTERVAL`` s on its own socket
+        (zmq sockets are not thread-safe) until ``stop`` is set."""
+        def beat() -> None:
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 4)
+            sock.connect(self.outbox)
+            msg = pack({"k": "hb", "inst": self.instance_id, "gen": self.gen})
+            try:
+                while not stop.is_set():
+                    with contextlib.suppress(zmq.Again):
+                        sock.send(msg, zmq.NOBLOCK)
+                    stop.wait(HEARTBEAT_INTERVAL)
+            except zmq.ZMQError:
+                pass
+            finally:
+                sock.close()
+        t = threading.Thread(target=beat, daemon=True, name=f"heartbeat-{self.instance_id}")
+        t.start()
+        return t
 
 
 class _RecordingExecutor:
@@ -167,7 +200,9 @@ class InstanceWorker:
             except queue.Empty:
                 return
             if msg["k"] == "add":
-                req = request_from_fields(msg)
+                req = self._decode_request(msg)
+                if req is None:
+                    continue
                 self.live[req.request_id] = req
                 self.sent[req.request_id] = 0
                 self.added += 1
@@ -186,7 +221,10 @@ class InstanceWorker:
                     self._abort(rid, now)
                 self._dirty = True
             elif kind == "transfer":
-                req = request_from_fields(msg)
+                req = self._decode_request(msg)
+                if req is None:
+                    self.transport.discard(msg.get("kv"))
+                    continue
                 self.live[req.request_id] = req
                 self.sent[req.request_id] = len(req.output_token_ids or ())
                 self.added += 1
@@ -194,6 +232,33 @@ class InstanceWorker:
                 self._dirty = True
             elif kind == "stop":
                 self.stopping = True
+
+    def _decode_request(self, msg: dict):
+        """The request of an ``add``/``transfer`` message, or None after failing it (bad fields)."""
+        try:
+            return request_from_fields(msg)
+        except Exception as exc:  # noqa: BLE001 - the wire is not trusted: fail this request only
+            self._send({"k": "err", "rids": [msg.get("rid")], "msg": f"invalid request: {exc}"})
+            return None
+
+    def _fail_step(self, exc: BaseException) -> None:
+        """A step raised: fail the requests of the plan it ran (their KV is freed), keep serving."""
+        plan = self.instance.current_plan
+        rids = [] if plan is None else [c.request.request_id for c in plan.prefills] + [
+            r.request_id for r in plan.decodes]
+        now = self.clock.now()
+        for rid in rids:
+            with contextlib.suppress(Exception):
+                self.instance.scheduler.abort(rid, now)
+            self.live.pop(rid, None)
+            self.sent.pop(rid, None)
+        with contextlib.suppress(Exception):
+            self.instance.executor.discard(plan)
+        self.instance.current_plan = None
+        print(f"laneserve: instance {self.spec.instance_id}: step failed ({type(exc).__name__}: {exc}); "
+              f"failing request(s) {rids}", file=sys.stderr, flush=True)
+        if rids:
+            self._send({"k": "err", "rids": rids, "msg": f"the engine step failed: {type(exc).__name__}: {exc}"})
 
     def _abort(self, rid: int, now: float) -> None:
         self.live.pop(rid, None)
@@ -221,6 +286,7 @@ class InstanceWorker:
     # ---- outputs -----------------------------------------------------------------------------
     def _send(self, msg: dict) -> None:
         msg["inst"] = self.spec.instance_id
+        msg["gen"] = self.spec.gen
         self.out.send(pack(msg))
 
     def _emit(self, outcome) -> None:
@@ -299,12 +365,15 @@ class InstanceWorker:
         except Exception as exc:  # noqa: BLE001 - report, then die
             self._send({"k": "fatal", "msg": f"{type(exc).__name__}: {exc}"})
             raise
+        self._beat_stop = threading.Event()
+        self.spec.start_heartbeat(self.ctx, self._beat_stop)
         receiver = threading.Thread(target=self._receiver, args=(inbox,), daemon=True,
                                     name=f"recv-{self.spec.instance_id}")
         receiver.start()
         self._send({"k": "ready", "info": self.info})
         inst = self.instance
         parent = os.getppid()
+        failures = 0
         try:
             while not self.stopping:
                 self._drain()
@@ -312,7 +381,16 @@ class InstanceWorker:
                 if self.stopping:
                     break
                 self._take_transfers()
-                outcome = inst.step()
+                try:
+                    outcome = inst.step()
+                    failures = 0
+                except Exception as exc:  # noqa: BLE001 - fail the step's requests, not the instance
+                    failures += 1
+                    self._fail_step(exc)
+                    self._dirty = True
+                    if failures >= MAX_STEP_FAILURES:
+                        raise
+                    continue
                 if outcome is None:
                     if os.getppid() != parent:      # the router died: nobody is listening
                         break
@@ -329,6 +407,7 @@ class InstanceWorker:
                 self._emit(outcome)
                 self._stats()
         finally:
+            self._beat_stop.set()
             self.out.close()
             inbox.close()
 

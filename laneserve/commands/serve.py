@@ -6,8 +6,11 @@
 
 This process runs the HTTP API and the router; each instance runs in its own process (bound to a
 device from ``--devices``) and talks to the router over ZeroMQ; KV moves prefill -> decode
-through shared host memory (``--kv-transport shm``). ``--colocated`` runs colocated instances as
-threads of this one process. Without ``--model`` the embedded smoke model is used (random
+through shared host memory (``--kv-transport shm``). ``--colocated`` runs colocated instances
+(prefill and decode on one engine); ``--in-process`` runs them as threads of this one process
+(no restart after a hard crash, no hang detection). Instances that crash or stop sending
+heartbeats are restarted (``--max-restarts``, ``--heartbeat-timeout``); SIGTERM or Ctrl-C stops
+admitting and lets running requests finish for up to ``--shutdown-timeout`` seconds. Without ``--model`` the embedded smoke model is used (random
 weights: its text is noise). ``--stub`` replaces the engine by an instance that echoes at once —
 a measurement harness for the API/router overhead, not a model.
 """
@@ -15,13 +18,18 @@ a measurement harness for the API/router overhead, not a model.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, every flag with its default."""
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible server", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=_HelpFormatter)
     p.add_argument("--model", type=Path, help="checkpoint folder (default: the embedded smoke model)")
     p.add_argument("--served-model-name", help="model id clients send (default: the folder name)")
     p.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the model folder)")
@@ -31,7 +39,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--prefill", type=int, default=1, help="prefill instances (colocated instances with --colocated)")
     c.add_argument("--decode", type=int, default=1, help="decode instances")
     c.add_argument("--colocated", action="store_true",
-                   help="colocated instances (prefill and decode on one engine) in this single process")
+                   help="colocated instances (prefill and decode on one engine)")
+    c.add_argument("--in-process", action="store_true",
+                   help="with --colocated: instances as threads of the API process (one process; a hard "
+                        "crash takes the server down and a hung instance is not detected)")
     c.add_argument("--prefill-policy", default="fcfs", help="prefill policy spec (laneserve sim --list)")
     c.add_argument("--decode-policy", default="continuous", help="decode policy spec")
     c.add_argument("--router-policy", "--router", dest="router", default="round-robin", help="prefill router")
@@ -60,6 +71,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a named SLO class with its defaults (repeatable)")
     a.add_argument("--default-max-tokens", type=int, default=256,
                    help="chat completions: max_tokens when the request sets none (capped by the context)")
+    r = p.add_argument_group("robustness and security")
+    r.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /debug/* (default: the "
+                        "LANESERVE_API_KEY environment variable; none = open)")
+    r.add_argument("--api-key-all-paths", action="store_true",
+                   help="with an API key: require it on /health and /metrics too")
+    r.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                   help="larger request bodies get 413 before they are parsed")
+    r.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                   help="seconds without a heartbeat before an instance is declared hung, killed and "
+                        "restarted (0 = never)")
+    r.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of a crashed or hung instance (with backoff) before it stays down")
+    r.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds running requests get to finish")
     h = p.add_argument_group("measurement harness")
     h.add_argument("--stub", action="store_true", help="STUB instances that echo immediately (no model)")
     h.add_argument("--stub-token-delay", type=float, default=0.0, help="seconds per token of a stub instance")
@@ -118,6 +144,10 @@ def build_server(args: argparse.Namespace, log=None):
             "(random weights: its text is noise)")
     if model is not None and not Path(model).exists():
         raise ValueError(f"model folder not found: {model}")
+    if args.in_process and not args.colocated:
+        raise ValueError("--in-process needs --colocated")
+    if args.max_request_bytes < 1024:
+        raise ValueError("--max-request-bytes must be at least 1024")
     if args.prefill < 1 or (not args.colocated and args.decode < 1):
         raise ValueError("need at least one prefill and one decode instance (or --colocated)")
     from laneserve.policies import registry
@@ -129,17 +159,22 @@ def build_server(args: argparse.Namespace, log=None):
               "max_num_batched_tokens": args.max_num_batched_tokens, "num_host_blocks": args.host_kv_blocks,
               "seed": args.seed, "cuda_graphs": args.cuda_graphs}
     spec = ClusterSpec(model=str(model) if model is not None else "", num_prefill=args.prefill,
-                       num_decode=args.decode, colocated=args.colocated, in_process=args.colocated,
+                       num_decode=args.decode, colocated=args.colocated,
+                       in_process=args.colocated and args.in_process,
                        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, router=args.router,
                        decode_router=args.decode_router, kv_tokens=args.kv_tokens, engine=engine,
                        devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
                        transport=args.kv_transport, worker="stub" if args.stub else "engine",
                        stub_token_delay=args.stub_token_delay, max_inflight=args.max_inflight,
-                       max_queued_tokens=args.max_queued_tokens)
+                       max_queued_tokens=args.max_queued_tokens, heartbeat_timeout=args.heartbeat_timeout,
+                       max_restarts=args.max_restarts)
     cluster = ProcessCluster(spec, log=log)
     if args.stub:
         log("laneserve: --stub: instances are a MEASUREMENT HARNESS that echo the prompt at once (no model)")
-    state = ServerState(cluster, name, str(model or ""), None, make_defaults(args), ServerMetrics(name))
+    api_key = args.api_key if args.api_key is not None else os.environ.get("LANESERVE_API_KEY") or None
+    state = ServerState(cluster, name, str(model or ""), None, make_defaults(args), ServerMetrics(name),
+                        api_key=api_key, protect_all=args.api_key_all_paths,
+                        max_request_bytes=args.max_request_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -159,7 +194,9 @@ def build_server(args: argparse.Namespace, log=None):
         try:
             yield
         finally:
+            log("laneserve: shutting down")
             await cluster.close()
+            state.parse_pool.shutdown(wait=False, cancel_futures=True)
 
     return build_app(state, lifespan=lifespan), cluster
 
@@ -172,5 +209,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     loop = "auto"
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", loop=loop, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", loop=loop,
+                timeout_graceful_shutdown=args.shutdown_timeout)
     return 0

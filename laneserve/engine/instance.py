@@ -39,6 +39,7 @@ class EngineInstance(SchedulerLoad):
         self._inbox: list[tuple[float, int, Request]] = []
         self._seq = count()
         self._lock = threading.Lock()
+        self.current_plan: StepPlan | None = None    # the plan being executed (for failure handling)
         self.steps = 0
         self.busy_time = 0.0
         self.preemptions = 0
@@ -109,7 +110,9 @@ class EngineInstance(SchedulerLoad):
         if plan is None:
             return None
         should_stop = self._preempt_check(plan) if plan.preemptible else None
+        self.current_plan = plan
         result = self.executor.execute(plan, should_stop)
+        self.current_plan = None
         self.steps += 1
         self.busy_time += result.duration
         if not result.completed:

@@ -2,20 +2,29 @@
 ``/v1/models``, ``/health``, ``/metrics`` (Prometheus) and ``/debug/state`` (per-instance KV blocks,
 queues and liveness, for tests and operators).
 
-Requests are validated by :mod:`laneserve.server.protocol` (400 with a clear message), admitted by
-the router (:class:`~laneserve.cluster.process.ProcessCluster`: 429 + ``Retry-After`` when
+Requests pass :class:`EdgeGuard` first (API key, 401; body size, 413 before anything is parsed),
+are parsed and validated by :mod:`laneserve.server.protocol` (400 with a clear message) in a
+thread pool — tokenization and chat templates never run on the event loop —, admitted by the
+router (:class:`~laneserve.cluster.process.ProcessCluster`: 429 + ``Retry-After`` when
 overloaded, 503 when no instance can serve) and answered from the per-request event queue, either
 as one JSON body or as server-sent events ending in ``data: [DONE]`` (with a usage chunk when
-``stream_options.include_usage`` is set). A client that disconnects — streaming or not — cancels
-its request on the instance that holds it, which frees its KV.
+``stream_options.include_usage`` is set).
+
+The admission slot (the request's entry in the router) has one owner: the handler that took it
+releases it in a ``finally`` — for a stream, :class:`_OwnedStream` does, whether the stream
+finished, failed, was never started or the client went away — so no path leaks a slot. A client
+that disconnects cancels its request on the instance that holds it, which frees its KV.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,7 +33,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from laneserve.cluster.process import Overloaded, ProcessCluster, Track, Unavailable
 from laneserve.server.detok import IncrementalDetokenizer, token_text
 from laneserve.server.metrics import ServerMetrics
-from laneserve.server.protocol import BadRequest, GenerateInput, ServerDefaults, parse_chat, parse_completion
+from laneserve.server.protocol import (BadRequest, GenerateInput, ServerDefaults, parse_body, parse_chat,
+                                      parse_completion)
 
 
 @dataclass(slots=True)
@@ -35,12 +45,100 @@ class ServerState:
     tokenizer: Any
     defaults: ServerDefaults
     metrics: ServerMetrics
+    api_key: str | None = None
+    protect_all: bool = False             # also /health and /metrics need the key
+    max_request_bytes: int = 8 << 20
+    # tokenization and chat templates run here, not on the event loop (tokenizers release the GIL)
+    parse_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="laneserve-parse"))
+
+
+def parse_request(kind: str, raw: bytes, **kw) -> GenerateInput:
+    """Body bytes -> :class:`GenerateInput` (JSON decoding, validation, chat template, tokenization):
+    the CPU-heavy part of a request, run in the parse pool."""
+    body = parse_body(raw)
+    return (parse_completion if kind == "completion" else parse_chat)(body, **kw)
 
 
 def error_response(status: int, message: str, err_type: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": err_type, "param": param, "code": status}},
                         status_code=status, headers=headers)
+
+
+class EdgeGuard:
+    """ASGI middleware at the edge: the API key (vLLM's ``--api-key``: ``Authorization: Bearer KEY``
+    on ``/v1/*`` and ``/debug/*``, every path with ``protect_all``) and the body-size limit (413 from
+    ``Content-Length`` before a byte of the body is read; bodies without it are counted as they
+    arrive and cut at the limit)."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        st, path = self.state, scope["path"]
+        headers = dict(scope["headers"])
+        if st.api_key and (st.protect_all or path.startswith(("/v1/", "/debug/"))):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), st.api_key.encode()):
+                resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                      "AuthenticationError", headers={"WWW-Authenticate": "Bearer"})
+                return await resp(scope, receive, send)
+        limit = st.max_request_bytes
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > limit
+            except ValueError:
+                return await error_response(400, "invalid Content-Length header", "BadRequestError")(
+                    scope, receive, send)
+            if too_big:
+                return await self._too_big(scope, receive, send)
+        return await self.app(scope, _capped(receive, limit), send)
+
+    async def _too_big(self, scope, receive, send) -> None:
+        self.state.metrics.rejected.inc(model_name=self.state.metrics.model, reason="too_large")
+        await error_response(413, f"request body larger than {self.state.max_request_bytes} bytes "
+                                  "(--max-request-bytes)", "RequestTooLargeError")(scope, receive, send)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def _capped(receive, limit: int):
+    """``receive`` that raises :class:`BodyTooLarge` once more than ``limit`` body bytes arrived."""
+    seen = 0
+
+    async def wrapped():
+        nonlocal seen
+        msg = await receive()
+        if msg["type"] == "http.request":
+            seen += len(msg.get("body", b""))
+            if seen > limit:
+                raise BodyTooLarge
+        return msg
+    return wrapped
+
+
+class _OwnedStream(StreamingResponse):
+    """A streaming response that releases its request's admission slot however it ends."""
+
+    def __init__(self, content, release, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+_ERROR_TYPES = {400: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 def _sse(obj: Any) -> str:
@@ -55,6 +153,7 @@ class _Run:
         self.detok = IncrementalDetokenizer(state.tokenizer, gi.sampling.stop, gi.skip_special_tokens)
         self.finish: str | None = None
         self.error: str | None = None
+        self.error_status = 500
         self.n_tokens = 0
         self.t_first: float | None = None
         self.t_last: float | None = None
@@ -64,7 +163,7 @@ class _Run:
         """The next tokens (and their logprobs); sets ``finish``/``error`` when the request ends."""
         ev = await self.track.events.get()
         if ev[0] == "err":
-            self.error = ev[1]
+            self.error, self.error_status = ev[1], ev[2]
             return [], None
         _, toks, finish, lp, info = ev
         now = self.state.cluster.clock.now()
@@ -135,27 +234,25 @@ class _Run:
                 "top_logprobs": [{token_text(tok, i): v for i, v in x[1]} for x in lp], "text_offset": offsets}
 
 
-def build_app(state: ServerState, lifespan=None) -> FastAPI:
+def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
     app = FastAPI(title="laneserve", lifespan=lifespan)
     app.state.ls = state
-
-    async def _body(request: Request) -> Any:
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"malformed JSON in the request body: {exc}") from None
 
     async def _generate(request: Request, kind: str) -> Response:
         st = state
         try:
-            body = await _body(request)
+            try:
+                raw = await request.body()
+            except BodyTooLarge:
+                st.metrics.rejected.inc(model_name=st.metrics.model, reason="too_large")
+                return error_response(413, f"request body larger than {st.max_request_bytes} bytes "
+                                           "(--max-request-bytes)", "RequestTooLargeError")
             limits = st.cluster.limits
             headers = {k.lower(): v for k, v in request.headers.items() if k.lower().startswith("x-slo-")}
-            parse = parse_completion if kind == "completion" else parse_chat
-            gi = parse(body, tokenizer=st.tokenizer, max_model_len=limits["max_model_len"],
-                       vocab_size=limits["vocab_size"], kv_tokens=limits["kv_tokens"], headers=headers,
-                       defaults=st.defaults)
+            parse = partial(parse_request, kind, raw, tokenizer=st.tokenizer,
+                            max_model_len=limits["max_model_len"], vocab_size=limits["vocab_size"],
+                            kv_tokens=limits["kv_tokens"], headers=headers, defaults=st.defaults)
+            gi = await asyncio.get_running_loop().run_in_executor(st.parse_pool, parse)
         except BadRequest as exc:
             st.metrics.rejected.inc(model_name=st.metrics.model, reason="bad_request")
             return error_response(400, str(exc), "BadRequestError", exc.param)
@@ -171,12 +268,20 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         except Unavailable as exc:
             st.metrics.rejected.inc(model_name=st.metrics.model, reason="unavailable")
             return error_response(503, str(exc), "ServiceUnavailableError")
-        st.metrics.prompt_tokens.inc(len(gi.prompt_ids), model_name=st.metrics.model)
-        run = _Run(st, gi, track)
-        if gi.stream:
-            return StreamingResponse(_stream(run), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await _complete(request, run)
+        release = partial(st.cluster.abort, track.rid)     # the slot's one owner: a no-op once finished
+        handed_over = False
+        try:
+            st.metrics.prompt_tokens.inc(len(gi.prompt_ids), model_name=st.metrics.model)
+            run = _Run(st, gi, track)
+            if gi.stream:
+                resp = _OwnedStream(_stream(run), release, media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache"})
+                handed_over = True
+                return resp
+            return await _complete(request, run)
+        finally:
+            if not handed_over:
+                release()
 
     async def _complete(request: Request, run: _Run) -> Response:
         async def collect() -> tuple[list[int], list]:
@@ -205,7 +310,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             return Response(status_code=499)
         toks, lps = work.result()
         if run.error is not None:
-            return error_response(500, run.error, "InternalServerError")
+            return error_response(run.error_status, run.error, _ERROR_TYPES.get(run.error_status, "InternalServerError"))
         text = run.detok.delta(final=True)
         gi = run.gi
         rid = run.track.rid
@@ -242,7 +347,8 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             while run.finish is None:
                 toks, lp = await run.next_event()
                 if run.error is not None:
-                    yield _sse({"error": {"message": run.error, "type": "InternalServerError", "code": 500}})
+                    yield _sse({"error": {"message": run.error, "code": run.error_status,
+                                          "type": _ERROR_TYPES.get(run.error_status, "InternalServerError")}})
                     break
                 text = run.detok.delta(final=run.finish is not None)
                 lpb = run.logprobs_block(toks, lp, offset)
@@ -283,14 +389,10 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        c = state.cluster
-        try:
-            c.admission(0)
-        except Unavailable as exc:
-            return error_response(503, str(exc), "ServiceUnavailableError")
-        except Overloaded:
-            pass
-        return JSONResponse({"status": "ok"})
+        """200 ``ok`` or ``degraded`` (some instances down or restarting, every role still served);
+        503 ``unavailable`` when a role has no instance left or the server is shutting down."""
+        h = state.cluster.health()
+        return JSONResponse(h, status_code=503 if h["status"] == "unavailable" else 200)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -309,4 +411,4 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     async def debug_state() -> JSONResponse:
         return JSONResponse({"model": state.model_name, **state.cluster.state()})
 
-    return app
+    return EdgeGuard(app, state)
