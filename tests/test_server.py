@@ -4,7 +4,7 @@ server, every kind of bad input, client disconnects (KV back to free on both ins
 admission control, and crashed instances (real engine and stub instances).
 
 Three servers start once for the module, in parallel: 1P+1D (engine processes), colocated (one
-process) and a 1P+2D deployment of STUB instances (no torch; tokens paced at 20 ms) for the crash
+instance process) and a 1P+2D deployment of STUB instances (no torch; tokens paced at 20 ms) for the crash
 tests. Every wait is bounded."""
 
 from __future__ import annotations
@@ -12,64 +12,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+from server_support import TIMEOUT, Server
+from server_support import wait_all_free as _wait_all_free
 
 openai = pytest.importorskip("openai")
 
 MAX_INFLIGHT = 6
-TIMEOUT = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, *args: str) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "laneserve.cli", "serve", "--port", str(self.port), *args],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-    def wait_ready(self, timeout: float = 150.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("server did not become healthy")
-
-    def state(self) -> dict:
-        return httpx.get(self.url + "/debug/state", timeout=5).json()
-
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
-
-    def interrupt(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.interrupt()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
 
 
 @pytest.fixture(scope="module")
@@ -87,20 +39,6 @@ def servers():
             s.interrupt()
         for s in (pd, colo, stub):
             s.stop()
-
-
-def _wait_all_free(server: Server, timeout: float = 15.0) -> dict:
-    """Poll until every live instance holds no request and all its KV blocks are free."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = server.state()
-        insts = [i for i in st["instances"] if i["alive"]]
-        if st["in_flight"] == 0 and all(i["kv_free_blocks"] == i["kv_total_blocks"] and i["live_requests"] == 0
-                                        for i in insts):
-            return st
-        if time.monotonic() > deadline:
-            raise AssertionError(f"KV not freed: {st}")
-        time.sleep(0.05)
 
 
 MODEL = "smoke-llama"

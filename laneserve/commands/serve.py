@@ -208,7 +208,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    loop = "auto"
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", loop=loop,
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handlers it found: make
+    # those no-ops so a graceful shutdown ends with exit code 0 rather than a signal or a traceback
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", loop="auto",
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
