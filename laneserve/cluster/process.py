@@ -539,6 +539,7 @@ class ProcessCluster:
                 "host_kv_tokens": int(s.engine.get("num_host_blocks", 0)) * int(s.engine.get("block_size", 16)),
                 "num_decode": 0 if s.colocated else s.num_decode, "kv_tokens": s.kv_tokens,
                 "in_flight": len(self.tracks), "max_inflight": s.max_inflight, "restarts": self.restarts,
+                "kv_files": sum(1 for _ in self.kv_dir.iterdir()) if self.kv_dir.is_dir() else 0,
                 "instances": [{"id": h.instance_id, "role": h.role, "policy": h.policy, "device": h.device,
                                "alive": h.alive, "ready": h.ready, "status": h.status, "restarts": h.gen,
                                "pid": h.info.get("pid"),
