@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 
 from laneserve.core.request import Request
-from laneserve.core.sampling import SamplingParams
+from laneserve.core.sampling import INT64_MAX, INT64_MIN, SamplingParams, is_int, is_real
 from laneserve.core.slo import SLO
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
@@ -65,11 +65,17 @@ def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:
     return d
 
 
-def sampling_from_dict(d: dict[str, Any]) -> SamplingParams:
-    d = dict(d)
-    d["stop_token_ids"] = tuple(d.get("stop_token_ids") or ())
-    d["stop"] = tuple(d.get("stop") or ())
-    return SamplingParams(**{k: v for k, v in d.items() if k in _SAMPLING_FIELDS})
+def sampling_from_dict(d: Any) -> SamplingParams:
+    """The :class:`SamplingParams` of a message's ``sp`` map; ``ValueError`` on any bad field."""
+    if not isinstance(d, dict):
+        raise ValueError(f"sampling parameters must be a map, got {type(d).__name__}")
+    fields = {k: v for k, v in d.items() if k in _SAMPLING_FIELDS}
+    for name in ("stop_token_ids", "stop"):
+        v = fields.get(name)
+        if v is not None and not isinstance(v, (list, tuple)):
+            raise ValueError(f"sampling '{name}' must be a list, got {type(v).__name__}")
+        fields[name] = tuple(v or ())
+    return SamplingParams(**fields)     # SamplingParams checks types, ranges and finiteness
 
 
 def request_fields(rid: int, prompt_ids: list[int], sampling: SamplingParams, arrival: float,
@@ -78,22 +84,64 @@ def request_fields(rid: int, prompt_ids: list[int], sampling: SamplingParams, ar
             "slo": [slo.ttft, slo.tpot], "cls": slo_class, "prio": priority}
 
 
-def request_from_fields(m: dict[str, Any]) -> Request:
-    """The engine-side :class:`Request` of an ``add`` or ``transfer`` message."""
+def _token_ids(v: Any, name: str, vocab_size: int | None) -> list[int]:
+    if not isinstance(v, (list, tuple)) or not all(is_int(t) and t >= 0 for t in v):
+        raise ValueError(f"'{name}' must be a list of token ids")
+    if vocab_size is not None and any(t >= vocab_size for t in v):
+        raise ValueError(f"'{name}' holds a token id outside the vocabulary [0, {vocab_size})")
+    return list(v)
+
+
+def _number(v: Any, name: str) -> float:
+    if not is_real(v):
+        raise ValueError(f"'{name}' must be a finite number, got {v!r}")
+    return float(v)
+
+
+def request_from_fields(m: dict[str, Any], vocab_size: int | None = None) -> Request:
+    """The engine-side :class:`Request` of an ``add`` or ``transfer`` message. Raises ``ValueError``
+    (and nothing else) on a malformed message, naming the field, so an instance can fail that one
+    request (``m.get("rid")``) instead of the process. ``vocab_size``, when given, bounds the token
+    ids (an out-of-range id would index past the embedding table)."""
+    try:
+        return _request_from_fields(m, vocab_size)
+    except ValueError:
+        raise
+    except (TypeError, KeyError, AttributeError, OverflowError) as exc:
+        raise ValueError(f"malformed request message: {type(exc).__name__}: {exc}") from None
+
+
+def _request_from_fields(m: dict[str, Any], vocab_size: int | None) -> Request:
+    rid = m["rid"]
+    if not is_int(rid):
+        raise ValueError(f"'rid' must be an integer, got {rid!r}")
     sampling = sampling_from_dict(m["sp"])
-    prompt = list(m["prompt"])
-    ttft, tpot = m["slo"]
-    req = Request(request_id=int(m["rid"]), arrival_time=float(m["arrival"]), prompt_len=len(prompt),
-                  max_output_tokens=sampling.max_tokens, slo=SLO(ttft, tpot), slo_class=m.get("cls", "default"),
-                  priority=int(m.get("prio", 0)), prompt_token_ids=prompt, sampling=sampling)
+    prompt = _token_ids(m["prompt"], "prompt", vocab_size)
+    slo = m["slo"]
+    if not isinstance(slo, (list, tuple)) or len(slo) != 2:
+        raise ValueError(f"'slo' must be [ttft, tpot], got {slo!r}")
+    ttft, tpot = (None if v is None else _number(v, "slo") for v in slo)
+    cls, prio = m.get("cls", "default"), m.get("prio", 0)
+    if not isinstance(cls, str):
+        raise ValueError(f"'cls' must be a string, got {type(cls).__name__}")
+    if not (is_int(prio) and INT64_MIN <= prio <= INT64_MAX):
+        raise ValueError(f"'prio' must be an int64, got {prio!r}")
+    req = Request(request_id=rid, arrival_time=_number(m["arrival"], "arrival"), prompt_len=len(prompt),
+                  max_output_tokens=sampling.max_tokens, slo=SLO(ttft, tpot), slo_class=cls,
+                  priority=prio, prompt_token_ids=prompt, sampling=sampling)
     out = m.get("out")
     if out:                                   # a transfer: prefill done on another instance
-        req.output_token_ids = list(out)
+        req.output_token_ids = _token_ids(out, "out", vocab_size)
         req.num_output_tokens = len(out)
-        req.num_computed_tokens = int(m["computed"])
+        computed = m["computed"]
+        if not is_int(computed) or not 0 <= computed <= len(prompt) + len(out):
+            raise ValueError(f"'computed' must be an integer in [0, {len(prompt) + len(out)}], got {computed!r}")
+        req.num_computed_tokens = computed
         t = req.times
         info = m.get("info") or {}
-        t.prefill_start = info.get("prefill_start")
-        t.prefill_end = info.get("prefill_end")
-        t.first_token = t.last_token = float(m["t_first"])
+        if not isinstance(info, dict):
+            raise ValueError("'info' must be a map")
+        t.prefill_start, t.prefill_end = (None if (v := info.get(k)) is None else _number(v, f"info.{k}")
+                                          for k in ("prefill_start", "prefill_end"))
+        t.first_token = t.last_token = _number(m["t_first"], "t_first")
     return req

@@ -8,6 +8,14 @@ engine's generator (``EngineConfig.seed``): deterministic for a fixed schedule.
 
 Logprobs are those of the model's distribution (log-softmax of the raw logits, before temperature
 and truncation), like vLLM's default.
+
+The sampler cannot be crashed by a request: any :class:`SamplingParams` that constructs is sampled
+(temperatures are applied to max-shifted logits, so a tiny temperature cannot overflow; seeds are
+mixed into a 63-bit generator seed; ``logprobs`` is capped at the vocabulary). A logits row that
+cannot be sampled — it holds NaN or +inf, or no finite value — fails only its own request:
+:meth:`Sampler.sample` finishes every other row and then raises :class:`UnsampleableRows`, which
+carries the full result (a placeholder token for the failed rows) and ``rows`` (row -> reason), so
+the caller can keep the good rows' tokens and fail the named rows' requests.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from laneserve.core.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 _SEED_STRIDE = 1_000_003
+_SEED_MOD = 1 << 63               # generator seeds are taken modulo 2**63: any int64 seed fits
+PLACEHOLDER_TOKEN = 0             # the token UnsampleableRows reports for a failed row
 
 
 @dataclass(slots=True)
@@ -32,6 +42,18 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
+class UnsampleableRows(RuntimeError):
+    """Some logits rows could not be sampled. ``rows`` maps a row of the batch to the reason;
+    ``tokens``/``logprobs`` are the complete result of the call, valid for every other row (a
+    failed row holds ``PLACEHOLDER_TOKEN`` and no logprobs)."""
+
+    def __init__(self, rows: dict[int, str], tokens: list[int], logprobs: list[TokenLogprobs | None]) -> None:
+        super().__init__("unsampleable logits rows: " + "; ".join(f"row {r}: {why}" for r, why in rows.items()))
+        self.rows = rows
+        self.tokens = tokens
+        self.logprobs = logprobs
+
+
 class Sampler:
     __slots__ = ("_generator",)
 
@@ -41,33 +63,56 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_index: list[int]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """``logits`` ``[S, vocab]`` (fp32); ``output_index[i]`` = how many output tokens row i's
-        request already has (seeds the per-request draw). Returns token ids and logprobs."""
+        request already has (seeds the per-request draw). Returns token ids and logprobs, or raises
+        :class:`UnsampleableRows` (after sampling every other row) if some rows cannot be sampled."""
         logits = logits.float()
+        bad = _unsampleable_rows(logits)
         tokens = logits.argmax(dim=-1).tolist()
         cpu_logits = None
         for row, p in enumerate(params):
+            if row in bad:
+                tokens[row] = PLACEHOLDER_TOKEN
+                continue
             if p.greedy:
                 continue
             if cpu_logits is None:
                 cpu_logits = logits.cpu()
             gen = self._generator
             if p.seed is not None:
-                gen = torch.Generator().manual_seed(p.seed * _SEED_STRIDE + output_index[row])
+                gen = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + output_index[row]) % _SEED_MOD)
             tokens[row] = _sample_row(cpu_logits[row], p, gen)
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
-        wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
+        wanted = [row for row, p in enumerate(params) if p.logprobs is not None and row not in bad]
         if wanted:
             lp = torch.log_softmax(logits[wanted], dim=-1).cpu()
             for i, row in enumerate(wanted):
-                n = params[row].logprobs or 0
+                n = min(params[row].logprobs or 0, lp.shape[-1])
                 top_v, top_i = lp[i].topk(n) if n else (lp.new_empty(0), lp.new_empty(0, dtype=torch.long))
                 logprobs[row] = TokenLogprobs(tokens[row], float(lp[i, tokens[row]]),
                                               list(zip(top_i.tolist(), top_v.tolist())))
+        if bad:
+            raise UnsampleableRows(bad, tokens, logprobs)
         return tokens, logprobs
 
 
+def _unsampleable_rows(logits: torch.Tensor) -> dict[int, str]:
+    """Rows holding NaN or +inf, or no finite value (-inf entries alone are fine: masked tokens)."""
+    finite = torch.isfinite(logits)
+    if bool(finite.all()):
+        return {}
+    nan = logits.isnan().any(-1).tolist()
+    pos_inf = (logits == float("inf")).any(-1).tolist()
+    any_finite = finite.any(-1).tolist()
+    bad = {}
+    for row, (n, p, f) in enumerate(zip(nan, pos_inf, any_finite)):
+        if n or p or not f:
+            bad[row] = "logits contain NaN" if n else "logits contain +inf" if p else "no finite logit"
+    return bad
+
+
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    scaled = logits / p.temperature
+    # shift by the max before dividing: the best token scores 0, so no temperature can overflow
+    scaled = (logits - logits.max()) / p.temperature
     if p.top_k > 0 and p.top_k < scaled.shape[-1]:
         kth = scaled.topk(p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
