@@ -260,6 +260,13 @@ class InstanceWorker:
         if rids:
             self._send({"k": "err", "rids": rids, "msg": f"the engine step failed: {type(exc).__name__}: {exc}"})
 
+    def _fail_rows(self, failed: dict[int, str]) -> None:
+        """Requests whose logits row could not be sampled (the instance aborted them): tell the router."""
+        for rid, why in failed.items():
+            self.live.pop(rid, None)
+            self.sent.pop(rid, None)
+            self._send({"k": "err", "rids": [rid], "msg": f"sampling failed: {why}"})
+
     def _abort(self, rid: int, now: float) -> None:
         self.live.pop(rid, None)
         self.sent.pop(rid, None)
@@ -404,6 +411,7 @@ class InstanceWorker:
                     self.wake.clear()
                     continue
                 self._dirty = True
+                self._fail_rows(inst.failed)
                 self._emit(outcome)
                 self._stats()
         finally:

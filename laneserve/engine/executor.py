@@ -37,15 +37,17 @@ from laneserve.engine.config import EngineConfig
 from laneserve.engine.kv_cache import KVPayload, PagedKVCache
 from laneserve.engine.models.llama import LlamaModel
 from laneserve.engine.runner import ModelRunner, SeqInput, plan_sequences
-from laneserve.engine.sampler import GREEDY, Sampler, TokenLogprobs, token_stops
+from laneserve.engine.sampler import GREEDY, Sampler, TokenLogprobs, UnsampleableRows, token_stops
 
 
 @dataclass(slots=True)
 class EngineStepResult(StepResult):
     """``StepResult`` plus the engine-only outputs: ``logprobs[req_id]`` for requests that asked
-    for them (``SamplingParams.logprobs``)."""
+    for them (``SamplingParams.logprobs``), and ``failed[req_id]`` = why a request's row could not
+    be sampled (non-finite logits): its token is a placeholder and the instance fails it."""
 
     logprobs: dict[int, TokenLogprobs] | None = None
+    failed: dict[int, str] | None = None
 
 
 @dataclass(slots=True)
@@ -131,9 +133,9 @@ class EngineExecutor:
                 if logits is None:
                     self._sync()
                     return EngineStepResult(time.perf_counter() - t0, completed=False)
-            sampled, stop_hit, logprobs = self._sample(seqs, logits)
+            sampled, stop_hit, logprobs, failed = self._sample(seqs, logits)
         self._sync()
-        return EngineStepResult(time.perf_counter() - t0, True, sampled, stop_hit, logprobs or None)
+        return EngineStepResult(time.perf_counter() - t0, True, sampled, stop_hit, logprobs or None, failed or None)
 
     def _advance(self, plan: StepPlan, forward, seqs: list[SeqInput],
                  should_stop: Callable[[], bool] | None, t0: float) -> torch.Tensor | None:
@@ -168,9 +170,14 @@ class EngineExecutor:
     def _sample(self, seqs: list[SeqInput], logits: torch.Tensor):
         sampled_seqs = [s for s in seqs if s.sample]
         if not sampled_seqs:
-            return {}, set(), {}
+            return {}, set(), {}, {}
         params = [s.request.sampling or GREEDY for s in sampled_seqs]
-        tokens, logprobs = self.sampler.sample(logits, params, [s.request.num_output_tokens for s in sampled_seqs])
+        failed: dict[int, str] = {}
+        try:
+            tokens, logprobs = self.sampler.sample(logits, params, [s.request.num_output_tokens for s in sampled_seqs])
+        except UnsampleableRows as exc:          # the other rows' tokens are valid
+            tokens, logprobs = exc.tokens, exc.logprobs
+            failed = {sampled_seqs[row].request.request_id: why for row, why in exc.rows.items()}
         sampled: dict[int, int] = {}
         stop_hit: set[int] = set()
         lp_out: dict[int, TokenLogprobs] = {}
@@ -181,7 +188,7 @@ class EngineExecutor:
                 stop_hit.add(rid)
             if lp is not None:
                 lp_out[rid] = lp
-        return sampled, stop_hit, lp_out
+        return sampled, stop_hit, lp_out, failed
 
     def discard(self, plan: StepPlan) -> bool:
         """Drop a parked plan (its request was aborted or will be recomputed); True if one was parked."""

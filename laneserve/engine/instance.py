@@ -40,6 +40,7 @@ class EngineInstance(SchedulerLoad):
         self._seq = count()
         self._lock = threading.Lock()
         self.current_plan: StepPlan | None = None    # the plan being executed (for failure handling)
+        self.failed: dict[int, str] = {}               # requests the last step failed (rid -> why)
         self.steps = 0
         self.busy_time = 0.0
         self.preemptions = 0
@@ -119,6 +120,12 @@ class EngineInstance(SchedulerLoad):
             self.preemptions += 1
         end = self.clock.now()
         outcome = self.scheduler.update(plan, result, end)
+        self.failed = dict(getattr(result, "failed", None) or {})
+        for rid in self.failed:                        # a row that could not be sampled: fail it alone
+            req = self.scheduler.abort(rid, end, reason="error")
+            for done in (outcome.finished, outcome.prefilled):
+                if req is not None and req in done:
+                    done.remove(req)
         if self.stop_checker is not None and result.completed:
             self._apply_stop_strings(plan, end, outcome)
         return outcome

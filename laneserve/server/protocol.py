@@ -561,10 +561,3 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
     return _common(body, "chat", ids, max_model_len, vocab_size, kv_tokens, headers, defaults, True,
                    "max_completion_tokens", logprobs, text)
 
-
-def parse_body(raw: bytes) -> Any:  # TEMPORARY stand-in until the validation branch lands
-    import json
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"malformed JSON in the request body: {exc}") from None
