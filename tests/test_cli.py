@@ -5,7 +5,7 @@ from laneserve.cli import main
 
 def test_sim_cli_writes_report(tmp_path, capsys):
     out = tmp_path / "o"
-    rc = main(["sim", "--num-requests", "300", "--rates", "5,40", "--no-progress",
+    rc = main(["sim", "--num-requests", "300", "--rates", "5,40", "--no-progress", "--jobs", "1",
                "--policies", "fcfs+continuous,cp-edf-2k+continuous", "--output", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
@@ -25,7 +25,7 @@ def test_sim_cli_trace_and_colocated(tmp_path):
     trace = tmp_path / "t.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
                      + "".join(f"2023-11-16 18:15:{i:02d}.0000000,{100 + 50 * i},{5 + i}\n" for i in range(40)))
-    rc = main(["sim", "--trace", str(trace), "--rate", "2", "--no-progress", "--policies",
+    rc = main(["sim", "--trace", str(trace), "--rate", "2", "--no-progress", "--jobs", "1", "--policies",
                "colocated:prefill=fcfs,token_budget=1024", "--output", str(tmp_path / "o")])
     assert rc == 0
     rows = json.loads((tmp_path / "o" / "sim.json").read_text())["rows"]
@@ -47,7 +47,7 @@ def test_sim_cli_list(capsys):
 
 def test_sim_cli_goodput_and_slo_scale_search(tmp_path):
     out = tmp_path / "o"
-    rc = main(["sim", "--num-requests", "200", "--rates", "10", "--no-progress", "--goodput",
+    rc = main(["sim", "--num-requests", "200", "--rates", "10", "--no-progress", "--jobs", "1", "--goodput",
                "--slo-scale-search", "--policies", "fcfs+continuous", "--output", str(out)])
     assert rc == 0
     metrics = json.loads((out / "sim.json").read_text())["metrics"]
@@ -55,3 +55,18 @@ def test_sim_cli_goodput_and_slo_scale_search(tmp_path):
     scale = metrics["tightest_slo_scale"]["fcfs+continuous"]
     assert goodput is not None and goodput > 0
     assert scale is not None and 0 < scale <= 20
+
+
+def test_sim_cli_jobs_give_identical_results(tmp_path):
+    """The (policy x rate) grid and the goodput searches over two worker processes write exactly
+    what one process writes."""
+    args = ["sim", "--num-requests", "200", "--rates", "5,20", "--no-progress", "--goodput",
+            "--policies", "fcfs+continuous,cp-edf-2k+continuous"]
+    got = {}
+    for jobs in ("1", "2"):
+        assert main([*args, "--jobs", jobs, "--output", str(tmp_path / jobs)]) == 0
+        data = json.loads((tmp_path / jobs / "sim.json").read_text())
+        got[jobs] = (data["rows"], data["metrics"])
+    assert got["1"] == got["2"]
+    assert len(got["1"][0]) == 4 and set(got["1"][1]["goodput"]) == {"fcfs+continuous", "cp-edf-2k+continuous"}
+    assert main([*args, "--jobs", "0", "--output", str(tmp_path / "0")]) == 2

@@ -66,17 +66,21 @@ def row(policy: str, rate: float, summary: Mapping[str, Any], **extra: Any) -> d
     return {"policy": policy, "rate": rate, **{k: summary.get(k) for k in ROW_KEYS}, **extra}
 
 
+def point_row(workload: Workload, name: str, config: ClusterConfig, cost: CostModel, rate: float,
+              slo_scale: float = 1.0) -> dict[str, Any]:
+    """One (policy, rate) point of a sweep as a report row (a module-level function: it runs in
+    worker processes too)."""
+    return row(name, rate, run_point(workload, config, cost, rate=rate, slo_scale=slo_scale)[0])
+
+
 def sweep(workload: Workload, policies: Mapping[str, ClusterConfig], rates: Sequence[float],
           cost: CostModel, *, slo_scale: float = 1.0,
-          on_point: Callable[[str, float], None] | None = None) -> list[dict[str, Any]]:
-    rows = []
-    for name, config in policies.items():
-        for rate in rates:
-            summary, _ = run_point(workload, config, cost, rate=rate, slo_scale=slo_scale)
-            rows.append(row(name, rate, summary))
-            if on_point is not None:
-                on_point(name, rate)
-    return rows
+          on_point: Callable[[str, float], None] | None = None, jobs: int = 1) -> list[dict[str, Any]]:
+    """Every (policy, rate) point, in policy-then-rate order, over ``jobs`` processes."""
+    from laneserve.bench.parallel import map_jobs
+    tasks = [(workload, name, config, cost, rate, slo_scale) for name, config in policies.items() for rate in rates]
+    done = None if on_point is None else (lambda i: on_point(tasks[i][1], tasks[i][4]))
+    return map_jobs(point_row, tasks, jobs, on_done=done)
 
 
 def goodput(workload: Workload, config: ClusterConfig, cost: CostModel, *, lo: float, hi: float,
@@ -86,6 +90,18 @@ def goodput(workload: Workload, config: ClusterConfig, cost: CostModel, *, lo: f
     def attainment(rate: float) -> float:
         return run_point(workload, config, cost, rate=rate, slo_scale=slo_scale)[0][metric]
     return goodput_search(attainment, lo=lo, hi=hi, target=target, rel_tol=rel_tol, max_evals=max_evals)
+
+
+def policy_goodput(workload: Workload, config: ClusterConfig, cost: CostModel, lo: float, hi: float,
+                   target: float, slo_scale: float) -> SearchResult:
+    """:func:`goodput` with positional arguments, for :func:`~laneserve.bench.parallel.map_jobs`."""
+    return goodput(workload, config, cost, lo=lo, hi=hi, target=target, slo_scale=slo_scale)
+
+
+def policy_slo_scale(workload: Workload, config: ClusterConfig, cost: CostModel, rate: float,
+                     target: float) -> SearchResult:
+    """:func:`tightest_slo_scale` with positional arguments, for ``map_jobs``."""
+    return tightest_slo_scale(workload, config, cost, rate=rate, target=target)
 
 
 def tightest_slo_scale(workload: Workload, config: ClusterConfig, cost: CostModel, *, rate: float,

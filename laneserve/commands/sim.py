@@ -68,6 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--output", type=Path, default=Path("out/sim"), help="folder for JSON/markdown/PNG")
     o.add_argument("--name", default="sim", help="file name stem of the report")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--jobs", "-j", type=int, default=None,
+                   help="worker processes for the (policy x rate) grid and the searches (default: all "
+                        "cores; 1 = this process). Results are identical whatever the number")
     o.add_argument("--list", action="store_true", help="list workloads, policies, models and exit")
     p.set_defaults(func=run)
 
@@ -89,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         _list()
         return 0
-    from laneserve.bench.experiment import (goodput, policy_config, row, run_point,
-                                           tightest_slo_scale,
-                                           split_policy_sets, validate)
+    from laneserve.bench.experiment import (policy_config, policy_goodput, policy_slo_scale,
+                                           split_policy_sets, sweep, validate)
+    from laneserve.bench.parallel import default_jobs, map_jobs
     from laneserve.bench.progress import progress_bar
     from laneserve.commands.common import load_workload
     from laneserve.bench.report import format_console_table, write_report
@@ -121,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
             rates = [round(r0 * f, 2) for f in (1, 2, 4, 6)]
         if not rates or min(rates) <= 0:
             raise ValueError("request rates must be > 0")
+        jobs = default_jobs() if args.jobs is None else args.jobs
+        if jobs < 1:
+            raise ValueError("--jobs must be >= 1")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -128,27 +134,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"workload: {wl.name}, {len(wl)} requests, native rate {wl.mean_rate:.2f} req/s; "
           f"cost model: {cost!r}", file=sys.stderr)
     t0 = time.perf_counter()
-    rows = []
-    bar = progress_bar(total=len(policies) * len(rates), desc="simulating",
+    bar = progress_bar(total=len(policies) * len(rates), desc=f"simulating ({jobs} jobs)",
                        enabled=False if args.no_progress else None)
-    for name, config in policies.items():
-        for rate in rates:
-            summary, _ = run_point(wl, config, cost, rate=rate, slo_scale=args.slo_scale)
-            rows.append(row(name, rate, summary))
-            bar.update(1)
+    rows = sweep(wl, policies, rates, cost, slo_scale=args.slo_scale, on_point=lambda *_: bar.update(1), jobs=jobs)
     bar.close()
     goodputs = {}
     if args.goodput:
-        for name, config in policies.items():
-            res = goodput(wl, config, cost, lo=min(rates) / 4, hi=max(rates) * 4, target=args.target,
-                          slo_scale=args.slo_scale)
+        found = map_jobs(policy_goodput, [(wl, config, cost, min(rates) / 4, max(rates) * 4, args.target,
+                                           args.slo_scale) for config in policies.values()], jobs)
+        for name, res in zip(policies, found):
             goodputs[name] = res.value
             print(f"goodput[{name}] = {res.value if res.value is not None else 'not met'} req/s "
                   f"({res.evals} runs)", file=sys.stderr)
     scales = {}
     if args.slo_scale_search:
-        for name, config in policies.items():
-            res = tightest_slo_scale(wl, config, cost, rate=rates[0], target=args.target)
+        found = map_jobs(policy_slo_scale, [(wl, config, cost, rates[0], args.target)
+                                            for config in policies.values()], jobs)
+        for name, res in zip(policies, found):
             scales[name] = res.value
             print(f"tightest SLO scale[{name}] at {rates[0]} req/s = "
                   f"{res.value if res.value is not None else 'not met'} ({res.evals} runs)", file=sys.stderr)
