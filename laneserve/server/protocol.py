@@ -171,7 +171,9 @@ def _show(v: Any, limit: int = 40) -> str:
     """A short repr of client input for error messages (no unbounded echo, no huge int to text)."""
     if isinstance(v, int) and not isinstance(v, bool) and not INT64_MIN <= v <= INT64_MAX:
         return "an integer outside int64"
-    s = repr(v) if not isinstance(v, (list, dict)) else type(v).__name__
+    if isinstance(v, (list, dict)):
+        return type(v).__name__
+    s = repr(v[:limit + 1] if isinstance(v, str) else v)
     return s if len(s) <= limit else s[:limit] + "..."
 
 
@@ -428,12 +430,14 @@ def _common(body: dict, kind: str, prompt_ids: list[int], max_model_len: int, vo
     temperature = _num(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
     if temperature < GREEDY_TEMPERATURE:       # as vLLM: a sub-1e-5 temperature is greedy
         temperature = 0.0
+    top_p = _num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    seed = _int(body, "seed", None)
+    stop_ids = _stop_token_ids(body, vocab_size)
+    ignore_eos = _bool(body, "ignore_eos", False)
     try:
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                  top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-                                  top_k=top_k, seed=_int(body, "seed", None), stop=stop,
-                                  stop_token_ids=_stop_token_ids(body, vocab_size),
-                                  ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs)
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos,
+                                  logprobs=logprobs)
     except ValueError as exc:       # the checks above should leave nothing for SamplingParams to refuse
         raise BadRequest(str(exc)) from None
     stream = _bool(body, "stream", False)
