@@ -317,8 +317,8 @@ def test_chat_template_failures_are_400():
 
     for tok, message in ((Raising(), "chat template failed"), (NotText(), "did not produce text")):
         with pytest.raises(BadRequest, match=message) as e:
-            parse_chat(CHAT, tokenizer=tok, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB, kv_tokens=MAX_MODEL_LEN, headers={},
-                       defaults=DEFAULTS)
+            parse_chat(CHAT, tokenizer=tok, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB, kv_tokens=MAX_MODEL_LEN,
+                       headers={}, defaults=DEFAULTS)
         assert len(str(e.value)) < 400
     gi = chat({**CHAT, "chat_template_kwargs": {"enable_thinking": False}, "metadata": {"a": "b"},
                "temperature": 1e-30})
@@ -369,7 +369,8 @@ def test_sampling_from_dict_rejects_bad_values(sp):
 
 # ---- properties ------------------------------------------------------------------------------------
 JSON_SCALARS = (st.none() | st.booleans() | st.floats(allow_nan=True, allow_infinity=True)
-                | st.integers(min_value=-(2 ** 70), max_value=2 ** 70) | st.sampled_from([2 ** 63, 2 ** 64, -(2 ** 63) - 1])
+                | st.integers(min_value=-(2 ** 70), max_value=2 ** 70)
+                | st.sampled_from([2 ** 63, 2 ** 64, -(2 ** 63) - 1])
                 | st.text(max_size=20))
 JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4)
                            | st.dictionaries(st.text(max_size=10), inner, max_size=4), max_leaves=12)
@@ -380,7 +381,8 @@ PLAUSIBLE = (st.none() | st.booleans() | st.integers(min_value=-2, max_value=VOC
 
 
 def _shaped(fields: set[str], required: dict) -> st.SearchStrategy:
-    return st.fixed_dictionaries(required, optional={f: PLAUSIBLE | JSON_VALUES for f in sorted(fields - set(required))})
+    optional = {f: PLAUSIBLE | JSON_VALUES for f in sorted(fields - set(required))}
+    return st.fixed_dictionaries(required, optional=optional)
 
 
 SHAPED_COMPLETIONS = _shaped(COMPLETION_FIELDS, {"model": st.just("m"),
@@ -439,3 +441,21 @@ def test_property_parse_body_returns_json_or_bad_request(raw):
         parse_body(raw)
     except BadRequest:
         pass
+
+
+def test_bad_fields_are_rejected_before_tokenization():
+    class Counting(CharTokenizer):
+        calls = 0
+
+        def encode(self, text, add_special_tokens=True):
+            Counting.calls += 1
+            return super().encode(text)
+
+    tok = Counting()
+    for body, parse in (({"model": "m", "prompt": "x" * 50, "temperature": float("nan")}, parse_completion),
+                        ({"model": "m", "prompt": "x" * 50, "seed": 2 ** 64}, parse_completion),
+                        ({**CHAT, "top_p": 0}, parse_chat), ({**CHAT, "stop_token_ids": [-1]}, parse_chat)):
+        with pytest.raises(BadRequest):
+            parse(body, tokenizer=tok, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB, kv_tokens=MAX_MODEL_LEN,
+                  headers={}, defaults=DEFAULTS)
+    assert Counting.calls == 0
