@@ -1,13 +1,16 @@
 """Sampling behaviour: seeded determinism (independent of batching), top-k=1 and tiny top-p equal
-greedy, temperature changes outcomes, stop token ids and EOS, StopChecker for stop strings."""
+greedy, temperature changes outcomes, stop token ids and EOS, StopChecker for stop strings; and the
+hostile cases of issue 11 (non-finite parameters refused at construction, extreme seeds, tiny
+temperatures, unsampleable logits rows failing alone)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine_support import Driver, make_executor, make_request, prompts
 from laneserve.core.sampling import SamplingParams
-from laneserve.engine.sampler import Sampler, StopChecker, token_stops
+from laneserve.engine.sampler import PLACEHOLDER_TOKEN, Sampler, StopChecker, UnsampleableRows, token_stops
 
 FAMILY = "qwen2"
 N = 10
@@ -86,3 +89,54 @@ def test_stop_checker_finds_new_stop_strings():
     assert positions[:3] == [None, None, None]
     assert positions[3] == len("alpha beta ")
     assert checker.check([0], SamplingParams()) is None
+
+
+# ---- hostile parameters and logits (issue 11): the sampler fails a row, never the process ----------
+def test_sampling_params_reject_non_finite_and_out_of_range_values():
+    for bad in (dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=float("nan")),
+                dict(top_p=float("inf")), dict(max_tokens=True), dict(seed=2 ** 63), dict(seed=-(2 ** 63) - 1),
+                dict(top_k=2 ** 63), dict(stop_token_ids=(-1,)), dict(stop_token_ids=[1]), dict(stop=("",)),
+                dict(logprobs=21), dict(ignore_eos=None)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    assert SamplingParams(temperature=9e-6).greedy and not SamplingParams(temperature=1e-5).greedy
+
+
+def test_extreme_seeds_sample_deterministically():
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
+    for seed in (19_000_000_000_000, 2 ** 63 - 1, -(2 ** 63), -1, 0):
+        p = SamplingParams(temperature=1.0, seed=seed)
+        draws = [Sampler(0).sample(logits, [p], [i])[0][0] for i in range(20)]
+        assert draws == [Sampler(5).sample(logits, [p], [i])[0][0] for i in range(20)]   # seed, not engine state
+        assert len(set(draws)) > 1                     # the output index still varies the draw
+
+
+def test_tiny_temperature_and_huge_logits_do_not_overflow():
+    logits = torch.tensor([[3e38, 1e38, -3e38, 0.0], [1.0, 1.0 + 1e-3, 0.5, 0.0]])
+    p = SamplingParams(temperature=1e-5, seed=1)
+    for _ in range(20):
+        tokens, _ = Sampler(0).sample(logits, [p, p], [0, 0])
+        assert tokens == [0, 1]                        # probability ~1 on the largest logit
+    tokens, lps = Sampler(0).sample(logits[:, :3], [SamplingParams(temperature=1.0, logprobs=20)] * 2, [0, 0])
+    assert [len(lp.top) for lp in lps] == [3, 3]       # logprobs capped at the vocabulary
+
+
+def test_unsampleable_rows_fail_alone():
+    good = torch.randn(64, generator=torch.Generator().manual_seed(2))
+    nan, pos_inf, all_neg_inf = good.clone(), good.clone(), torch.full((64,), float("-inf"))
+    nan[7] = float("nan")
+    pos_inf[3] = float("inf")
+    masked = good.clone()
+    masked[:10] = float("-inf")                        # -inf entries alone are fine
+    logits = torch.stack([good, nan, masked, pos_inf, all_neg_inf, good])
+    params = [SamplingParams(temperature=0.8, seed=4, logprobs=2), SamplingParams(temperature=0.8, seed=4),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.0, logprobs=1)]
+    with pytest.raises(UnsampleableRows) as e:
+        Sampler(0).sample(logits, params, [0] * 6)
+    err = e.value
+    assert err.rows == {1: "logits contain NaN", 3: "logits contain +inf", 4: "no finite logit"}
+    alone, alone_lp = Sampler(0).sample(logits[[0, 2, 5]], [params[0], params[2], params[5]], [0, 0, 0])
+    assert [err.tokens[r] for r in (0, 2, 5)] == alone and err.tokens[2] >= 10
+    assert all(err.tokens[r] == PLACEHOLDER_TOKEN and err.logprobs[r] is None for r in err.rows)
+    assert err.logprobs[0].top == alone_lp[0].top and err.logprobs[5].top == alone_lp[2].top

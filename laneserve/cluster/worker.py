@@ -236,7 +236,7 @@ class InstanceWorker:
     def _decode_request(self, msg: dict):
         """The request of an ``add``/``transfer`` message, or None after failing it (bad fields)."""
         try:
-            return request_from_fields(msg)
+            return request_from_fields(msg, self.info["vocab_size"])
         except Exception as exc:  # noqa: BLE001 - the wire is not trusted: fail this request only
             self._send({"k": "err", "rids": [msg.get("rid")], "msg": f"invalid request: {exc}"})
             return None

@@ -120,7 +120,9 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -
         sorted_logits, order = scaled.sort(descending=True)
         probs = sorted_logits.softmax(-1)
         before = probs.cumsum(-1) - probs          # mass of strictly more likely tokens
-        drop = before >= p.top_p                   # the most likely token is always kept
+        drop = before >= p.top_p
+        drop[0] = False                            # the most likely token is always kept (top_p may be
+                                                   # below float32's range and compare as 0)
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = scaled.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=gen))

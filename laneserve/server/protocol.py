@@ -171,7 +171,9 @@ def _show(v: Any, limit: int = 40) -> str:
     """A short repr of client input for error messages (no unbounded echo, no huge int to text)."""
     if isinstance(v, int) and not isinstance(v, bool) and not INT64_MIN <= v <= INT64_MAX:
         return "an integer outside int64"
-    s = repr(v) if not isinstance(v, (list, dict)) else type(v).__name__
+    if isinstance(v, (list, dict)):
+        return type(v).__name__
+    s = repr(v[:limit + 1] if isinstance(v, str) else v)
     return s if len(s) <= limit else s[:limit] + "..."
 
 
@@ -327,7 +329,8 @@ def _slo(body: dict, headers: dict[str, str], defaults: ServerDefaults) -> tuple
             try:
                 ms = float(raw)
             except ValueError:
-                raise BadRequest(f"header {header} must be a number of milliseconds, got {_show(raw)}", header) from None
+                raise BadRequest(f"header {header} must be a number of milliseconds, got {_show(raw)}",
+                                 header) from None
             s = _slo_ms(ms, f"header {header}", header)
             ttft, tpot = (s, tpot) if key == "ttft" else (ttft, s)
     slo = body.get("slo")
@@ -380,18 +383,25 @@ def _text_limit(text_chars: int, max_model_len: int, param: str) -> None:
                          f"of {max_model_len} tokens ({limit} characters)", param)
 
 
-def _common(body: dict, kind: str, prompt_ids: list[int], max_model_len: int, vocab_size: int,
-            kv_tokens: int, headers: dict[str, str], defaults: ServerDefaults, has_tokenizer: bool,
-            max_tokens_key: str, logprobs: int | None, prompt_text: str | None) -> GenerateInput:
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise BadRequest("'model' must be a string", "model")
-    _str(body, "model")
-    if not prompt_ids:
-        raise BadRequest("the prompt is empty", "prompt" if kind == "completion" else "messages")
-    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise BadRequest(f"token id {_show(bad)} is outside the vocabulary [0, {vocab_size})", "prompt")
+@dataclass(slots=True)
+class _Checked:
+    """The fields checked before the prompt is tokenized, so that a bad one costs no tokenization."""
+
+    model: str
+    sampling: dict[str, Any]               # SamplingParams keywords, all but max_tokens
+    slo: SLO
+    slo_class: str
+    priority: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    return_token_ids: bool
+    skip_special_tokens: bool
+
+
+def _check_common(body: dict, vocab_size: int, headers: dict[str, str], defaults: ServerDefaults,
+                  has_tokenizer: bool, logprobs: int | None) -> _Checked:
+    model = _str(body, "model")
     _neutral(body, "n", 1, "only n=1")
     _neutral(body, "presence_penalty", 0, "only 0")
     _neutral(body, "frequency_penalty", 0, "only 0")
@@ -399,6 +409,36 @@ def _common(body: dict, kind: str, prompt_ids: list[int], max_model_len: int, vo
     _neutral(body, "min_p", 0, "only 0")
     _neutral(body, "min_tokens", 0, "only 0")
     _neutral(body, "logit_bias", {}, "no logit_bias")
+    stop = _stop(body)
+    if stop and not has_tokenizer:
+        raise BadRequest("stop strings need a tokenizer; this model has none (use stop_token_ids)", "stop")
+    top_k = _int(body, "top_k", -1)
+    if top_k == 0 or top_k >= vocab_size:      # 0 (vLLM) and k >= vocab mean "off"
+        top_k = -1
+    if top_k < -1:
+        raise BadRequest(f"'top_k' must be -1 (off) or >= 1, got {top_k}", "top_k")
+    temperature = _num(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
+    if temperature < GREEDY_TEMPERATURE:       # as vLLM: a sub-1e-5 temperature is greedy
+        temperature = 0.0
+    sampling = dict(temperature=temperature, top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=top_k,
+                    seed=_int(body, "seed", None), stop=stop, stop_token_ids=_stop_token_ids(body, vocab_size),
+                    ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs)
+    stream = _bool(body, "stream", False)
+    include_usage, continuous = _stream_opts(body, stream)
+    slo, slo_class, priority = _slo(body, headers, defaults)
+    _str(body, "user")
+    return _Checked(model, sampling, slo, slo_class, priority, stream, include_usage, continuous,
+                    _bool(body, "return_token_ids", False), _bool(body, "skip_special_tokens", True))
+
+
+def _finish(body: dict, kind: str, c: _Checked, prompt_ids: list[int], max_model_len: int, vocab_size: int,
+            kv_tokens: int, defaults: ServerDefaults, max_tokens_key: str, prompt_text: str | None) -> GenerateInput:
+    """The prompt-dependent checks (vocabulary, context, KV) and the :class:`GenerateInput`."""
+    if not prompt_ids:
+        raise BadRequest("the prompt is empty", "prompt" if kind == "completion" else "messages")
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"token id {_show(bad)} is outside the vocabulary [0, {vocab_size})", "prompt")
     n_prompt = len(prompt_ids)
     room = max_model_len - n_prompt
     if room < 1:
@@ -417,32 +457,13 @@ def _common(body: dict, kind: str, prompt_ids: list[int], max_model_len: int, vo
     if n_prompt + max_tokens > kv_tokens:
         raise BadRequest(f"prompt + max_tokens ({n_prompt + max_tokens} tokens) does not fit the KV cache "
                          f"of an instance ({kv_tokens} tokens)", max_tokens_key)
-    stop = _stop(body)
-    if stop and not has_tokenizer:
-        raise BadRequest("stop strings need a tokenizer; this model has none (use stop_token_ids)", "stop")
-    top_k = _int(body, "top_k", -1)
-    if top_k == 0 or top_k >= vocab_size:      # 0 (vLLM) and k >= vocab mean "off"
-        top_k = -1
-    if top_k < -1:
-        raise BadRequest(f"'top_k' must be -1 (off) or >= 1, got {top_k}", "top_k")
-    temperature = _num(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
-    if temperature < GREEDY_TEMPERATURE:       # as vLLM: a sub-1e-5 temperature is greedy
-        temperature = 0.0
     try:
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                  top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-                                  top_k=top_k, seed=_int(body, "seed", None), stop=stop,
-                                  stop_token_ids=_stop_token_ids(body, vocab_size),
-                                  ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs)
+        sampling = SamplingParams(max_tokens=max_tokens, **c.sampling)
     except ValueError as exc:       # the checks above should leave nothing for SamplingParams to refuse
         raise BadRequest(str(exc)) from None
-    stream = _bool(body, "stream", False)
-    include_usage, continuous = _stream_opts(body, stream)
-    slo, slo_class, priority = _slo(body, headers, defaults)
-    _str(body, "user")
-    return GenerateInput(kind, model, prompt_ids, sampling, slo, slo_class, priority, stream, include_usage,
-                         continuous, _bool(body, "return_token_ids", False), logprobs,
-                         _bool(body, "skip_special_tokens", True), prompt_text)
+    return GenerateInput(kind, c.model, prompt_ids, sampling, c.slo, c.slo_class, c.priority, c.stream,
+                         c.include_usage, c.continuous_usage, c.return_token_ids, c.sampling["logprobs"],
+                         c.skip_special_tokens, prompt_text)
 
 
 def parse_completion(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_tokens: int,
@@ -451,25 +472,25 @@ def parse_completion(body: Any, *, tokenizer, max_model_len: int, vocab_size: in
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]                     # a batch of one
-    text = None
     if isinstance(prompt, str):
         if tokenizer is None:
             raise BadRequest("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
         _text_limit(len(prompt), max_model_len, "prompt")
-        text = prompt
-        ids = list(tokenizer.encode(prompt))
-    elif isinstance(prompt, list) and all(is_int(t) for t in prompt):
-        ids = list(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise BadRequest("batched prompts are not supported: send one request per prompt", "prompt")
-    else:
+    elif not (isinstance(prompt, list) and all(is_int(t) for t in prompt)):
         raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
     _neutral(body, "echo", False, "only echo=false")
     _neutral(body, "suffix", None, "no suffix")
     _neutral(body, "best_of", 1, "only best_of=1")
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    return _common(body, "completion", ids, max_model_len, vocab_size, kv_tokens, headers, defaults,
-                   tokenizer is not None, "max_tokens", logprobs, text)
+    checked = _check_common(body, vocab_size, headers, defaults, tokenizer is not None, logprobs)
+    if isinstance(prompt, str):
+        text, ids = prompt, list(tokenizer.encode(prompt))
+    else:
+        text, ids = None, list(prompt)
+    return _finish(body, "completion", checked, ids, max_model_len, vocab_size, kv_tokens, defaults, "max_tokens",
+                   text)
 
 
 def _message_text(m: Any, i: int) -> dict[str, str]:
@@ -497,7 +518,8 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
     if not isinstance(kwargs, dict):
         raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     if len(kwargs) > MAX_TEMPLATE_KWARGS:
-        raise BadRequest(f"'chat_template_kwargs' may hold at most {MAX_TEMPLATE_KWARGS} entries", "chat_template_kwargs")
+        raise BadRequest(f"'chat_template_kwargs' may hold at most {MAX_TEMPLATE_KWARGS} entries",
+                         "chat_template_kwargs")
     for k, v in kwargs.items():
         if k in _TEMPLATE_RESERVED or not k.isidentifier():
             raise BadRequest(f"'chat_template_kwargs' may not set {_show(k)}", "chat_template_kwargs")
@@ -547,6 +569,7 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
     elif body.get("top_logprobs") is not None:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     kwargs = _template_kwargs(body)
+    checked = _check_common(body, vocab_size, headers, defaults, True, logprobs)
     try:
         text = tokenizer.apply_chat_template(msgs, tokenize=False,
                                              add_generation_prompt=_bool(body, "add_generation_prompt", True),
@@ -558,6 +581,5 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
     if not isinstance(text, str):
         raise BadRequest("the chat template did not produce text", "messages")
     ids = list(tokenizer.encode(text, add_special_tokens=False))
-    return _common(body, "chat", ids, max_model_len, vocab_size, kv_tokens, headers, defaults, True,
-                   "max_completion_tokens", logprobs, text)
-
+    return _finish(body, "chat", checked, ids, max_model_len, vocab_size, kv_tokens, defaults,
+                   "max_completion_tokens", text)
