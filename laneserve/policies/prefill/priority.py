@@ -115,7 +115,8 @@ class OnlineTTFT:
     model): (batch tokens, step seconds) samples; a linear tokens/throughput estimate until
     ``degree + 1`` distinct sizes were seen, then a least-squares :class:`PolynomialTTFT` (refitted
     on every sample at first, then every ``refit_every`` samples, over the last ``window``).
-    Predicts 0 before any sample."""
+    Predicts 0 before any sample; ``version`` counts the refits (queues that cache predictions
+    rebuild when it changes)."""
 
     degree: int = 2
     window: int = 256
@@ -123,6 +124,7 @@ class OnlineTTFT:
     samples: list[tuple[int, float]] = field(default_factory=list)
     _fn: Callable[[float], float] | None = None
     _since_fit: int = 0
+    version: int = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -136,6 +138,7 @@ class OnlineTTFT:
 
     def _refit(self) -> None:
         self._since_fit = 0
+        self.version += 1
         if len({n for n, _ in self.samples}) > self.degree:
             self._fn = _Horner(PolynomialTTFT(self.degree).fit(self.samples).coefficients)
         else:
@@ -144,6 +147,11 @@ class OnlineTTFT:
 
     def __call__(self, tokens: float) -> float:
         return self._fn(tokens) if self._fn is not None else 0.0
+
+
+def never_negative(predict: Callable[[float], float]) -> bool:
+    """True for the predictors built here, which clamp (polynomial) or cannot go below 0."""
+    return isinstance(predict, (_Horner, OnlineTTFT))
 
 
 def make_predictor(predictor: Any = None, cost_model: Any = None) -> tuple[Callable[[float], float], bool]:
