@@ -44,7 +44,8 @@ from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Phase, Request
 from laneserve.policies.base import StepOutcome
 from laneserve.policies.prefill.base import PrefillScheduler
-from laneserve.policies.prefill.priority import ORDERINGS, PriorityKey, make_predictor, never_negative
+from laneserve.policies.prefill.priority import (ORDERINGS, PriorityKey, make_predictor, never_negative,
+                                                 nondecreasing)
 from laneserve.policies.prefill.sedf_queue import SignedDeadlineQueue
 from laneserve.policies.registry import register
 
@@ -108,6 +109,7 @@ class FlowPrefillScheduler(PrefillScheduler):
         self.suspensions: list[float] = []             # how long each resumed task was parked
         self.dropped_plans: list[StepPlan] = []
         self._queue = SignedDeadlineQueue(ordering, self.predict, self._step_tokens)
+        self._monotone_memo: tuple[Any, bool] = (None, False)
 
     def bind_cost_model(self, cost_model: Any) -> None:
         """Fit the TTFT polynomial to the instance's cost model unless a predictor was given."""
@@ -160,7 +162,18 @@ class FlowPrefillScheduler(PrefillScheduler):
         if t_remain <= 0.0 and never_negative(self.predict):
             return True
         least = self._queue.min_remaining()
-        return least is None or tokens + least >= limit
+        if least is None or tokens + least >= limit:
+            return True
+        # a predictor that cannot decrease rejects every longer batch too (the margin absorbs
+        # the rounding of its float evaluation)
+        return self.predict(tokens + least) >= t_remain + 1e-9 * (abs(t_remain) + 1.0) \
+            and self._monotone(limit)
+
+    def _monotone(self, limit: int) -> bool:
+        version = (self.predict, getattr(self.predict, "version", None), limit)
+        if self._monotone_memo[0] != version:
+            self._monotone_memo = (version, nondecreasing(self.predict, float(limit)))
+        return self._monotone_memo[1]
 
     def _req_key(self, req: Request, now: float) -> PriorityKey:
         return self._key(req, now, self.predict(self._step_tokens(req)))

@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from laneserve.core.request import Request
 from laneserve.costmodel.fitted import PolynomialTTFT
 
@@ -108,6 +110,15 @@ class _Horner:
             acc = acc * tokens + c
         return acc if acc > 0.0 else 0.0
 
+    def nondecreasing(self, lo: float, hi: float) -> bool:
+        """True when the polynomial cannot decrease on ``[lo, hi]`` (its derivative has no
+        sign change there and is not negative at ``lo``); clamping at 0 keeps that."""
+        deriv = np.polyder(np.array(self.coefficients[::-1]))
+        if not deriv.size or not np.any(deriv):
+            return True
+        points = [lo, hi, *(r.real for r in np.roots(deriv) if abs(r.imag) < 1e-12 and lo < r.real < hi)]
+        return all(np.polyval(deriv, x) >= 0 for x in points) and np.polyval(deriv, (lo + hi) / 2) >= 0
+
 
 @dataclass(slots=True)
 class OnlineTTFT:
@@ -152,6 +163,16 @@ class OnlineTTFT:
 def never_negative(predict: Callable[[float], float]) -> bool:
     """True for the predictors built here, which clamp (polynomial) or cannot go below 0."""
     return isinstance(predict, (_Horner, OnlineTTFT))
+
+
+def nondecreasing(predict: Callable[[float], float], hi: float) -> bool:
+    """True when ``predict`` (one of the predictors built here, in its current fit) cannot
+    decrease on ``[0, hi]`` tokens; False when unknown."""
+    if isinstance(predict, OnlineTTFT):
+        predict = predict._fn
+        if predict is None or not isinstance(predict, _Horner):
+            return True                   # 0, or tokens / rate
+    return isinstance(predict, _Horner) and predict.nondecreasing(0.0, hi)
 
 
 def make_predictor(predictor: Any = None, cost_model: Any = None) -> tuple[Callable[[float], float], bool]:

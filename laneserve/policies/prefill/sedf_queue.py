@@ -133,6 +133,7 @@ class SignedDeadlineQueue:
                 self._set_key(req, (2, -d, req.arrival_time, rid))
         for entry in near:
             heapq.heappush(flips, entry)
+        self._compact()
 
     def _rebuild(self) -> None:
         members = list(self._reqs.values())
@@ -153,9 +154,9 @@ class SignedDeadlineQueue:
     def ordered(self) -> Iterator[tuple[PriorityKey, Request]]:
         """Members best first, lazily (call :meth:`advance` first; removals during the walk are
         fine, additions are not seen)."""
-        heap, keys = self._heap, self._key
-        if not heap:
+        if self.top() is None:              # pops the dead entries ahead of the best live one
             return
+        heap, keys = self._heap, self._key
         frontier = [(heap[0][0], 0)]
         size = len(heap)
         while frontier:
