@@ -36,6 +36,7 @@ the plan is listed in :attr:`dropped_plans` (an engine loop should ``executor.di
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,9 @@ from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Phase, Request
 from laneserve.policies.base import StepOutcome
 from laneserve.policies.prefill.base import PrefillScheduler
-from laneserve.policies.prefill.priority import ORDERINGS, PriorityKey, make_predictor
+from laneserve.policies.prefill.priority import (ORDERINGS, PriorityKey, make_predictor, never_negative,
+                                                 nondecreasing)
+from laneserve.policies.prefill.sedf_queue import SignedDeadlineQueue
 from laneserve.policies.registry import register
 
 GRANULARITIES = ("operator", "layer", "chunk", "none")
@@ -105,18 +108,29 @@ class FlowPrefillScheduler(PrefillScheduler):
         self.num_forced_resumes = 0
         self.suspensions: list[float] = []             # how long each resumed task was parked
         self.dropped_plans: list[StepPlan] = []
+        self._queue = SignedDeadlineQueue(ordering, self.predict, self._step_tokens)
+        self._monotone_memo: tuple[Any, bool] = (None, False)
 
     def bind_cost_model(self, cost_model: Any) -> None:
         """Fit the TTFT polynomial to the instance's cost model unless a predictor was given."""
         if self._online:
             self.predict, self._online = make_predictor(None, cost_model)
+            self._queue.set_predictor(self.predict)
 
     # ---- queues ----------------------------------------------------------------------------
     def _push(self, req: Request, now: float) -> None:
+        self._wait(req)
+
+    def _wait(self, req: Request) -> None:
         self.waiting[req.request_id] = req
+        self._queue.add(req)
+
+    def _unwait(self, request_id: int) -> None:
+        self.waiting.pop(request_id, None)
+        self._queue.discard(request_id)
 
     def _remove(self, req: Request) -> None:
-        self.waiting.pop(req.request_id, None)
+        self._unwait(req.request_id)
         for pid, task in list(self.parked.items()):
             if any(c.request is req for c in task.plan.prefills):
                 del self.parked[pid]
@@ -124,13 +138,43 @@ class FlowPrefillScheduler(PrefillScheduler):
                 for c in task.plan.prefills:
                     if c.request is not req and c.request.request_id in self.pending:
                         c.request.phase = Phase.PREFILLING
-                        self.waiting[c.request.request_id] = c.request
+                        self._wait(c.request)
 
     @property
     def num_running(self) -> int:
         return 0 if self.running is None else len(self.running.plan.prefills)
 
     # ---- ranking ---------------------------------------------------------------------------
+    def _waiting_ranked(self, now: float) -> Iterator[tuple[PriorityKey, Request]]:
+        """Waiting requests with their keys, best first, lazily (removals during the walk are
+        fine)."""
+        self._queue.advance(now)
+        return self._queue.ordered()
+
+    def _waiting_best_key(self, now: float) -> PriorityKey | None:
+        self._queue.advance(now)
+        top = self._queue.top()
+        return None if top is None else top[0]
+
+    def _batch_closed(self, tokens: int, limit: int, t_remain: float) -> bool:
+        """No waiting request can join a batch of ``tokens`` any more (Algorithm 1 would reject
+        every one): none is short enough for the budget, or the head has no time left."""
+        if t_remain <= 0.0 and never_negative(self.predict):
+            return True
+        least = self._queue.min_remaining()
+        if least is None or tokens + least >= limit:
+            return True
+        # a predictor that cannot decrease rejects every longer batch too (the margin absorbs
+        # the rounding of its float evaluation)
+        return self.predict(tokens + least) >= t_remain + 1e-9 * (abs(t_remain) + 1.0) \
+            and self._monotone(limit)
+
+    def _monotone(self, limit: int) -> bool:
+        version = (self.predict, getattr(self.predict, "version", None), limit)
+        if self._monotone_memo[0] != version:
+            self._monotone_memo = (version, nondecreasing(self.predict, float(limit)))
+        return self._monotone_memo[1]
+
     def _req_key(self, req: Request, now: float) -> PriorityKey:
         return self._key(req, now, self.predict(self._step_tokens(req)))
 
@@ -167,12 +211,8 @@ class FlowPrefillScheduler(PrefillScheduler):
         top = self._task_key(task, now, True)
         if any(self._task_key(t, now, False) < top for t in self.parked.values()):
             return True
-        key = self._key
-        predict = self.predict
-        for req in self.waiting.values():
-            if key(req, now, predict(self._step_tokens(req))) < top:
-                return True
-        return False
+        best = self._waiting_best_key(now)
+        return best is not None and best < top
 
     # ---- Algorithm 2: the completion event (and after a preemption) ------------------------
     def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
@@ -180,19 +220,17 @@ class FlowPrefillScheduler(PrefillScheduler):
         if overdue is not None:
             self.num_forced_resumes += 1
             return self._resume(overdue, now, forced=True)
-        ranked: list[tuple[PriorityKey, Request | None, PrefillTask | None]] = [
-            (self._task_key(t, now, False), None, t) for t in self.parked.values()]
-        ranked.extend((self._req_key(r, now), r, None) for r in self.waiting.values())
-        if not ranked:
-            return None
-        ranked.sort(key=lambda item: item[0])
+        parked = min(((self._task_key(t, now, False), t) for t in self.parked.values()),
+                     key=lambda item: item[0], default=None)
         budget = self.token_budget if token_budget is None else token_budget
-        for i, (_, req, task) in enumerate(ranked):
-            if task is not None:
-                return self._resume(task, now, forced=False)
+        walk = self._waiting_ranked(now)
+        for key, req in walk:                 # waiting requests merged with the best parked task
+            if parked is not None and parked[0] < key:
+                return self._resume(parked[1], now, forced=False)
             if self.admit(req, now):
-                rest = [r for _, r, t in ranked[i + 1:] if r is not None]
-                return self._submit(req, rest, now, budget)
+                return self._submit(req, (r for _, r in walk), now, budget)
+        if parked is not None:
+            return self._resume(parked[1], now, forced=False)
         return None        # nothing fits in KV memory now; a completion will free some
 
     def _resume(self, task: PrefillTask, now: float, *, forced: bool) -> StepPlan:
@@ -206,25 +244,25 @@ class FlowPrefillScheduler(PrefillScheduler):
         self.running = task
         return task.plan
 
-    def _submit(self, head: Request, candidates: list[Request], now: float, budget: int) -> StepPlan:
+    def _submit(self, head: Request, candidates: Iterable[Request], now: float, budget: int) -> StepPlan:
         """Algorithm 1 (SLO-aware batching) for head ``H`` over ``candidates`` in priority order."""
         cap = self.chunk_size if self.preemption == "chunk" else None
         n_head = head.remaining_prefill if cap is None else min(head.remaining_prefill, cap)
         plan = StepPlan(label=self.name, preemptible=self.preemption != "none",
                         preempt_granularity=self.preemption if self.preemption != "none" else "operator")
         plan.prefills.append(self.chunk(head, n_head))
-        del self.waiting[head.request_id]
+        self._unwait(head.request_id)
         tokens = n_head
         if self.batching:
             t_remain = head.ttft_deadline - now
             limit = budget if cap is None else min(budget, cap + 1)
             for r in candidates:
-                if len(plan.prefills) >= self.max_batch_size:
+                if len(plan.prefills) >= self.max_batch_size or self._batch_closed(tokens, limit, t_remain):
                     break
                 n = tokens + r.remaining_prefill
                 if n < limit and t_remain > self.predict(n) and self.admit(r, now):
                     plan.prefills.append(self.chunk(r, r.remaining_prefill))
-                    del self.waiting[r.request_id]
+                    self._unwait(r.request_id)
                     tokens = n
         self.running = PrefillTask(plan, head, tokens, self.predict(tokens), run_since=now)
         return plan
@@ -253,4 +291,4 @@ class FlowPrefillScheduler(PrefillScheduler):
         for c in plan.prefills:          # chunk granularity: the rest of the prompt waits again
             req = c.request
             if not req.prefill_done and req.request_id in self.pending:
-                self.waiting[req.request_id] = req
+                self._wait(req)

@@ -36,12 +36,16 @@ Choices where the paper is silent or inconsistent (say so in reports):
 from __future__ import annotations
 
 from bisect import insort
+from collections.abc import Iterable, Iterator
 from typing import Any
+
+import numpy as np
 
 from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Request
 from laneserve.policies.base import StepOutcome
 from laneserve.policies.prefill.base import PrefillScheduler
+from laneserve.policies.prefill.kairos_slots import ArrivalSlots
 from laneserve.policies.registry import register
 
 INF = float("inf")
@@ -107,17 +111,80 @@ class KairosPrefill(PrefillScheduler):
         self._prior_given = throughput is not None
         self._tokens_seen = 0
         self._seconds_seen = 0.0
+        self._slots = ArrivalSlots()
+        self._dirty: set[int] = set()                # ids whose remaining tokens may have changed
         if cost_model is not None:
             self.bind_cost_model(cost_model)
 
     def bind_cost_model(self, cost_model: Any) -> None:
         """Initial μ from the instance's cost model (a full chunk), unless given or observed."""
         self._cost_model = cost_model
+        self._dirty.update(r.request_id for r in self.queue)
         if not self._prior_given and self._seconds_seen == 0.0:
             self.throughput = self.chunk_size / cost_model.prefill_time([(self.chunk_size, 0)])
 
     def _push(self, req: Request, now: float) -> None:
         insort(self.queue, req, key=_arrival_key)
+        self._enqueue_slot(req)
+
+    def _remove(self, req: Request) -> None:
+        super()._remove(req)
+        self._drop_slot(req)
+
+    # ---- the incremental columns (kairos_slots) ----------------------------------------------
+    def _enqueue_slot(self, req: Request) -> None:
+        slots = self._slots
+        if not slots.fits_after(req):           # out of arrival order (never in a loop): re-file all
+            slots.clear()
+            for r in self.queue:
+                slots.append(r)
+            self._dirty.update(r.request_id for r in self.queue)
+        else:
+            slots.append(req)
+            self._dirty.add(req.request_id)
+
+    def _drop_slot(self, req: Request) -> None:
+        self._slots.drop(req)
+        self._dirty.discard(req.request_id)
+
+    def _touch(self, req: Request) -> None:
+        self._dirty.add(req.request_id)
+
+    def _duration(self, req: Request) -> float:
+        return self._cost_model.prefill_time([(req.remaining_prefill, req.num_computed_tokens)])
+
+    def _ranked(self, now: float) -> Iterator[Request]:
+        """The queue in score order (as the reference's full sort), best first, lazily: the
+        scores of every slot at once, then exact order of the best ``m`` (ties included), ``m``
+        growing only if the fill loop asks for more."""
+        slots = self._slots
+        if self.estimate == "cost" and self._cost_model is None:
+            raise RuntimeError("kairos estimate='cost' needs a cost model (bind_cost_model)")
+        for rid in self._dirty:
+            req = self.requests[rid]
+            slots.set_work(req, self._duration(req) if self.estimate == "cost" else 0.0)
+        self._dirty.clear()
+        if slots.max_arrival > now:          # the walk's cursor could jump: the plain walk
+            yield from (r for _, r in self._sorted_scores(now))
+            return
+        n = slots.n
+        step = slots.rem[:n] / self.throughput if self.estimate == "throughput" else slots.dur[:n]
+        finish = np.cumsum(np.concatenate(([now], step)))[1:]
+        arr, slo = slots.arr[:n], slots.slo[:n]
+        score = np.where(slots.has_slo[:n], ((slo - (finish - arr)) / slo) / slots.plen[:n], 0.0)
+        primary = np.where(slots.alive[:n], -score if self.order == "descending" else score, np.inf)
+        live, m, done = slots.live, 128, 0
+        while done < live:
+            if m >= live:
+                idx = np.flatnonzero(slots.alive[:n])
+            else:
+                best = np.argpartition(primary, m - 1)[:m]
+                idx = np.flatnonzero(primary <= primary[best].max())
+            order = idx[np.lexsort((slots.rid[:n][idx], arr[idx], primary[idx]))]
+            for j in order[done:].tolist():
+                yield slots.reqs[j]
+            done = len(order)
+            m *= 4
 
     # ---- Algorithm 1 -------------------------------------------------------------------------
     def scores(self, now: float) -> list[tuple[float, Request]]:
@@ -130,20 +197,28 @@ class KairosPrefill(PrefillScheduler):
         finishes = fcfs_finish_times(self.queue, now, self.throughput, duration)
         return [(urgency_score(r, f), r) for r, f in zip(self.queue, finishes)]
 
-    def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
-        if not self.queue:
-            return None
+    def _sorted_scores(self, now: float) -> list[tuple[float, Request]]:
         scored = self.scores(now)
         sign = -1.0 if self.order == "descending" else 1.0
         scored.sort(key=lambda item: (sign * item[0], item[1].arrival_time, item[1].request_id))
+        return scored
+
+    def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
+        if not self.queue:
+            return None
+        return self._fill(self._ranked(now), now, token_budget)
+
+    def _fill(self, ranked: Iterable[Request], now: float, token_budget: int | None) -> StepPlan | None:
+        """Lines 11-20: whole requests in score order while they fit, then one partial chunk."""
         budget = self.chunk_size if token_budget is None else min(token_budget, self.chunk_size)
         plan = StepPlan(label=self.name)
         used = 0
-        for _, req in scored:
+        for req in ranked:
             if used >= budget or len(plan.prefills) >= self.max_batch_size:
                 break
             if not self.admit(req, now):
                 continue
+            self._touch(req)
             n = req.remaining_prefill
             if used + n <= budget:
                 plan.prefills.append(self.chunk(req, n))
@@ -164,4 +239,6 @@ class KairosPrefill(PrefillScheduler):
                 self._tokens_seen += tokens
                 self._seconds_seen += result.duration
                 self.throughput = self._tokens_seen / self._seconds_seen
+        for chunk in plan.prefills:
+            self._touch(chunk.request)
         return super().update(plan, result, now)

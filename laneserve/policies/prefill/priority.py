@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from laneserve.core.request import Request
 from laneserve.costmodel.fitted import PolynomialTTFT
 
@@ -108,6 +110,15 @@ class _Horner:
             acc = acc * tokens + c
         return acc if acc > 0.0 else 0.0
 
+    def nondecreasing(self, lo: float, hi: float) -> bool:
+        """True when the polynomial cannot decrease on ``[lo, hi]`` (its derivative has no
+        sign change there and is not negative at ``lo``); clamping at 0 keeps that."""
+        deriv = np.polyder(np.array(self.coefficients[::-1]))
+        if not deriv.size or not np.any(deriv):
+            return True
+        points = [lo, hi, *(r.real for r in np.roots(deriv) if abs(r.imag) < 1e-12 and lo < r.real < hi)]
+        return all(np.polyval(deriv, x) >= 0 for x in points) and np.polyval(deriv, (lo + hi) / 2) >= 0
+
 
 @dataclass(slots=True)
 class OnlineTTFT:
@@ -115,7 +126,8 @@ class OnlineTTFT:
     model): (batch tokens, step seconds) samples; a linear tokens/throughput estimate until
     ``degree + 1`` distinct sizes were seen, then a least-squares :class:`PolynomialTTFT` (refitted
     on every sample at first, then every ``refit_every`` samples, over the last ``window``).
-    Predicts 0 before any sample."""
+    Predicts 0 before any sample; ``version`` counts the refits (queues that cache predictions
+    rebuild when it changes)."""
 
     degree: int = 2
     window: int = 256
@@ -123,6 +135,7 @@ class OnlineTTFT:
     samples: list[tuple[int, float]] = field(default_factory=list)
     _fn: Callable[[float], float] | None = None
     _since_fit: int = 0
+    version: int = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -136,6 +149,7 @@ class OnlineTTFT:
 
     def _refit(self) -> None:
         self._since_fit = 0
+        self.version += 1
         if len({n for n, _ in self.samples}) > self.degree:
             self._fn = _Horner(PolynomialTTFT(self.degree).fit(self.samples).coefficients)
         else:
@@ -144,6 +158,21 @@ class OnlineTTFT:
 
     def __call__(self, tokens: float) -> float:
         return self._fn(tokens) if self._fn is not None else 0.0
+
+
+def never_negative(predict: Callable[[float], float]) -> bool:
+    """True for the predictors built here, which clamp (polynomial) or cannot go below 0."""
+    return isinstance(predict, (_Horner, OnlineTTFT))
+
+
+def nondecreasing(predict: Callable[[float], float], hi: float) -> bool:
+    """True when ``predict`` (one of the predictors built here, in its current fit) cannot
+    decrease on ``[0, hi]`` tokens; False when unknown."""
+    if isinstance(predict, OnlineTTFT):
+        predict = predict._fn
+        if predict is None or not isinstance(predict, _Horner):
+            return True                   # 0, or tokens / rate
+    return isinstance(predict, _Horner) and predict.nondecreasing(0.0, hi)
 
 
 def make_predictor(predictor: Any = None, cost_model: Any = None) -> tuple[Callable[[float], float], bool]:

@@ -1,0 +1,52 @@
+"""Straightforward reference forms of the incremental prefill policies (issue 12, item 1): every
+decision re-ranks the whole waiting queue, as the policies did before their queues became
+incremental. Not registered; ``tests/test_policy_incremental.py`` runs each beside its optimised
+twin and asserts identical plans step for step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from laneserve.core.plan import StepPlan
+from laneserve.core.request import Request
+from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
+from laneserve.policies.prefill.kairos import KairosPrefill
+from laneserve.policies.prefill.priority import PriorityKey
+
+
+class FlowPrefillReference(FlowPrefillScheduler):
+    """S-EDF (and its orderings) with a full sort of the waiting requests per decision and
+    Algorithm 1 walking every candidate."""
+
+    def _wait(self, req: Request) -> None:
+        self.waiting[req.request_id] = req
+
+    def _unwait(self, request_id: int) -> None:
+        self.waiting.pop(request_id, None)
+
+    def _waiting_ranked(self, now: float) -> Iterator[tuple[PriorityKey, Request]]:
+        return iter(sorted(((self._req_key(r, now), r) for r in self.waiting.values()), key=lambda kr: kr[0]))
+
+    def _waiting_best_key(self, now: float) -> PriorityKey | None:
+        return min((self._req_key(r, now) for r in self.waiting.values()), default=None)
+
+    def _batch_closed(self, tokens: int, limit: int, t_remain: float) -> bool:
+        return False
+
+
+class KairosPrefillReference(KairosPrefill):
+    """Kairos prefill with the Python FCFS walk and a full sort of the scores per decision."""
+
+    def _enqueue_slot(self, req: Request) -> None:
+        pass
+
+    def _drop_slot(self, req: Request) -> None:
+        pass
+
+    def _touch(self, req: Request) -> None:
+        pass
+
+    def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
+        if not self.queue:
+            return None
+        return self._fill((req for _, req in self._sorted_scores(now)), now, token_budget)
