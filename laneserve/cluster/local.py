@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
 from laneserve.core.clock import WallClock
@@ -29,7 +28,6 @@ class _Worker:
     def __init__(self, instance: EngineInstance, cluster: LocalCluster) -> None:
         self.instance = instance
         self.cluster = cluster
-        self.incoming: deque = deque()     # (request, payload) KV transfers into a decode instance
         self.wake = threading.Event()
         self.thread = threading.Thread(target=self._loop, name=f"instance-{instance.instance_id}", daemon=True)
         self.error: BaseException | None = None
@@ -38,7 +36,7 @@ class _Worker:
         inst, cluster = self.instance, self.cluster
         try:
             while not cluster.stopping:
-                self._take_transfers()
+                inst.take_kv(lambda payload: payload, on_drop=lambda req, _: cluster._finished(req))
                 outcome = inst.step()
                 if outcome is None:
                     due = inst.next_due()
@@ -53,15 +51,6 @@ class _Worker:
         except BaseException as exc:  # surfaced by LocalCluster.run
             self.error = exc
             cluster.stopping = True
-
-    def _take_transfers(self) -> None:
-        sched = self.instance.scheduler
-        while self.incoming:
-            req, payload = self.incoming[0]
-            if not sched.can_reserve(req):
-                return
-            self.incoming.popleft()
-            self.instance.accept_kv(req, lambda payload=payload: payload)
 
 
 class LocalCluster:
@@ -109,9 +98,8 @@ class LocalCluster:
         src.scheduler.release(req.request_id)
         d = self.decode_router.route(req, self.decode, self.clock.now())
         req.decode_instance = self.decode[d].instance_id
-        worker = self.workers[self.decode[d].instance_id]
-        worker.incoming.append((req, payload))
-        worker.wake.set()
+        self.decode[d].offer_kv(req, payload)
+        self.workers[self.decode[d].instance_id].wake.set()
 
     def _finished(self, req: Request) -> None:
         with self._done_lock:

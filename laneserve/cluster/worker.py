@@ -12,7 +12,7 @@ steps.
 After each step the worker sends one ``tok`` message with every request's new tokens (and
 logprobs when asked for), hands finished prefills off (``export_kv`` -> KV transport ->
 ``handoff`` message, then ``scheduler.release``) and reports ``stats``. A decode worker reserves
-blocks for an incoming transfer when its policy can (``can_reserve``/``reserve``), imports the KV
+blocks for an incoming transfer through the instance runtime (``offer_kv``, ``take_kv``), imports the KV
 and adds the request, as :class:`~laneserve.cluster.local.LocalCluster` does in one process.
 
 Failures stay with the request that caused them (issue 11): a request whose fields do not decode,
@@ -35,7 +35,6 @@ import queue
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -129,7 +128,6 @@ class InstanceWorker:
         self.messages: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self.control: list[dict] = []
-        self.incoming: deque = deque()        # (request, kv descriptor) transfers waiting for blocks
         self.live: dict[int, Any] = {}        # rid -> Request, every request this instance holds
         self.sent: dict[int, int] = {}        # rid -> output tokens already sent
         self.added = 0
@@ -228,7 +226,7 @@ class InstanceWorker:
                 self.live[req.request_id] = req
                 self.sent[req.request_id] = len(req.output_token_ids or ())
                 self.added += 1
-                self.incoming.append((req, msg.get("kv")))
+                self.instance.offer_kv(req, msg.get("kv"))
                 self._dirty = True
             elif kind == "stop":
                 self.stopping = True
@@ -243,7 +241,7 @@ class InstanceWorker:
 
     def _fail_step(self, exc: BaseException) -> None:
         """A step raised: fail the requests of the plan it ran (their KV is freed), keep serving."""
-        plan = self.instance.current_plan
+        plan = self.instance.plan
         rids = [] if plan is None else [c.request.request_id for c in plan.prefills] + [
             r.request_id for r in plan.decodes]
         now = self.clock.now()
@@ -254,7 +252,7 @@ class InstanceWorker:
             self.sent.pop(rid, None)
         with contextlib.suppress(Exception):
             self.instance.executor.discard(plan)
-        self.instance.current_plan = None
+        self.instance.plan = None
         print(f"laneserve: instance {self.spec.instance_id}: step failed ({type(exc).__name__}: {exc}); "
               f"failing request(s) {rids}", file=sys.stderr, flush=True)
         if rids:
@@ -270,25 +268,21 @@ class InstanceWorker:
     def _abort(self, rid: int, now: float) -> None:
         self.live.pop(rid, None)
         self.sent.pop(rid, None)
-        for k, (req, desc) in enumerate(self.incoming):
-            if req.request_id == rid:
-                del self.incoming[k]
-                self.transport.discard(desc)
-                return
-        self.instance.scheduler.abort(rid, now)
+        _, desc = self.instance.abort(rid, now)
+        if desc is not None:                    # its KV had not come in yet
+            self.transport.discard(desc)
 
     def _take_transfers(self) -> None:
-        sched = self.instance.scheduler
-        while self.incoming:
-            req, desc = self.incoming[0]
-            if not sched.can_reserve(req):
-                return
-            self.incoming.popleft()
-            try:
-                self.instance.accept_kv(req, lambda desc=desc: self.transport.get(desc))
-            except Exception as exc:  # noqa: BLE001 - a failed transfer fails its request only
-                self.live.pop(req.request_id, None)
-                self._send({"k": "err", "rids": [req.request_id], "msg": f"KV transfer failed: {exc}"})
+        def failed(req, exc: Exception) -> None:
+            self.live.pop(req.request_id, None)
+            self._send({"k": "err", "rids": [req.request_id], "msg": f"KV transfer failed: {exc}"})
+
+        def never_fits(req, desc) -> None:
+            self.transport.discard(desc)
+            self.live.pop(req.request_id, None)
+            self._send({"k": "err", "rids": [req.request_id],
+                        "msg": "the request can never fit this decode instance's KV memory"})
+        self.instance.take_kv(self.transport.get, on_error=failed, on_drop=never_fits)
 
     # ---- outputs -----------------------------------------------------------------------------
     def _send(self, msg: dict) -> None:
@@ -352,15 +346,15 @@ class InstanceWorker:
         inst = self.instance
         sched = inst.scheduler
         kv = sched.kv
-        host = getattr(sched, "host_pool", None)
-        self._send({"k": "stats", "added": self.added, "waiting": inst.num_waiting + len(self.incoming),
+        host = sched.host_pool
+        self._send({"k": "stats", "added": self.added, "waiting": inst.num_waiting,
                     "running": inst.num_running, "queued_tokens": inst.queued_tokens,
                     "kv_usage": kv.usage, "kv_free": kv.num_free_blocks, "kv_total": kv.num_blocks,
                     "host_free": host.num_free_blocks if host is not None else None,
                     "host_total": host.num_blocks if host is not None else None,
-                    "preemptions": inst.preemptions + getattr(sched, "num_preemptions", 0),
+                    "preemptions": inst.total_preemptions,
                     "steps": inst.steps, "busy": inst.busy_time, "live": len(self.live),
-                    "incoming": len(self.incoming)})
+                    "incoming": len(inst.pending)})
         self._last_stats = now
         self._dirty = False
 

@@ -1,12 +1,14 @@
-"""One engine instance: the scheduler contract's loop on real tensors (DESIGN.md, "The central
-contract")::
+"""One engine instance: the shared instance runtime (:class:`~laneserve.runtime.Instance`) driven
+in wall time on real tensors (DESIGN.md, "The central contract")::
 
-    plan = scheduler.schedule(now); result = executor.execute(plan, should_stop); scheduler.update(...)
+    plan = inst.begin_step(now); result = executor.execute(plan, should_stop); inst.end_step(...)
 
 Requests enter through a thread-safe inbox, stamped with the time they are due (trace replay) or
 now. While a preemptible prefill runs, the executor asks ``should_stop`` at every operator
-boundary; the instance then takes due arrivals into the scheduler and asks it whether to preempt
-(FlowPrefill Algorithm 2: decisions on arrival and completion events only).
+boundary; the instance then takes due arrivals into the scheduler and asks whether to preempt
+(FlowPrefill Algorithm 2: decisions on arrival and completion events only). Prefilled requests
+from another instance are offered (``offer_kv``) and taken in by :meth:`take_kv` when their
+blocks fit. A logits row the sampler cannot sample fails that request alone (``failed``).
 """
 
 from __future__ import annotations
@@ -15,35 +17,29 @@ import heapq
 import threading
 from collections.abc import Callable
 from itertools import count
+from typing import Any
 
 from laneserve.core.clock import Clock, WallClock
 from laneserve.core.plan import StepPlan
 from laneserve.core.request import Request
 from laneserve.policies.base import InstanceScheduler, StepOutcome
-from laneserve.policies.routing import SchedulerLoad
+from laneserve.runtime import Instance
 
 
-class EngineInstance(SchedulerLoad):
+class EngineInstance(Instance):
     def __init__(self, scheduler: InstanceScheduler, executor, *, clock: Clock | None = None,
                  instance_id: int = 0, stop_checker=None) -> None:
-        inner = getattr(scheduler, "prefill", scheduler)          # colocated schedulers wrap one
-        if getattr(scheduler, "prefix_caching", False) or getattr(inner, "prefix_caching", False):
+        if scheduler.prefix_caching:
             raise ValueError("prefix_caching=true is a simulator option: the engine keeps no prompt KV "
                              "across requests and computes every prompt in full; drop the option")
-        self.scheduler = scheduler
+        super().__init__(instance_id, scheduler)
         self.executor = executor
         self.clock = clock or WallClock()
-        self.instance_id = instance_id
-        self.role = scheduler.role
         self.stop_checker = stop_checker
         self._inbox: list[tuple[float, int, Request]] = []
         self._seq = count()
         self._lock = threading.Lock()
-        self.current_plan: StepPlan | None = None    # the plan being executed (for failure handling)
         self.failed: dict[int, str] = {}               # requests the last step failed (rid -> why)
-        self.steps = 0
-        self.busy_time = 0.0
-        self.preemptions = 0
 
     # ---- input ---------------------------------------------------------------------------
     def submit(self, req: Request, at: float | None = None) -> None:
@@ -58,7 +54,7 @@ class EngineInstance(SchedulerLoad):
         with self._lock:
             while self._inbox and self._inbox[0][0] <= now:
                 _, _, req = heapq.heappop(self._inbox)
-                self.scheduler.add_request(req, now)
+                self.arrive(req, now)
                 taken += 1
         return taken
 
@@ -67,36 +63,47 @@ class EngineInstance(SchedulerLoad):
             return self._inbox[0][0] if self._inbox else None
 
     # ---- load figures for routers (policies.routing.InstanceLoad) -------------------------
-    accepting = True
-
     def _outside(self) -> list[Request]:
-        return [r for _, _, r in self._inbox]
+        """Requests submitted but not yet taken in, and offered KV transfers (other threads may
+        be adding to both: copied first)."""
+        with self._lock:
+            inbox = [r for _, _, r in self._inbox]
+        return inbox + [req for req, _ in list(self.pending)]
 
     @property
     def idle(self) -> bool:
-        return not self.scheduler.has_work and not self._inbox
+        return not self.scheduler.has_work and not self._inbox and not self.pending
 
     # ---- the loop ------------------------------------------------------------------------
-    def accept_kv(self, req: Request, fetch: Callable[[], object]) -> None:
-        """Take in a prefilled request whose KV arrives from another instance: reserve blocks where
-        the decode policy wants them (device, or the host pool for AlignedServe §3.2), import the
-        payload ``fetch()`` returns, and hand the request to the scheduler. If fetching or
-        importing fails, the reservation is released and the error re-raised."""
+    def take_kv(self, fetch: Callable[[Any], object], *,
+                on_error: Callable[[Request, Exception], None] | None = None,
+                on_drop: Callable[[Request, Any], None] | None = None) -> int:
+        """Take in the offered transfers that fit now (:meth:`admit_kv` reserves their blocks where
+        the decode policy wants them: device, or the host pool for AlignedServe §3.2): import what
+        ``fetch(payload)`` returns and hand each request to the scheduler. A failed fetch or import
+        releases the reservation and goes to ``on_error`` (re-raised without one). Returns how
+        many came in."""
         sched = self.scheduler
-        sched.reserve(req)
-        in_host = getattr(sched, "kv_lands_in_host", False)
-        try:
-            self.executor.import_kv(req.request_id, fetch(), into_host=in_host)
-        except Exception:
-            (sched.host_pool if in_host else sched.kv).free(req.request_id)
-            raise
-        req.times.transfer_end = self.clock.now()
-        sched.add_request(req, req.times.transfer_end)
+        in_host = sched.kv_lands_in_host
+        taken = 0
+        for req, payload in self.admit_kv(self.clock.now(), on_drop=on_drop):
+            try:
+                self.executor.import_kv(req.request_id, fetch(payload), into_host=in_host)
+            except Exception as exc:
+                (sched.host_pool if in_host else sched.kv).free(req.request_id)
+                if on_error is None:
+                    raise
+                on_error(req, exc)
+                continue
+            req.times.transfer_end = self.clock.now()
+            self.arrive(req, req.times.transfer_end)
+            taken += 1
+        return taken
 
     def release_dropped(self) -> int:
         """Free the executor state of preempted plans the scheduler gave up (a member was
         aborted: FlowPrefill lists them in ``dropped_plans``). Returns how many were parked."""
-        dropped = getattr(self.scheduler, "dropped_plans", None)
+        dropped = self.scheduler.dropped_plans
         freed = 0
         while dropped:
             freed += bool(self.executor.discard(dropped.pop()))
@@ -106,20 +113,13 @@ class EngineInstance(SchedulerLoad):
         """Run one step if the scheduler has one; ``None`` when it has nothing to run now."""
         self.release_dropped()
         self.take_arrivals()
-        now = self.clock.now()
-        plan = self.scheduler.schedule(now)
+        plan = self.begin_step(self.clock.now())
         if plan is None:
             return None
         should_stop = self._preempt_check(plan) if plan.preemptible else None
-        self.current_plan = plan
-        result = self.executor.execute(plan, should_stop)
-        self.current_plan = None
-        self.steps += 1
-        self.busy_time += result.duration
-        if not result.completed:
-            self.preemptions += 1
+        result = self.executor.execute(plan, should_stop)    # raises: self.plan names the failed step
         end = self.clock.now()
-        outcome = self.scheduler.update(plan, result, end)
+        outcome = self.end_step(plan, result, end, result.duration)
         self.failed = dict(getattr(result, "failed", None) or {})
         for rid in self.failed:                        # a row that could not be sampled: fail it alone
             req = self.scheduler.abort(rid, end, reason="error")
@@ -136,7 +136,7 @@ class EngineInstance(SchedulerLoad):
                 wake = self.scheduler.next_wakeup()     # a policy deadline (suspension bound)
                 if wake is None or self.clock.now() < wake:
                     return False
-            return self.scheduler.should_preempt(plan, self.clock.now())
+            return self.preempt_wanted(self.clock.now())
         return should_stop
 
     def _apply_stop_strings(self, plan: StepPlan, now: float, outcome: StepOutcome) -> None:

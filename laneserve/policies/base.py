@@ -36,10 +36,16 @@ class InstanceScheduler(ABC):
 
     role: str = "prefill"
     name: str = "base"
+    # What the instance runtime and the routers may ask of any policy (defaults: the policy has none)
+    kv_lands_in_host: bool = False        # incoming KV is imported into the host pool (AlignedServe)
+    host_pool = None                      # the decode side's host KV pool, if any
+    prefix_cache = None                   # the prefill side's prefix cache, if bound
+    prefix_caching: bool = False          # the policy reuses cached prompt prefixes
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
         self.requests: dict[int, Request] = {}     # every request this instance holds
+        self.dropped_plans: list[StepPlan] = []     # parked plans given up (a member aborted)
 
     # ---- events --------------------------------------------------------------------------
     def add_request(self, req: Request, now: float) -> None:
@@ -95,6 +101,25 @@ class InstanceScheduler(ABC):
     def next_wakeup(self) -> float | None:
         """A time at which ``schedule`` should be called even without an event (AWD windows)."""
         return None
+
+    def bind_cost_model(self, cost_model) -> None:
+        """Give an online predictor the instance's cost model (simulator), when the policy has one."""
+
+    def bind_prefix_cache(self, cache) -> None:
+        """Give the policy its instance's prefix cache (policies run with ``prefix_caching``)."""
+
+    def cached_prefix(self, req: Request) -> int:
+        """Prompt tokens of ``req`` this instance holds cached (0 without a prefix cache)."""
+        return 0
+
+    def set_lane(self, lane: str | None) -> None:
+        """The length lane a pool router assigned this instance (LAPS' spatial mode)."""
+
+    @property
+    def policy_preemptions(self) -> int:
+        """Preemptions the policy makes between steps (decode swaps and recomputes). A step stopped
+        at an operator boundary is counted by the instance runtime, not here."""
+        return 0
 
     def _on_preempted(self, plan: StepPlan, now: float) -> None:
         for chunk in plan.prefills:

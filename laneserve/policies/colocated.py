@@ -86,3 +86,37 @@ class ColocatedScheduler(InstanceScheduler):
     @property
     def has_work(self) -> bool:
         return self.prefill.has_work or self.decode.has_work
+
+    # ---- hooks of the two sides ------------------------------------------------------------------
+    @property
+    def dropped_plans(self) -> list[StepPlan]:
+        return self.prefill.dropped_plans
+
+    @dropped_plans.setter
+    def dropped_plans(self, value: list[StepPlan]) -> None:   # InstanceScheduler.__init__ sets one
+        pass
+
+    @property
+    def host_pool(self):
+        return self.decode.host_pool
+
+    @property
+    def prefix_cache(self):
+        return self.prefill.prefix_cache
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.prefill.prefix_caching
+
+    def bind_cost_model(self, cost_model) -> None:
+        self.prefill.bind_cost_model(cost_model)
+
+    def bind_prefix_cache(self, cache) -> None:
+        self.prefill.bind_prefix_cache(cache)
+
+    def cached_prefix(self, req: Request) -> int:
+        return self.prefill.cached_prefix(req)
+
+    @property
+    def policy_preemptions(self) -> int:
+        return self.decode.policy_preemptions

@@ -1,19 +1,20 @@
 """Discrete-event simulation of a PD-disaggregated (or colocated) cluster.
 
 Events: request arrival, step finished (or stopped at an operator boundary), KV transfer done,
-and policy wake-ups. Each instance is an event-driven loop over the scheduler contract; KV
-transfers queue per destination link; every instance has a KV memory limit (prefill admission
-waits for memory, decode reservations wait, decode growth preempts). Deterministic: ties break by
-event sequence number, and nothing here draws random numbers.
+and policy wake-ups. Each instance is the shared runtime (:class:`~laneserve.runtime.Instance`:
+steps, arrivals, preemption questions, KV intake, counters) driven in virtual time: this module
+only turns its answers into future events. KV transfers queue per destination link; every
+instance has a KV memory limit (prefill admission waits for memory, decode reservations wait,
+decode growth preempts). Deterministic: ties break by event sequence number, and nothing here
+draws random numbers.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
 
 from laneserve.core.kv import HostKVPool, KVCacheManager, blocks_for
@@ -22,34 +23,27 @@ from laneserve.core.prefix_cache import PrefixCache
 from laneserve.core.request import Phase, Request, RequestSpec
 from laneserve.costmodel.base import CostModel
 from laneserve.policies import registry
-from laneserve.policies.base import InstanceScheduler
-from laneserve.policies.routing import SchedulerLoad
+from laneserve.runtime import Instance
 from laneserve.sim.config import ClusterConfig, kv_capacity_tokens
 from laneserve.sim.executor import SimExecutor
 
 _STEP, _TRANSFER, _WAKEUP = 0, 1, 2
 
 
-@dataclass(slots=True, eq=False)
-class SimInstance(SchedulerLoad):
-    instance_id: int
-    role: str
-    scheduler: InstanceScheduler
-    plan: StepPlan | None = None
-    result: StepResult | None = None
-    step_start: float = 0.0
-    step_token: int = 0
-    preempt_at: int | None = None         # op count at which the running step will stop
-    wakeup_at: float | None = None
-    link_free_at: float = 0.0             # incoming KV link (decode instances)
-    pending: deque = field(default_factory=deque)   # prefilled requests waiting to transfer in
-    accepting: bool = True
-    busy_time: float = 0.0
-    steps: int = 0
-    preemptions: int = 0
+class SimInstance(Instance):
+    """The runtime plus what the simulator's events need: the running step's precomputed result
+    and start, a token that invalidates its end event when a preemption moves it, the operator
+    count it will stop at, the pending wake-up and the incoming KV link's next free time."""
 
-    def _outside(self) -> deque:
-        return self.pending
+    def __init__(self, instance_id: int, role: str, scheduler) -> None:
+        super().__init__(instance_id, scheduler)
+        self.role = role
+        self.result: StepResult | None = None
+        self.step_start = 0.0
+        self.step_token = 0
+        self.preempt_at: int | None = None       # op count at which the running step will stop
+        self.wakeup_at: float | None = None
+        self.link_free_at = 0.0                  # incoming KV link (decode instances)
 
 
 @dataclass(slots=True)
@@ -94,12 +88,10 @@ class Simulator:
                                                          kv(cfg.prefill_kv_tokens), **cfg.prefill_opts))
                  for i in range(cfg.num_prefill)]
         for inst in front:     # policies with an online predictor fit it to the instance's model
-            bind = getattr(inst.scheduler, "bind_cost_model", None)
-            if bind is not None:
-                bind(self.cost)
-            bind_cache = getattr(inst.scheduler, "bind_prefix_cache", None)
-            if cfg.prefix_cache_tokens is not None and bind_cache is not None:
-                bind_cache(PrefixCache(cfg.prefix_cache_tokens or cfg.prefill_kv_tokens or default_tokens))
+            inst.scheduler.bind_cost_model(self.cost)
+            if cfg.prefix_cache_tokens is not None:
+                inst.scheduler.bind_prefix_cache(
+                    PrefixCache(cfg.prefix_cache_tokens or cfg.prefill_kv_tokens or default_tokens))
         back = [SimInstance(cfg.num_prefill + j, "decode", registry.make(
                     "decode", cfg.decode_policy, kv(cfg.decode_kv_tokens), host_pool=host(),
                     **cfg.decode_opts))
@@ -142,12 +134,12 @@ class Simulator:
 
         def start_step(inst: SimInstance, t: float) -> None:
             nonlocal seq
-            plan = inst.scheduler.schedule(t)
+            plan = inst.begin_step(t)
             if plan is None:
                 schedule_wakeup(inst, t)
                 return
             result = executor.execute(plan)
-            inst.plan, inst.result, inst.step_start = plan, result, t
+            inst.result, inst.step_start = result, t
             inst.step_token += 1
             inst.preempt_at = None
             seq += 1
@@ -158,7 +150,7 @@ class Simulator:
         def try_preempt(inst: SimInstance, t: float) -> None:
             nonlocal seq
             plan = inst.plan
-            if inst.preempt_at is not None or not inst.scheduler.should_preempt(plan, t):
+            if inst.preempt_at is not None or not inst.preempt_wanted(t):
                 return
             bounds = SimExecutor.boundaries(plan)
             if not bounds:
@@ -175,18 +167,7 @@ class Simulator:
 
         def try_transfers(dec: SimInstance, t: float) -> None:
             nonlocal seq
-            sched = dec.scheduler
-            pending = dec.pending
-            while pending:
-                req = pending[0]
-                if not sched.kv.fits_ever(req.context_len + 1):
-                    pending.popleft()
-                    fail(req, t)
-                    continue
-                if not sched.can_reserve(req):
-                    return
-                pending.popleft()
-                sched.reserve(req)
+            for req, _ in dec.admit_kv(t, on_drop=release_source):
                 start = dec.link_free_at if dec.link_free_at > t else t
                 end = start + cost.kv_transfer_time(req.num_computed_tokens, link)
                 dec.link_free_at = end
@@ -194,11 +175,10 @@ class Simulator:
                 seq += 1
                 push(heap, (end, seq, _TRANSFER, dec, req))
 
-        def fail(req: Request, t: float) -> None:
-            """A request that can never fit an instance's KV memory ends with an error."""
+        def release_source(req: Request, _payload) -> None:
+            """A transfer that can never fit its decode instance: its prefill KV is let go."""
             if req.prefill_instance is not None:
                 front[req.prefill_instance].scheduler.release(req.request_id)
-            req.finish(t, "error")
 
         def arrive(req: Request, t: float) -> None:
             i = router.route(req, front, t)
@@ -207,7 +187,7 @@ class Simulator:
             if not inst.scheduler.kv.fits_ever(req.prompt_len + 1):
                 req.finish(t, "error")
                 return
-            inst.scheduler.add_request(req, t)
+            inst.arrive(req, t)
             if inst.plan is None:
                 start_step(inst, t)
             elif inst.plan.preemptible:
@@ -237,16 +217,13 @@ class Simulator:
                 if inst.preempt_at is not None:   # stopped at an operator boundary
                     result = StepResult(duration=now - inst.step_start, completed=False)
                     plan.ops_done = inst.preempt_at
-                    inst.preemptions += 1
-                inst.busy_time += now - inst.step_start
-                inst.steps += 1
-                inst.plan = inst.result = None
-                outcome = inst.scheduler.update(plan, result, now)
+                inst.result = None
+                outcome = inst.end_step(plan, result, now, now - inst.step_start)
                 for req in outcome.prefilled:
                     req.phase = Phase.TRANSFERRING
                     d = decode_router.route(req, back, now)
                     req.decode_instance = back[d].instance_id
-                    back[d].pending.append(req)
+                    back[d].offer_kv(req)
                     try_transfers(back[d], now)
                 if inst.role != "prefill" and outcome.finished:
                     try_transfers(inst, now)
@@ -258,7 +235,7 @@ class Simulator:
                 src.scheduler.release(req.request_id)
                 if src.plan is None:
                     start_step(src, now)
-                inst.scheduler.add_request(req, now)
+                inst.arrive(req, now)
                 if inst.plan is None:
                     start_step(inst, now)
             else:  # _WAKEUP
@@ -278,11 +255,7 @@ class Simulator:
         if progress is not None:
             progress(total, total)
         first = requests[0].arrival_time if requests else 0.0
-        stats = [{"instance": inst.instance_id, "role": inst.role, "steps": inst.steps,
-                  "busy_time": inst.busy_time, "utilization": inst.busy_time / max(now - first, 1e-9),
-                  "preemptions": inst.preemptions + getattr(inst.scheduler, "num_preemptions", 0),
-                  **(cache.stats() if (cache := getattr(inst.scheduler, "prefix_cache", None)) else {})}
-                 for inst in (*front, *back)]
+        stats = [inst.stats(now - first) for inst in (*front, *back)]
         return SimResult(requests=requests, duration=now - first, config=cfg, instances=stats,
                          events=events, wall_seconds=time.perf_counter() - wall0, unfinished=unfinished)
 

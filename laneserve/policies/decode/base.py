@@ -73,6 +73,10 @@ class DecodeScheduler(InstanceScheduler):
         return sum(r.remaining_output for r in self.requests.values())
 
     # ---- step building -------------------------------------------------------------------
+    @property
+    def policy_preemptions(self) -> int:
+        return self.num_preemptions
+
     def _grow_running(self, plan: StepPlan) -> None:
         """Make room for one more token in every running request, preempting the newest
         running requests (vLLM's rule) until the rest fit."""

@@ -1,0 +1,129 @@
+"""One instance's runtime around the scheduler contract, written once for every driver (DESIGN.md,
+wave 2, "One instance runtime"): the simulator (virtual time, cost-model steps), the engine's
+instance loop (wall time, torch steps), the in-process engine cluster and the instance processes
+of ``laneserve serve``.
+
+::
+
+    plan = inst.begin_step(now)                       # None: idle until an event or inst.next_wakeup()
+    ...                                                # the driver runs the plan, in its own time
+    outcome = inst.end_step(plan, result, now, duration)   # prefilled: hand off; finished: done
+
+What a driver feeds in besides steps:
+
+- ``arrive(req, now)``: a new request enters the scheduler; ``preempt_wanted(now)`` then says
+  whether the running (preemptible) step should stop at its next operator boundary.
+- ``offer_kv(req, payload)``: a prefilled request whose KV waits to come in (decode side);
+  ``admit_kv(now)`` yields, in arrival order, each one that fits now with its blocks reserved, and
+  fails (finish reason ``error``) one that can never fit this instance's memory.
+- ``abort(rid, now)``: drops the request wherever it is here (an offered transfer too).
+
+Counters are kept here once: steps, busy time, and preemptions — a step stopped at an operator
+boundary counts here, swaps and recomputes a policy makes between steps count in
+``scheduler.policy_preemptions``; ``stats()`` adds the two. The router-facing load figures come
+from :class:`~laneserve.policies.routing.SchedulerLoad` (offered transfers count as waiting).
+Pure Python: no torch, no clock of its own.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from laneserve.core.plan import StepPlan, StepResult
+from laneserve.core.request import Request
+from laneserve.policies.base import InstanceScheduler, StepOutcome
+from laneserve.policies.routing import SchedulerLoad
+
+
+class Instance(SchedulerLoad):
+    def __init__(self, instance_id: int, scheduler: InstanceScheduler) -> None:
+        self.instance_id = instance_id
+        self.scheduler = scheduler
+        self.role = scheduler.role
+        self.accepting = True
+        self.plan: StepPlan | None = None               # the step running now
+        self.pending: deque[tuple[Request, Any]] = deque()   # offered KV transfers, arrival order
+        self.steps = 0
+        self.busy_time = 0.0
+        self.preemptions = 0                            # steps stopped at an operator boundary
+
+    # ---- load figures ----------------------------------------------------------------------
+    def _outside(self) -> list[Request]:
+        return [req for req, _ in self.pending]
+
+    # ---- steps -----------------------------------------------------------------------------
+    def begin_step(self, now: float) -> StepPlan | None:
+        """The scheduler's next plan (now running), or None when it has nothing to run now."""
+        plan = self.scheduler.schedule(now)
+        self.plan = plan
+        return plan
+
+    def end_step(self, plan: StepPlan, result: StepResult, now: float, duration: float) -> StepOutcome:
+        """The step ``plan`` ended at ``now`` after ``duration`` seconds (``result.completed`` False:
+        it stopped at an operator boundary and is parked); request state advances."""
+        self.plan = None
+        self.steps += 1
+        self.busy_time += duration
+        if not result.completed:
+            self.preemptions += 1
+        return self.scheduler.update(plan, result, now)
+
+    # ---- events ----------------------------------------------------------------------------
+    def arrive(self, req: Request, now: float) -> None:
+        self.scheduler.add_request(req, now)
+
+    def preempt_wanted(self, now: float) -> bool:
+        """Whether the running step should stop at its next operator boundary (asked after an
+        arrival or a policy wake-up; FlowPrefill Algorithm 2)."""
+        plan = self.plan
+        return plan is not None and plan.preemptible and self.scheduler.should_preempt(plan, now)
+
+    def next_wakeup(self) -> float | None:
+        return self.scheduler.next_wakeup()
+
+    def offer_kv(self, req: Request, payload: Any = None) -> None:
+        self.pending.append((req, payload))
+
+    def admit_kv(self, now: float, on_drop: Callable[[Request, Any], None] | None = None,
+                 ) -> Iterator[tuple[Request, Any]]:
+        """Offered transfers that fit now, in order, with their blocks reserved (the policy decides
+        where: device or host pool); stops at the first that does not fit yet. One that can never
+        fit this instance's KV memory is dropped (``on_drop(req, payload)``: free what it holds
+        elsewhere) and finished with ``error``."""
+        sched, pending = self.scheduler, self.pending
+        while pending:
+            req, payload = pending[0]
+            if not sched.kv.fits_ever(req.context_len + 1):
+                pending.popleft()
+                if on_drop is not None:
+                    on_drop(req, payload)
+                req.finish(now, "error")
+                continue
+            if not sched.can_reserve(req):
+                return
+            pending.popleft()
+            sched.reserve(req)
+            yield req, payload
+
+    def abort(self, request_id: int, now: float, reason: str = "abort") -> tuple[Request | None, Any]:
+        """Drop ``request_id`` here; returns (the request, the payload of its offered transfer if it
+        had not come in yet, which the caller must discard)."""
+        for k, (req, payload) in enumerate(self.pending):
+            if req.request_id == request_id:
+                del self.pending[k]
+                return req, payload
+        return self.scheduler.abort(request_id, now, reason), None
+
+    # ---- figures -----------------------------------------------------------------------------
+    @property
+    def total_preemptions(self) -> int:
+        return self.preemptions + self.scheduler.policy_preemptions
+
+    def stats(self, elapsed: float) -> dict[str, Any]:
+        s = self.scheduler
+        cache = s.prefix_cache
+        return {"instance": self.instance_id, "role": self.role, "steps": self.steps, "busy_time": self.busy_time,
+                "utilization": self.busy_time / max(elapsed, 1e-9), "preemptions": self.total_preemptions,
+                **(cache.stats() if cache is not None else {})}
