@@ -1,0 +1,16 @@
+"""Structured output (issue 14, item 3): constrain sampling to a JSON schema, a regex, a choice or
+a tool call with outlines-core (a CPU automaton over token ids).
+
+Per request: ``state = compile_constraint(spec, tokenizer).new_state()``; per step, before
+sampling, ``state.sync(request.output_token_ids)`` and ``apply(logits, states)``. See
+``constraint.py`` for the mask, ``spec.py`` for what each kind of spec lets the model write.
+"""
+
+from laneserve.engine.structured.constraint import (ConstraintCache, Constraint, ConstraintState,
+                                                    ConstraintViolation, apply, compile_constraint)
+from laneserve.engine.structured.spec import StructuredSpec, ToolCall, UnsupportedSpec, parse_tool_calls
+from laneserve.engine.structured.vocab import TokenVocabulary, token_vocabulary
+
+__all__ = ["Constraint", "ConstraintCache", "ConstraintState", "ConstraintViolation", "StructuredSpec",
+           "TokenVocabulary", "ToolCall", "UnsupportedSpec", "apply", "compile_constraint", "parse_tool_calls",
+           "token_vocabulary"]

@@ -1,0 +1,251 @@
+"""Token masks for structured output with outlines-core (issue 14, item 3).
+
+:func:`compile_constraint` turns a :class:`StructuredSpec` and a tokenizer into a
+:class:`Constraint`: outlines-core's ``Index``, a DFA over token ids built from the spec's regex
+(the expensive part — milliseconds to a minute by schema and vocabulary, see
+``benchmarks/structured_output.py``), kept in a bounded LRU keyed by (spec, vocabulary
+fingerprint). Each request holds a cheap :class:`ConstraintState` — one DFA state id — and the
+sampler masks logits with :func:`apply` before it samples.
+
+Per-state masks are cached on the constraint as index tensors on the logits' device: the token
+ids allowed, or — where more than half the vocabulary is allowed (inside a JSON string) — the ids
+forbidden, so one masking costs at most half a vocabulary of writes. :func:`apply` gathers the
+rows of a batch into one ``index_fill_`` (forbidden lists) plus one save/fill/restore
+(allowed lists) over the flattened logits: a fixed number of torch calls per batch.
+
+EOS (every id of the vocabulary's EOS list) is allowed exactly in accepting states. After EOS the
+state is *terminated*: only EOS stays allowed (so the row can still be sampled) and the request
+must end (with ``ignore_eos`` the caller ends it: ``is_terminated()``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from laneserve.engine.structured.spec import StructuredSpec, UnsupportedSpec
+from laneserve.engine.structured.vocab import TokenVocabulary, token_vocabulary
+
+_TERMINATED = -1                       # the mask-cache key of a state after EOS
+DEFAULT_CACHE_SIZE = 64                # compiled constraints kept per process
+DEFAULT_MASK_CACHE_BYTES = 64 << 20    # per constraint: cached per-state index tensors
+
+
+class ConstraintViolation(ValueError):
+    """A token the constraint does not allow was fed to a state (the mask was not applied)."""
+
+
+@dataclass(slots=True)
+class _StateMask:
+    keep: bool               # True: ids are the allowed tokens; False: ids are the forbidden ones
+    ids: torch.Tensor        # int64, on the logits' device
+
+
+class Constraint:
+    """A compiled spec for one vocabulary. Shared by every request with the same spec; read-only
+    apart from its mask cache."""
+
+    __slots__ = ("spec", "vocab", "index", "compile_seconds", "_initial", "_eos", "_masks", "_mask_bytes",
+                 "max_mask_bytes", "_lock")
+
+    def __init__(self, spec: StructuredSpec, vocab: TokenVocabulary,
+                 max_mask_bytes: int = DEFAULT_MASK_CACHE_BYTES) -> None:
+        from outlines_core import Index
+
+        regex = spec.to_regex()
+        t0 = time.perf_counter()
+        try:
+            self.index = Index(regex, vocab.outlines_vocabulary())
+        except (ValueError, TypeError) as exc:
+            raise UnsupportedSpec(f"cannot compile the {spec.kind} constraint: {str(exc).splitlines()[0]}") from exc
+        self.compile_seconds = time.perf_counter() - t0
+        self.spec = spec
+        self.vocab = vocab
+        self._initial = self.index.get_initial_state()
+        self._eos = vocab.eos_token_ids
+        self._masks: OrderedDict[tuple[int, int, str], _StateMask] = OrderedDict()
+        self._mask_bytes = 0
+        self.max_mask_bytes = max_mask_bytes
+        self._lock = threading.Lock()
+
+    def new_state(self) -> ConstraintState:
+        return ConstraintState(self)
+
+    def _mask(self, state: int, vocab_size: int, device: torch.device) -> _StateMask:
+        key = (state, vocab_size, str(device))
+        with self._lock:
+            hit = self._masks.get(key)
+            if hit is not None:
+                self._masks.move_to_end(key)
+                return hit
+        if state == _TERMINATED:
+            allowed = list(self._eos)
+        else:
+            allowed = self.index.get_allowed_tokens(state)
+            if self.index.is_final_state(state):
+                allowed = [*allowed, *self._eos[1:]]
+        allowed = [t for t in allowed if t < vocab_size]
+        if len(allowed) * 2 <= vocab_size:
+            mask = _StateMask(True, torch.tensor(allowed, dtype=torch.long, device=device))
+        else:
+            keep = torch.zeros(vocab_size, dtype=torch.bool)
+            keep[allowed] = True
+            mask = _StateMask(False, (~keep).nonzero().flatten().to(device))
+        size = mask.ids.numel() * mask.ids.element_size()
+        with self._lock:
+            self._masks[key] = mask
+            self._mask_bytes += size
+            while self._mask_bytes > self.max_mask_bytes and len(self._masks) > 1:
+                _, old = self._masks.popitem(last=False)
+                self._mask_bytes -= old.ids.numel() * old.ids.element_size()
+        return mask
+
+
+class ConstraintState:
+    """One request's position in its constraint: feed it every output token (``advance``, or
+    ``sync`` with the request's output list) and mask each next token with it."""
+
+    __slots__ = ("constraint", "state", "num_tokens")
+
+    def __init__(self, constraint: Constraint) -> None:
+        self.constraint = constraint
+        self.state = constraint._initial
+        self.num_tokens = 0
+
+    def is_terminated(self) -> bool:
+        """EOS was consumed: the output is complete and nothing but EOS may follow."""
+        return self.state == _TERMINATED
+
+    def accepts(self) -> bool:
+        """The text so far is a complete match (EOS is allowed now)."""
+        return self.state == _TERMINATED or self.constraint.index.is_final_state(self.state)
+
+    def advance(self, token_id: int) -> None:
+        """Consume one sampled token; raises :class:`ConstraintViolation` for a forbidden one."""
+        c = self.constraint
+        if token_id in c._eos:
+            if not self.accepts():
+                raise ConstraintViolation(f"EOS before the {c.spec.kind} output is complete")
+            self.state = _TERMINATED
+        elif self.state == _TERMINATED:
+            raise ConstraintViolation(f"token {token_id} after EOS")
+        else:
+            nxt = c.index.get_next_state(self.state, token_id)
+            if nxt is None:
+                raise ConstraintViolation(f"token {token_id} is not allowed by the {c.spec.kind} constraint here")
+            self.state = nxt
+        self.num_tokens += 1
+
+    def replay(self, tokens: Sequence[int]) -> ConstraintState:
+        """Rebuild the state from the start over ``tokens`` (a request that arrives with output
+        tokens, e.g. on a decode instance after prefill sampled its first token)."""
+        self.state = self.constraint._initial
+        self.num_tokens = 0
+        for t in tokens:
+            self.advance(t)
+        return self
+
+    def sync(self, tokens: Sequence[int]) -> ConstraintState:
+        """Catch up with a request's output list: advance over the tokens not consumed yet (or
+        replay it if it is shorter than what was consumed)."""
+        if len(tokens) < self.num_tokens:
+            return self.replay(tokens)
+        for t in tokens[self.num_tokens:]:
+            self.advance(t)
+        return self
+
+    def allowed_mask(self, vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """``[vocab_size]`` bool: True where the next token is allowed."""
+        m = self.constraint._mask(self.state, vocab_size, torch.device(device or "cpu"))
+        out = torch.full((vocab_size,), not m.keep, dtype=torch.bool, device=m.ids.device)
+        out[m.ids] = m.keep
+        return out
+
+
+def apply(logits: torch.Tensor, states: Sequence[ConstraintState | None]) -> None:
+    """Mask ``logits`` ``[rows, vocab]`` in place: ``-inf`` where row i's state forbids the token.
+    Rows whose state is ``None`` are untouched."""
+    if logits.dim() != 2 or len(states) != logits.shape[0]:
+        raise ValueError(f"apply needs [rows, vocab] logits and one state per row, got {tuple(logits.shape)} "
+                         f"and {len(states)} states")
+    if not any(s is not None for s in states):
+        return
+    if not logits.is_contiguous():
+        work = logits.contiguous()
+        apply(work, states)
+        logits.copy_(work)
+        return
+    vocab_size, device = logits.shape[1], logits.device
+    keep_rows: list[int] = []
+    keep_ids: list[torch.Tensor] = []
+    drop_ids: list[torch.Tensor] = []
+    for row, st in enumerate(states):
+        if st is None:
+            continue
+        m = st.constraint._mask(st.state, vocab_size, device)
+        flat = m.ids + row * vocab_size if row else m.ids
+        if m.keep:
+            keep_rows.append(row)
+            keep_ids.append(flat)
+        else:
+            drop_ids.append(flat)
+    flat_logits = logits.view(-1)
+    neg_inf = float("-inf")
+    if drop_ids:
+        flat_logits.index_fill_(0, torch.cat(drop_ids) if len(drop_ids) > 1 else drop_ids[0], neg_inf)
+    if keep_rows:
+        ids = torch.cat(keep_ids) if len(keep_ids) > 1 else keep_ids[0]
+        kept = flat_logits.index_select(0, ids)
+        logits.index_fill_(0, torch.tensor(keep_rows, device=device), neg_inf)
+        flat_logits.index_copy_(0, ids, kept)
+
+
+class ConstraintCache:
+    """A bounded LRU of compiled constraints keyed by (spec, vocabulary fingerprint)."""
+
+    def __init__(self, maxsize: int = DEFAULT_CACHE_SIZE) -> None:
+        if maxsize < 1:
+            raise ValueError("the constraint cache needs room for at least one entry")
+        self.maxsize = maxsize
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[tuple[StructuredSpec, str], Constraint] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, spec: StructuredSpec, vocab: TokenVocabulary) -> Constraint:
+        key = (spec, vocab.fingerprint)
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return hit
+            self.misses += 1
+        compiled = Constraint(spec, vocab)          # outside the lock: compiling can take seconds
+        with self._lock:
+            self._entries[key] = compiled
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+        return compiled
+
+
+DEFAULT_CACHE = ConstraintCache()
+
+
+def compile_constraint(spec: StructuredSpec, tokenizer: Any, *, eos_token_ids: Sequence[int] = (),
+                       cache: ConstraintCache | None = None) -> Constraint:
+    """The compiled constraint for ``spec`` over ``tokenizer`` (a Hugging Face fast tokenizer or a
+    :class:`TokenVocabulary`); ``eos_token_ids`` adds ids that end generation besides the
+    tokenizer's EOS. Raises :class:`UnsupportedSpec` for what cannot be compiled."""
+    vocab = tokenizer if isinstance(tokenizer, TokenVocabulary) else token_vocabulary(tokenizer, eos_token_ids)
+    return (cache if cache is not None else DEFAULT_CACHE).get(spec, vocab)
