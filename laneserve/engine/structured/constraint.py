@@ -4,12 +4,13 @@
 :class:`Constraint`: outlines-core's ``Index``, a DFA over token ids built from the spec's regex
 (the expensive part — milliseconds to a minute by schema and vocabulary, see
 ``benchmarks/structured_output.py``), kept in a bounded LRU keyed by (spec, vocabulary
-fingerprint). Each request holds a cheap :class:`ConstraintState` — one DFA state id — and the
-sampler masks logits with :func:`apply` before it samples.
+fingerprint). Each request holds a cheap :class:`ConstraintState` — an outlines-core ``Guide``, a
+cursor into the shared DFA — and the sampler masks logits with :func:`apply` before it samples.
 
-Per-state masks are cached on the constraint as index tensors on the logits' device: the token
-ids allowed, or — where more than half the vocabulary is allowed (inside a JSON string) — the ids
-forbidden, so one masking costs at most half a vocabulary of writes. :func:`apply` gathers the
+Per-state masks are cached on the constraint (bounded by bytes) as index tensors on the logits'
+device: the token ids allowed, or — where more than half the vocabulary is allowed (inside a JSON
+string) — the ids forbidden, so one masking costs at most half a vocabulary of writes. A state's
+first mask comes from the Guide's bitmask (written by outlines-core in Rust), unpacked once. :func:`apply` gathers the
 rows of a batch into one ``index_fill_`` (forbidden lists) plus one save/fill/restore
 (allowed lists) over the flattened logits: a fixed number of torch calls per batch.
 
@@ -33,6 +34,7 @@ from laneserve.engine.structured.spec import StructuredSpec, UnsupportedSpec
 from laneserve.engine.structured.vocab import TokenVocabulary, token_vocabulary
 
 _TERMINATED = -1                       # the mask-cache key of a state after EOS
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 DEFAULT_CACHE_SIZE = 64                # compiled constraints kept per process
 DEFAULT_MASK_CACHE_BYTES = 64 << 20    # per constraint: cached per-state index tensors
 
@@ -51,7 +53,7 @@ class Constraint:
     """A compiled spec for one vocabulary. Shared by every request with the same spec; read-only
     apart from its mask cache."""
 
-    __slots__ = ("spec", "vocab", "index", "compile_seconds", "_initial", "_eos", "_masks", "_mask_bytes",
+    __slots__ = ("spec", "vocab", "index", "compile_seconds", "_words", "_eos", "_masks", "_mask_bytes",
                  "max_mask_bytes", "_lock")
 
     def __init__(self, spec: StructuredSpec, vocab: TokenVocabulary,
@@ -67,7 +69,7 @@ class Constraint:
         self.compile_seconds = time.perf_counter() - t0
         self.spec = spec
         self.vocab = vocab
-        self._initial = self.index.get_initial_state()
+        self._words = (vocab.size + 31) // 32
         self._eos = vocab.eos_token_ids
         self._masks: OrderedDict[tuple[int, int, str], _StateMask] = OrderedDict()
         self._mask_bytes = 0
@@ -77,26 +79,29 @@ class Constraint:
     def new_state(self) -> ConstraintState:
         return ConstraintState(self)
 
-    def _mask(self, state: int, vocab_size: int, device: torch.device) -> _StateMask:
+    def _mask(self, st: ConstraintState, vocab_size: int, device: torch.device) -> _StateMask:
+        state = _TERMINATED if st.terminated else st.guide.get_state()
         key = (state, vocab_size, str(device))
         with self._lock:
             hit = self._masks.get(key)
             if hit is not None:
                 self._masks.move_to_end(key)
                 return hit
-        if state == _TERMINATED:
-            allowed = list(self._eos)
+        allowed = torch.zeros(max(vocab_size, self._words * 32), dtype=torch.bool)
+        if st.terminated:
+            allowed[list(self._eos)] = True
         else:
-            allowed = self.index.get_allowed_tokens(state)
-            if self.index.is_final_state(state):
-                allowed = [*allowed, *self._eos[1:]]
-        allowed = [t for t in allowed if t < vocab_size]
-        if len(allowed) * 2 <= vocab_size:
-            mask = _StateMask(True, torch.tensor(allowed, dtype=torch.long, device=device))
+            # outlines-core writes the state's allowed tokens as a bitmask (EOS included when accepting)
+            words = torch.zeros(self._words, dtype=torch.int32)
+            st.guide.write_mask_into(words.data_ptr(), self._words, 4)
+            allowed[:self._words * 32] = ((words.unsqueeze(-1) >> _BIT_SHIFTS) & 1).bool().view(-1)
+            if st.guide.is_finished():
+                allowed[list(self._eos)] = True
+        allowed = allowed[:vocab_size]
+        if int(allowed.sum()) * 2 <= vocab_size:
+            mask = _StateMask(True, allowed.nonzero().flatten().to(device))
         else:
-            keep = torch.zeros(vocab_size, dtype=torch.bool)
-            keep[allowed] = True
-            mask = _StateMask(False, (~keep).nonzero().flatten().to(device))
+            mask = _StateMask(False, (~allowed).nonzero().flatten().to(device))
         size = mask.ids.numel() * mask.ids.element_size()
         with self._lock:
             self._masks[key] = mask
@@ -108,44 +113,48 @@ class Constraint:
 
 
 class ConstraintState:
-    """One request's position in its constraint: feed it every output token (``advance``, or
-    ``sync`` with the request's output list) and mask each next token with it."""
+    """One request's position in its constraint (an outlines-core ``Guide``): feed it every output
+    token (``advance``, or ``sync`` with the request's output list) and mask each next token with it."""
 
-    __slots__ = ("constraint", "state", "num_tokens")
+    __slots__ = ("constraint", "guide", "terminated", "num_tokens")
 
     def __init__(self, constraint: Constraint) -> None:
+        from outlines_core import Guide
+
         self.constraint = constraint
-        self.state = constraint._initial
+        self.guide = Guide(constraint.index, max_rollback=0)
+        self.terminated = False
         self.num_tokens = 0
 
     def is_terminated(self) -> bool:
         """EOS was consumed: the output is complete and nothing but EOS may follow."""
-        return self.state == _TERMINATED
+        return self.terminated
 
     def accepts(self) -> bool:
         """The text so far is a complete match (EOS is allowed now)."""
-        return self.state == _TERMINATED or self.constraint.index.is_final_state(self.state)
+        return self.terminated or self.guide.is_finished()
 
     def advance(self, token_id: int) -> None:
         """Consume one sampled token; raises :class:`ConstraintViolation` for a forbidden one."""
-        c = self.constraint
-        if token_id in c._eos:
+        kind = self.constraint.spec.kind
+        if token_id in self.constraint._eos:
             if not self.accepts():
-                raise ConstraintViolation(f"EOS before the {c.spec.kind} output is complete")
-            self.state = _TERMINATED
-        elif self.state == _TERMINATED:
+                raise ConstraintViolation(f"EOS before the {kind} output is complete")
+            self.terminated = True
+        elif self.terminated:
             raise ConstraintViolation(f"token {token_id} after EOS")
         else:
-            nxt = c.index.get_next_state(self.state, token_id)
-            if nxt is None:
-                raise ConstraintViolation(f"token {token_id} is not allowed by the {c.spec.kind} constraint here")
-            self.state = nxt
+            try:
+                self.guide.advance(token_id, False)
+            except ValueError:
+                raise ConstraintViolation(f"token {token_id} is not allowed by the {kind} constraint here") from None
         self.num_tokens += 1
 
     def replay(self, tokens: Sequence[int]) -> ConstraintState:
         """Rebuild the state from the start over ``tokens`` (a request that arrives with output
         tokens, e.g. on a decode instance after prefill sampled its first token)."""
-        self.state = self.constraint._initial
+        self.guide.reset()
+        self.terminated = False
         self.num_tokens = 0
         for t in tokens:
             self.advance(t)
@@ -162,7 +171,7 @@ class ConstraintState:
 
     def allowed_mask(self, vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
         """``[vocab_size]`` bool: True where the next token is allowed."""
-        m = self.constraint._mask(self.state, vocab_size, torch.device(device or "cpu"))
+        m = self.constraint._mask(self, vocab_size, torch.device(device or "cpu"))
         out = torch.full((vocab_size,), not m.keep, dtype=torch.bool, device=m.ids.device)
         out[m.ids] = m.keep
         return out
@@ -188,7 +197,7 @@ def apply(logits: torch.Tensor, states: Sequence[ConstraintState | None]) -> Non
     for row, st in enumerate(states):
         if st is None:
             continue
-        m = st.constraint._mask(st.state, vocab_size, device)
+        m = st.constraint._mask(st, vocab_size, device)
         flat = m.ids + row * vocab_size if row else m.ids
         if m.keep:
             keep_rows.append(row)
