@@ -211,7 +211,10 @@ def apply(logits: torch.Tensor, states: Sequence[ConstraintState | None]) -> Non
     if keep_rows:
         ids = torch.cat(keep_ids) if len(keep_ids) > 1 else keep_ids[0]
         kept = flat_logits.index_select(0, ids)
-        logits.index_fill_(0, torch.tensor(keep_rows, device=device), neg_inf)
+        if len(keep_rows) == 1:
+            logits[keep_rows[0]].fill_(neg_inf)
+        else:
+            logits.index_fill_(0, torch.tensor(keep_rows, device=device), neg_inf)
         flat_logits.index_copy_(0, ids, kept)
 
 
