@@ -258,6 +258,28 @@ def test_byte_level_token_bytes_concatenate_to_the_text():
     assert vocab.token_bytes[tok.eos_token_id] is None and vocab.size == VOCAB
 
 
+def test_every_byte_level_token_decodes_to_its_bytes():
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from laneserve.engine.structured.vocab import _BYTE_DECODER
+
+    assert {ch: b for b, ch in bytes_to_unicode().items()} == _BYTE_DECODER
+    tok = tokenizer()
+    vocab = token_vocabulary(tok)
+    checked = 0
+    for tid, b in enumerate(vocab.token_bytes):
+        if b is None:
+            assert tid in tok.all_special_ids
+            continue
+        try:
+            text = b.decode()
+        except UnicodeDecodeError:          # a lone byte of a multi-byte character
+            continue
+        assert tok.decode([tid]) == text
+        checked += 1
+    assert checked > VOCAB // 2
+
+
 @functools.cache
 def sentencepiece_tokenizer():
     """A Llama-2-style tokenizer: Metaspace ``▁`` for spaces, ``<0xNN>`` byte fallback."""
