@@ -2,17 +2,18 @@
 
 :func:`compile_constraint` turns a :class:`StructuredSpec` and a tokenizer into a
 :class:`Constraint`: outlines-core's ``Index``, a DFA over token ids built from the spec's regex
-(the expensive part — milliseconds to a minute by schema and vocabulary, see
-``benchmarks/structured_output.py``), kept in a bounded LRU keyed by (spec, vocabulary
+(the expensive part — milliseconds to tens of seconds by schema and vocabulary, see
+``benchmarks/structured_output.py``; outlines-core releases the GIL meanwhile, so a worker thread
+can compile without stalling the step loop), kept in a bounded LRU keyed by (spec, vocabulary
 fingerprint). Each request holds a cheap :class:`ConstraintState` — an outlines-core ``Guide``, a
 cursor into the shared DFA — and the sampler masks logits with :func:`apply` before it samples.
 
-Per-state masks are cached on the constraint (bounded by bytes) as index tensors on the logits'
-device: the token ids allowed, or — where more than half the vocabulary is allowed (inside a JSON
-string) — the ids forbidden, so one masking costs at most half a vocabulary of writes. A state's
-first mask comes from the Guide's bitmask (written by outlines-core in Rust), unpacked once. :func:`apply` gathers the
-rows of a batch into one ``index_fill_`` (forbidden lists) plus one save/fill/restore
-(allowed lists) over the flattened logits: a fixed number of torch calls per batch.
+Per-state masks are cached on the constraint (an LRU bounded by bytes) as index tensors on the
+logits' device: the token ids allowed, or — where more than half the vocabulary is allowed (inside
+a JSON string) — the ids forbidden, so one masking costs at most half a vocabulary of writes. A
+state's first mask comes from the Guide's bitmask (written by outlines-core in Rust), unpacked
+once. :func:`apply` gathers the rows of a batch into one ``index_fill_`` (forbidden lists) plus one
+save/fill/restore (allowed lists) over the flattened logits: a fixed number of torch calls per batch.
 
 EOS (every id of the vocabulary's EOS list) is allowed exactly in accepting states. After EOS the
 state is *terminated*: only EOS stays allowed (so the row can still be sampled) and the request
@@ -36,7 +37,7 @@ from laneserve.engine.structured.vocab import TokenVocabulary, token_vocabulary
 _TERMINATED = -1                       # the mask-cache key of a state after EOS
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 DEFAULT_CACHE_SIZE = 64                # compiled constraints kept per process
-DEFAULT_MASK_CACHE_BYTES = 64 << 20    # per constraint: cached per-state index tensors
+DEFAULT_MASK_CACHE_BYTES = 16 << 20    # per constraint: cached per-state index tensors (LRU)
 
 
 class ConstraintViolation(ValueError):
@@ -88,15 +89,16 @@ class Constraint:
                 self._masks.move_to_end(key)
                 return hit
         allowed = torch.zeros(max(vocab_size, self._words * 32), dtype=torch.bool)
+        eos = [t for t in self._eos if t < allowed.numel()]
         if st.terminated:
-            allowed[list(self._eos)] = True
+            allowed[eos] = True
         else:
             # outlines-core writes the state's allowed tokens as a bitmask (EOS included when accepting)
             words = torch.zeros(self._words, dtype=torch.int32)
             st.guide.write_mask_into(words.data_ptr(), self._words, 4)
             allowed[:self._words * 32] = ((words.unsqueeze(-1) >> _BIT_SHIFTS) & 1).bool().view(-1)
             if st.guide.is_finished():
-                allowed[list(self._eos)] = True
+                allowed[eos] = True
         allowed = allowed[:vocab_size]
         if int(allowed.sum()) * 2 <= vocab_size:
             mask = _StateMask(True, allowed.nonzero().flatten().to(device))
@@ -104,6 +106,8 @@ class Constraint:
             mask = _StateMask(False, (~allowed).nonzero().flatten().to(device))
         size = mask.ids.numel() * mask.ids.element_size()
         with self._lock:
+            if key in self._masks:             # another thread built it meanwhile
+                return self._masks[key]
             self._masks[key] = mask
             self._mask_bytes += size
             while self._mask_bytes > self.max_mask_bytes and len(self._masks) > 1:
