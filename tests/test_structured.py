@@ -331,3 +331,42 @@ def test_vocabulary_from_raw_token_bytes():
     state = compile_constraint(StructuredSpec.regex("(abc)+"), vocab).new_state()
     state.advance(129)
     assert state.accepts() and state.allowed_mask(len(token_bytes))[0]
+
+
+# ---- the OpenAI / vLLM request fields -----------------------------------------------------------
+def test_request_fields_map_to_one_spec():
+    from laneserve.server.structured import spec_from_request
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+             {"type": "function", "function": {"name": "ping"}}]
+    assert spec_from_request({"prompt": "x"}) is None
+    assert spec_from_request({"response_format": {"type": "text"}}) is None
+    assert spec_from_request({"response_format": {"type": "json_object"}}) == StructuredSpec.json_object()
+    assert spec_from_request({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "w", "schema": WEATHER, "strict": True}}}) == StructuredSpec.json_schema(WEATHER)
+    assert spec_from_request({"guided_json": json.dumps(WEATHER)}) == StructuredSpec.json_schema(WEATHER)
+    assert spec_from_request({"guided_regex": "[0-9]+"}) == StructuredSpec.regex("[0-9]+")
+    assert spec_from_request({"structured_outputs": {"choice": ["a", "b"]}}) == StructuredSpec.choice(["a", "b"])
+    assert spec_from_request({"tools": tools, "tool_choice": "auto"}) is None
+    assert spec_from_request({"tools": tools, "tool_choice": {"type": "function", "function": {
+        "name": "get_weather"}}}) == StructuredSpec.tool("get_weather", WEATHER)
+    required = spec_from_request({"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+    assert required == StructuredSpec.tools_required([("get_weather", WEATHER), ("ping", None)], parallel=False)
+    for bad in ({"guided_grammar": "root ::= 'a'"}, {"structured_outputs": {"grammar": "x"}},
+                {"guided_regex": "a", "response_format": {"type": "json_object"}},
+                {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                {"tool_choice": "required"}, {"response_format": {"type": "xml"}}, {"guided_json": "{not json"}):
+        with pytest.raises(UnsupportedSpec):
+            spec_from_request(bad)
+
+
+def test_tool_call_text_becomes_openai_tool_calls():
+    from laneserve.server.structured import openai_tool_calls
+
+    spec = StructuredSpec.tools_required([("get_weather", WEATHER), ("ping", None)])
+    text, _ = sample(spec, seed=5)
+    calls = openai_tool_calls(spec, text)
+    assert calls and all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
+    with pytest.raises(ValueError):
+        openai_tool_calls(spec, text[:-3])                   # cut by max_tokens: not a complete call

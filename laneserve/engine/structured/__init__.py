@@ -3,12 +3,13 @@ a tool call with outlines-core (a CPU automaton over token ids).
 
 Per request: ``state = compile_constraint(spec, tokenizer).new_state()``; per step, before
 sampling, ``state.sync(request.output_token_ids)`` and ``apply(logits, states)``. See
-``constraint.py`` for the mask, ``spec.py`` for what each kind of spec lets the model write.
+``constraint.py`` for the mask, ``laneserve.core.structured`` for what each kind of spec lets the
+model write (and ``laneserve.server.structured`` for the OpenAI request fields that ask for one).
 """
 
 from laneserve.engine.structured.constraint import (ConstraintCache, Constraint, ConstraintState,
                                                     ConstraintViolation, apply, compile_constraint)
-from laneserve.engine.structured.spec import StructuredSpec, ToolCall, UnsupportedSpec, parse_tool_calls
+from laneserve.core.structured import StructuredSpec, ToolCall, UnsupportedSpec, parse_tool_calls
 from laneserve.engine.structured.vocab import TokenVocabulary, token_vocabulary
 
 __all__ = ["Constraint", "ConstraintCache", "ConstraintState", "ConstraintViolation", "StructuredSpec",

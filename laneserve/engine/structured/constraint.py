@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from laneserve.engine.structured.spec import StructuredSpec, UnsupportedSpec
+from laneserve.core.structured import StructuredSpec, UnsupportedSpec
 from laneserve.engine.structured.vocab import TokenVocabulary, token_vocabulary
 
 _TERMINATED = -1                       # the mask-cache key of a state after EOS

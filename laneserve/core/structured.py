@@ -1,5 +1,7 @@
 """What a structured-output request asks for, as a hashable value, and the regular expression that
-says which texts satisfy it (issue 14, item 3).
+says which texts satisfy it (issue 14, item 3). Pure Python (no torch): ``SamplingParams`` can
+carry a spec and the API process can build and check one; the engine compiles it
+(``laneserve.engine.structured``). ``to_regex`` needs ``outlines_core`` (the engine extra).
 
 A :class:`StructuredSpec` is two strings (``kind``, ``value``), so it is a cache key, fits the wire
 between the API server and the instances, and compiles the same way in every process. Kinds:
