@@ -81,7 +81,7 @@ NOTES = """## How to read this
   "any JSON object" regex nests 3 levels and builds a 1,623-state DFA; laneserve's json_object
   nests 2 levels (401 states), which is why its compile time is much lower.
 - Llama 3 rows: `cold` clears the per-state mask cache first; `warm` keeps it, but random documents
-  keep reaching new DFA states (string positions under maxLength), so warm is only a little cheaper.
+  keep reaching new DFA states (string positions under maxLength), so warm is not reliably cheaper.
   `sampler_ms_per_step` is the engine's existing sampler (softmax + multinomial per row, one thread)
   on the same 128,256-wide logits.
 """
