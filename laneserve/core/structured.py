@@ -44,7 +44,7 @@ from typing import Any
 
 # containers nest at most this deep in json_object mode: outlines-core's own "any object" regex
 # (depth 3) becomes a 1,623-state DFA that takes seconds to compile even for a 1,024-token
-# vocabulary, ~50x longer than depth 2 (401 states; benchmarks/structured_output.py)
+# vocabulary, about 40x longer than depth 2 (401 states; benchmarks/structured_output.py)
 JSON_OBJECT_DEPTH = 2
 KINDS = ("json_object", "json_schema", "regex", "choice", "tool", "tools_required")
 _WS = "[ ]?"                       # outlines-core's default JSON whitespace: at most one space
