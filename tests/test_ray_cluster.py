@@ -7,6 +7,7 @@ bounded and fails when what it waits for does not happen."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -157,6 +158,21 @@ def test_the_owner_lets_go_of_every_object_it_put(env):
     assert transport.held() == 1 and _refs() == base + 1
     wait_for(lambda: transport.held() == 0, 10, "the lease to expire")
     assert _refs() == base and transport.leases.expired == 1
+
+
+def test_sim_sweep_as_ray_tasks_is_identical_to_one_process(env, tmp_path):
+    """``laneserve sim --ray-address``: the (policy x rate) grid and the goodput searches as Ray tasks
+    on the cluster write the same table, byte for byte, and the same rows and metrics as one process."""
+    from laneserve.cli import main
+    args = ["sim", "--num-requests", "200", "--rates", "5,20", "--no-progress", "--goodput",
+            "--policies", "fcfs+continuous,cp-edf-2k+continuous"]
+    out = {}
+    for name, extra in (("one", ["--jobs", "1"]), ("ray", ["--ray-address", env["cluster"].address])):
+        assert main([*args, *extra, "--output", str(tmp_path / name)]) == 0
+        data = json.loads((tmp_path / name / "sim.json").read_text())
+        out[name] = (data["rows"], data["metrics"], (tmp_path / name / "sim.md").read_bytes())
+    assert out["one"] == out["ray"]
+    assert len(out["one"][0]) == 4 and set(out["one"][1]["goodput"]) == {"fcfs+continuous", "cp-edf-2k+continuous"}
 
 
 def test_leases_expire_release_and_claim_once():
