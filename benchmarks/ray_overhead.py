@@ -11,8 +11,9 @@ object stores):
 - KV transfer throughput: one payload put by an actor on the prefill node and taken by an actor on
   the decode node (``ray`` transport: put + claim + get + copy out), against the ``shm`` transport
   (put + get in one process: the single-machine path) — payload sizes 1, 16 and 64 MB.
-- sweep: ``laneserve sim`` (3 policies x 4 rates, 2,000 Azure requests) in one process vs as Ray
-  tasks on the head node (one CPU per core of this machine); the two tables must be identical.
+- sweep: ``laneserve sim`` (3 policies x 4 rates, 6,000 Azure requests) in one process vs as Ray
+  tasks on the head node (one CPU per core of this machine); rows and metrics must be identical
+  (the markdown differs only in the command line it records).
 
 The machine is shared (2 cores, other work running), so each figure is a median of repeats and
 the ratios matter more than the absolute values.
@@ -22,6 +23,7 @@ the ratios matter more than the absolute values.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -136,7 +138,7 @@ def kv_throughput() -> list[dict]:
 
 
 def sweep_speedup(address: str, cores: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "laneserve.cli", "sim", "--num-requests", "2000", "--no-progress",
+    cmd = [sys.executable, "-m", "laneserve.cli", "sim", "--num-requests", "6000", "--no-progress",
            "--policies", "fcfs+continuous,cp-edf-2k+continuous,cp-edf-8k+continuous"]
     rows, outputs = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,7 +147,8 @@ def sweep_speedup(address: str, cores: int) -> list[dict]:
             t0 = time.perf_counter()
             subprocess.run([*cmd, *extra, "--output", out], check=True, stdout=subprocess.DEVNULL)
             rows.append({"run": name, "wall_s": time.perf_counter() - t0})
-            outputs[name] = Path(f"{out}/sim.md").read_bytes()
+            data = json.loads(Path(f"{out}/sim.json").read_text())
+            outputs[name] = (data["rows"], data["metrics"])
     one, par = outputs.values()
     assert one == par, "the Ray sweep differs from the one-process sweep"
     for r in rows:
@@ -179,7 +182,7 @@ def main() -> None:
     write_result("ray_overhead", metrics, extra={"latency": lat, "kv_transfer": kv, "sweep": sweep},
                  markdown="## Per-request latency, 1P+1D smoke model (sequential, streamed)\n\n"
                           + markdown_table(lat) + "\n## KV transfer, prefill node -> decode node\n\n"
-                          + markdown_table(kv) + "\n## laneserve sim sweep (3 policies x 4 rates, 2,000 requests)\n\n"
+                          + markdown_table(kv) + "\n## laneserve sim sweep (3 policies x 4 rates, 6,000 requests)\n\n"
                           + markdown_table(sweep))
 
 
