@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch is pinned exactly so pip takes the local CPU build, never the CUDA wheels.
 	$(BIN)/pip install -q --disable-pip-version-check "torch==2.13.0"
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[data,engine,dev,serve]"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[data,engine,dev,serve,ray]"
 	touch $(STAMP)
 
 install: $(STAMP)

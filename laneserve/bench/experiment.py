@@ -6,13 +6,16 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from laneserve.bench.metrics import summarize
 from laneserve.bench.search import SearchResult, goodput_search, slo_scale_search
 from laneserve.costmodel.base import CostModel
 from laneserve.sim import ClusterConfig, Simulator
 from laneserve.workloads import Workload
+
+if TYPE_CHECKING:
+    from laneserve.bench.parallel import RayWorkers
 
 ROW_KEYS = ("request_throughput", "output_throughput", "attainment_ttft", "attainment_tpot",
             "attainment_both", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
@@ -75,8 +78,8 @@ def point_row(workload: Workload, name: str, config: ClusterConfig, cost: CostMo
 
 def sweep(workload: Workload, policies: Mapping[str, ClusterConfig], rates: Sequence[float],
           cost: CostModel, *, slo_scale: float = 1.0,
-          on_point: Callable[[str, float], None] | None = None, jobs: int = 1) -> list[dict[str, Any]]:
-    """Every (policy, rate) point, in policy-then-rate order, over ``jobs`` processes."""
+          on_point: Callable[[str, float], None] | None = None, jobs: int | RayWorkers = 1) -> list[dict[str, Any]]:
+    """Every (policy, rate) point, in policy-then-rate order, over ``jobs`` processes (or Ray tasks)."""
     from laneserve.bench.parallel import map_jobs
     tasks = [(workload, name, config, cost, rate, slo_scale) for name, config in policies.items() for rate in rates]
     done = None if on_point is None else (lambda i: on_point(tasks[i][1], tasks[i][4]))

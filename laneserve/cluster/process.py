@@ -69,6 +69,11 @@ class Unavailable(Exception):
     """No live instance can take the request."""
 
 
+def _is_process(proc: Any) -> bool:
+    """A Popen-like instance handle (a process or an actor), not an in-process thread."""
+    return proc is not None and not isinstance(proc, threading.Thread)
+
+
 @dataclass(slots=True)
 class ClusterSpec:
     model: str
@@ -107,7 +112,7 @@ class InstanceHandle:
     policy: str
     device: str
     sock: Any = None
-    proc: Any = None                     # subprocess.Popen or threading.Thread
+    proc: Any = None                     # threading.Thread, or Popen-like (see ProcessCluster._launch)
     alive: bool = True
     ready: bool = False
     info: dict = field(default_factory=dict)
@@ -170,6 +175,7 @@ class Track:
     instance: int = -1
     prefill_instance: int = -1
     aborted: bool = False
+    kv: dict | None = None                # the KV descriptor sent to its decode instance
 
 
 class ProcessCluster:
@@ -221,8 +227,7 @@ class ProcessCluster:
         self.kv_dir = Path(tempfile.mkdtemp(prefix="laneserve-kv-", dir=default_shm_dir()))
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
-        self._outbox = f"ipc://{self.ipc_dir}/out"
-        self.pull.bind(self._outbox)
+        self._outbox = self._bind(self.pull, "out")
         self._sync_ctx = zmq.Context() if s.in_process else None
         for i, (role, policy) in enumerate(self._roles()):
             h = InstanceHandle(i, role, policy, s.devices[i % len(s.devices)])
@@ -239,8 +244,7 @@ class ProcessCluster:
             h.sock.close()
         h.sock = self.ctx.socket(zmq.PUSH)
         h.sock.setsockopt(zmq.LINGER, 0)
-        inbox = f"ipc://{self.ipc_dir}/in{h.instance_id}.{h.gen}"
-        h.sock.bind(inbox)
+        inbox = self._bind(h.sock, f"in{h.instance_id}.{h.gen}")
         opts = {"token_delay": s.stub_token_delay} if s.worker == "stub" else {}
         wspec = WorkerSpec(instance_id=h.instance_id, role=h.role, policy=h.policy, model=str(s.model), inbox=inbox,
                            outbox=self._outbox, epoch=self.clock.epoch, transport=s.transport,
@@ -251,7 +255,17 @@ class ProcessCluster:
         h.last_seen = time.monotonic()
         h.proc = self._launch(wspec)
 
+    def _bind(self, sock: zmq.Socket, name: str) -> str:
+        """Bind ``sock`` where the instances can reach it; the address they connect to. Here a
+        unix socket under ``ipc_dir``; a deployment across machines binds TCP instead."""
+        address = f"ipc://{self.ipc_dir}/{name}"
+        sock.bind(address)
+        return address
+
     def _launch(self, wspec: WorkerSpec):
+        """Start one instance; the handle is a thread (in-process mode) or anything with the
+        ``subprocess.Popen`` surface ``poll`` / ``kill`` / ``wait`` / ``returncode`` (a process,
+        or a Ray actor in :mod:`laneserve.cluster.ray_cluster`)."""
         s = self.spec
         if s.in_process:
             if s.worker == "stub":
@@ -295,7 +309,7 @@ class ProcessCluster:
         for h in self.instances:
             while h.process_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            if isinstance(h.proc, subprocess.Popen) and h.proc.poll() is None:
+            if _is_process(h.proc) and h.proc.poll() is None:
                 h.proc.kill()
                 h.proc.wait(timeout=5)
         for t in self._tasks:
@@ -447,7 +461,7 @@ class ProcessCluster:
             self._fail(track, "no decode instance is available (all crashed or stopped)")
             return
         dst = decoders[d]
-        track.stage, track.instance = "decode", dst.instance_id
+        track.stage, track.instance, track.kv = "decode", dst.instance_id, msg.get("kv")
         r = track.request
         fields = request_fields(rid, r.prompt_token_ids, r.sampling, r.arrival_time, r.slo, r.slo_class, r.priority)
         self._send(dst, {"k": "transfer", **fields, "out": msg["out"], "computed": msg["computed"],
@@ -475,7 +489,7 @@ class ProcessCluster:
     def _instance_down(self, h: InstanceHandle) -> None:
         h.alive = False
         h.stats = {}                          # its gauges no longer describe anything
-        code = h.proc.returncode if isinstance(h.proc, subprocess.Popen) else None
+        code = h.proc.returncode if _is_process(h.proc) else None
         h.exit_reason = h.exit_reason or f"exit code {code}"
         self.log(f"laneserve: instance {h.instance_id} ({h.role}) is down ({h.exit_reason}); "
                  "failing its requests and routing around it")
@@ -483,6 +497,7 @@ class ProcessCluster:
             self._fail(track, f"instance {h.instance_id} ({h.role}) crashed ({h.exit_reason}); "
                               "the request was cancelled")
             self._remove_kv_files(track.rid)
+            discard_descriptor(track.kv)      # KV the dead decode instance may not have taken yet
         if self.on_instance_down is not None:
             self.on_instance_down(h)
         if h.gen < self.spec.max_restarts and not self._closed:
@@ -495,7 +510,7 @@ class ProcessCluster:
         await asyncio.sleep(delay)
         if self._closed:
             return
-        if isinstance(h.proc, subprocess.Popen) and h.proc.poll() is None:
+        if _is_process(h.proc) and h.proc.poll() is None:
             h.proc.kill()
         h.gen += 1
         self.restarts += 1
@@ -508,7 +523,7 @@ class ProcessCluster:
             h.restarting = False
             h.exit_reason = f"restart failed: {exc}"
             if h.alive:
-                if isinstance(h.proc, subprocess.Popen) and h.proc.poll() is None:
+                if _is_process(h.proc) and h.proc.poll() is None:
                     h.proc.kill()
                 self._instance_down(h)
             return
@@ -549,4 +564,5 @@ class ProcessCluster:
                                "host_kv_total_blocks": h.stats.get("host_total"),
                                "running": h.stats.get("running"), "waiting": h.stats.get("waiting"),
                                "live_requests": h.stats.get("live"), "preemptions": h.stats.get("preemptions"),
+                               "kv_held": h.stats.get("kv_held"),
                                "steps": h.stats.get("steps")} for h in self.instances]}

@@ -11,8 +11,14 @@ descriptor whose request was cancelled or whose receiver died. Registered transp
   cache, and the file is unlinked. One copy on each side, nothing through the sockets.
 - ``inline`` the tensor bytes inside the message itself (works across machines over TCP; a
   baseline and a fallback).
+- ``ray``    across machines through Ray's object store (:mod:`laneserve.cluster.ray_kv`): the
+  prefill side puts the KV into its node's store under a lease, the decode side claims and gets it
+  (Ray moves the bytes node to node), each step with a timeout.
 
-A GPU transport (CUDA IPC handles, NCCL send/recv) would register here under its own name.
+Every transport also says how many payloads it still :meth:`held` for a receiver (the ``kv_held``
+gauge of an instance: 0 at rest). A GPU transport (CUDA IPC handles, NCCL send/recv, NIXL) would
+register here under its own name with the same four methods: ``put`` returns a descriptor of GPU
+memory, ``get`` pulls it into the decode side's blocks, ``discard`` frees it on the sender.
 Tensor (de)serialisation uses ``torch.frombuffer``, so any dtype the engine runs (fp32, bf16,
 fp16) passes through unchanged.
 """
@@ -26,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 _TRANSPORTS: dict[str, type] = {}
+_OPTIONAL = {"ray": "laneserve.cluster.ray_kv"}     # registered on first use (needs the ``ray`` extra)
 
 
 def register_transport(name: str):
@@ -37,6 +44,9 @@ def register_transport(name: str):
 
 
 def make_transport(name: str, **opts: Any):
+    if name in _OPTIONAL and name not in _TRANSPORTS:
+        import importlib
+        importlib.import_module(_OPTIONAL[name])
     try:
         return _TRANSPORTS[name](**opts)
     except KeyError:
@@ -44,7 +54,7 @@ def make_transport(name: str, **opts: Any):
 
 
 def available_transports() -> list[str]:
-    return sorted(_TRANSPORTS)
+    return sorted({*_TRANSPORTS, *_OPTIONAL})
 
 
 def _dtype(name: str):
@@ -112,6 +122,9 @@ class ShmFileTransport:
             except FileNotFoundError:
                 pass
 
+    def held(self) -> int:
+        return 0                     # files are the router's to count (``kv_files``)
+
 
 @register_transport("inline")
 class InlineTransport:
@@ -121,22 +134,19 @@ class InlineTransport:
         pass
 
     def put(self, rid: int, payload) -> dict[str, Any]:
-        kv = payload.kv.contiguous()
-        return {"t": self.name, "data": kv.view(-1).view(_dtype("uint8")).numpy().tobytes() if kv.numel() else b"",
-                "shape": list(kv.shape), "dtype": _dtype_name(kv), "n": payload.num_tokens}
+        kv = payload.kv
+        return {"t": self.name, "data": tensor_to_bytes(kv).tobytes(), "shape": list(kv.shape),
+                "dtype": _dtype_name(kv), "n": payload.num_tokens}
 
     def get(self, desc: dict[str, Any]):
-        import torch
-
         from laneserve.engine.kv_cache import KVPayload
-        dtype = _dtype(desc["dtype"])
-        data = desc["data"]
-        kv = (torch.frombuffer(bytearray(data), dtype=dtype).view(tuple(desc["shape"])) if data
-              else torch.empty(tuple(desc["shape"]), dtype=dtype))
-        return KVPayload(int(desc["n"]), kv)
+        return KVPayload(int(desc["n"]), tensor_from_bytes(desc["data"], desc["dtype"], desc["shape"]))
 
     def discard(self, desc: dict[str, Any] | None) -> None:
         pass
+
+    def held(self) -> int:
+        return 0
 
 
 def discard_descriptor(desc: dict[str, Any] | None) -> None:
@@ -146,3 +156,21 @@ def discard_descriptor(desc: dict[str, Any] | None) -> None:
             os.unlink(desc["path"])
         except FileNotFoundError:
             pass
+    elif desc and desc.get("t") == "ray":
+        from laneserve.cluster.ray_kv import release
+        release(desc)
+
+
+def tensor_to_bytes(kv):
+    """A contiguous tensor's bytes as a flat uint8 numpy array (any dtype, bf16 included)."""
+    kv = kv.contiguous()
+    return kv.view(-1).view(_dtype("uint8")).numpy() if kv.numel() else kv.new_empty(0, dtype=_dtype("uint8")).numpy()
+
+
+def tensor_from_bytes(data, dtype: str, shape) -> Any:
+    """The tensor of :func:`tensor_to_bytes`'s ``data`` (bytes-like, copied: the result is writable)."""
+    import torch
+    shape = tuple(shape)
+    if not len(data):
+        return torch.empty(shape, dtype=_dtype(dtype))
+    return torch.frombuffer(bytearray(data), dtype=_dtype(dtype)).view(shape)

@@ -354,7 +354,7 @@ class InstanceWorker:
                     "host_total": host.num_blocks if host is not None else None,
                     "preemptions": inst.total_preemptions,
                     "steps": inst.steps, "busy": inst.busy_time, "live": len(self.live),
-                    "incoming": len(inst.pending)})
+                    "incoming": len(inst.pending), "kv_held": self.transport.held()})
         self._last_stats = now
         self._dirty = False
 

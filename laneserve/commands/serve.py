@@ -6,7 +6,8 @@
 
 This process runs the HTTP API and the router; each instance runs in its own process (bound to a
 device from ``--devices``) and talks to the router over ZeroMQ; KV moves prefill -> decode
-through shared host memory (``--kv-transport shm``). ``--colocated`` runs colocated instances
+through shared host memory (``--kv-transport shm``). With ``--ray-address`` the instances are
+Ray actors on the nodes of a Ray cluster (control over ZeroMQ/TCP, KV through the object store). ``--colocated`` runs colocated instances
 (prefill and decode on one engine); ``--in-process`` runs them as threads of this one process
 (no restart after a hard crash, no hang detection). Instances that crash or stop sending
 heartbeats are restarted (``--max-restarts``, ``--heartbeat-timeout``); SIGTERM or Ctrl-C stops
@@ -49,7 +50,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--decode-router-policy", dest="decode_router", default="least-loaded", help="decode router")
     c.add_argument("--devices", default="cpu", help="comma-separated devices, assigned to instances in turn")
     c.add_argument("--kv-tokens", type=int, default=65536, help="KV-cache tokens per instance")
-    c.add_argument("--kv-transport", default="shm", help="prefill->decode KV transport: shm | inline")
+    c.add_argument("--kv-transport", default=None,
+                   help="prefill->decode KV transport: shm | inline | ray (default: shm; ray with --ray-address)")
+    c.add_argument("--ray-address", default=None, metavar="ADDRESS|auto",
+                   help="join this Ray cluster and run each instance as an actor on a node offering "
+                        "laneserve_prefill / laneserve_decode / laneserve_colocated (README: Across machines)")
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", default="float32")
     e.add_argument("--attention", default="ragged", help="ragged | padded")
@@ -132,6 +137,7 @@ def build_server(args: argparse.Namespace, log=None):
     import contextlib
 
     from laneserve.cluster.process import ClusterSpec, ProcessCluster
+    from laneserve.cluster.transport import available_transports
     from laneserve.server.api import ServerState, build_app
     from laneserve.server.metrics import ServerMetrics
 
@@ -146,6 +152,15 @@ def build_server(args: argparse.Namespace, log=None):
         raise ValueError(f"model folder not found: {model}")
     if args.in_process and not args.colocated:
         raise ValueError("--in-process needs --colocated")
+    if args.in_process and args.ray_address:
+        raise ValueError("--in-process and --ray-address exclude each other")
+    transport = args.kv_transport or ("ray" if args.ray_address else "shm")
+    if transport not in available_transports():
+        raise ValueError(f"unknown --kv-transport {transport!r}; available: {', '.join(available_transports())}")
+    if args.ray_address and transport == "shm":
+        raise ValueError("--kv-transport shm works on one machine only; with --ray-address use ray or inline")
+    if transport == "ray" and not args.ray_address:
+        raise ValueError("--kv-transport ray needs --ray-address")
     if args.max_request_bytes < 1024:
         raise ValueError("--max-request-bytes must be at least 1024")
     if args.prefill < 1 or (not args.colocated and args.decode < 1):
@@ -164,11 +179,15 @@ def build_server(args: argparse.Namespace, log=None):
                        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, router=args.router,
                        decode_router=args.decode_router, kv_tokens=args.kv_tokens, engine=engine,
                        devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
-                       transport=args.kv_transport, worker="stub" if args.stub else "engine",
+                       transport=transport, worker="stub" if args.stub else "engine",
                        stub_token_delay=args.stub_token_delay, max_inflight=args.max_inflight,
                        max_queued_tokens=args.max_queued_tokens, heartbeat_timeout=args.heartbeat_timeout,
                        max_restarts=args.max_restarts)
-    cluster = ProcessCluster(spec, log=log)
+    if args.ray_address:
+        from laneserve.cluster.ray_cluster import RayCluster
+        cluster = RayCluster(spec, args.ray_address, log=log)
+    else:
+        cluster = ProcessCluster(spec, log=log)
     if args.stub:
         log("laneserve: --stub: instances are a MEASUREMENT HARNESS that echo the prompt at once (no model)")
     api_key = args.api_key if args.api_key is not None else os.environ.get("LANESERVE_API_KEY") or None

@@ -71,6 +71,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--jobs", "-j", type=int, default=None,
                    help="worker processes for the (policy x rate) grid and the searches (default: all "
                         "cores; 1 = this process). Results are identical whatever the number")
+    o.add_argument("--ray-address", default=None, metavar="ADDRESS|auto",
+                   help="run the grid and the searches as Ray tasks on this cluster instead of --jobs "
+                        "processes (same results)")
     o.add_argument("--list", action="store_true", help="list workloads, policies, models and exit")
     p.set_defaults(func=run)
 
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from laneserve.bench.experiment import (policy_config, policy_goodput, policy_slo_scale,
                                            split_policy_sets, sweep, validate)
-    from laneserve.bench.parallel import default_jobs, map_jobs
+    from laneserve.bench.parallel import RayWorkers, default_jobs, map_jobs
     from laneserve.bench.progress import progress_bar
     from laneserve.commands.common import load_workload
     from laneserve.bench.report import format_console_table, write_report
@@ -127,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         jobs = default_jobs() if args.jobs is None else args.jobs
         if jobs < 1:
             raise ValueError("--jobs must be >= 1")
+        if args.ray_address:
+            jobs = RayWorkers(args.ray_address)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -134,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"workload: {wl.name}, {len(wl)} requests, native rate {wl.mean_rate:.2f} req/s; "
           f"cost model: {cost!r}", file=sys.stderr)
     t0 = time.perf_counter()
-    bar = progress_bar(total=len(policies) * len(rates), desc=f"simulating ({jobs} jobs)",
+    bar = progress_bar(total=len(policies) * len(rates), desc=f"simulating ({jobs if args.ray_address else f'{jobs} jobs'})",
                        enabled=False if args.no_progress else None)
     rows = sweep(wl, policies, rates, cost, slo_scale=args.slo_scale, on_point=lambda *_: bar.update(1), jobs=jobs)
     bar.close()
