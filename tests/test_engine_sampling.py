@@ -208,3 +208,19 @@ def test_history_is_rebuilt_for_a_request_that_arrives_with_outputs():
     dec.num_computed_tokens = dec.prompt_len
     Driver(ex).run([dec])
     assert dec.output_token_ids == whole
+
+
+def test_stop_strings_wait_for_min_tokens():
+    class WordTokenizer:
+        words = ["alpha", "END", "beta", "gamma"]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(self.words[i] for i in ids)
+
+    checker = StopChecker(WordTokenizer())
+    out = [0, 1, 2, 1, 3]                     # alpha END beta END gamma
+    plain = SamplingParams(stop=("END",))
+    late = SamplingParams(stop=("END",), min_tokens=3)
+    assert checker.check(out[:2], plain) == len("alpha ")
+    assert [checker.check(out[:n], late) for n in (2, 3)] == [None, None]
+    assert checker.check(out[:4], late) == len("alpha END beta ")   # the first END came too early

@@ -82,17 +82,35 @@ def test_detokenizer_stop_string_is_never_partly_streamed():
     assert plain.delta() == "a b c"
 
 
+def _samples(text: str) -> dict[tuple, float]:
+    """(name, sorted labels) -> value, by prometheus_client's own text parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
 def test_metrics_render_prometheus_text():
     m = ServerMetrics("m")
-    m.ttft.observe(0.03, model_name="m")
-    m.ttft.observe(3.0, model_name="m")
+    m.ttft.observe(0.03)
+    m.ttft.observe(3.0)
+    m.aborted.inc()
+    m.reject("bad_request")
     text = m.render([{"id": 0, "role": "prefill", "running": 2, "waiting": 1, "kv_usage": 0.5, "kv_free": 8,
-                      "kv_total": 16, "preemptions": 3, "alive": 1}], in_flight=2)
-    assert 'laneserve:time_to_first_token_seconds_bucket{model_name="m",le="0.04"} 1' in text
-    assert 'laneserve:time_to_first_token_seconds_bucket{model_name="m",le="+Inf"} 2' in text
-    assert 'laneserve:time_to_first_token_seconds_count{model_name="m"} 2' in text
-    assert 'laneserve:num_requests_running{model_name="m",instance="0",role="prefill"} 2.0' in text
-    assert 'laneserve:num_preemptions_total{model_name="m",instance="0",role="prefill"} 3.0' in text
+                      "kv_total": 16, "preemptions": 3, "alive": 1},
+                     {"id": 1, "role": "decode", "running": None, "alive": 0}], in_flight=2).decode()
+    got = _samples(text)
+    model = (("model_name", "m"),)
+    inst0 = (("instance", "0"), ("model_name", "m"), ("role", "prefill"))
+    assert got[("laneserve:time_to_first_token_seconds_bucket", (("le", "0.04"), *model))] == 1
+    assert got[("laneserve:time_to_first_token_seconds_bucket", (("le", "+Inf"), *model))] == 2
+    assert got[("laneserve:time_to_first_token_seconds_count", model)] == 2
+    assert got[("laneserve:num_requests_running", inst0)] == 2
+    assert got[("laneserve:num_preemptions_total", inst0)] == 3
+    assert got[("laneserve:request_aborted_total", model)] == 1
+    assert got[("laneserve:request_rejected_total", (("model_name", "m"), ("reason", "bad_request")))] == 1
+    assert got[("laneserve:num_requests_in_flight", model)] == 2
+    dead = (("instance", "1"), ("model_name", "m"), ("role", "decode"))
+    assert got[("laneserve:instance_up", dead)] == 0 and ("laneserve:num_requests_running", dead) not in got
 
 
 @pytest.mark.parametrize("name", ["shm", "inline"])

@@ -226,7 +226,10 @@ class StopChecker:
     (truncate the text there and finish the request with reason "stop"), or ``None``.
 
     Per token only the last ``window`` tokens are decoded (enough for the longest stop string plus
-    slack), so the cost per token stays constant; the full text is decoded once, on a match."""
+    slack), so the cost per token stays constant; the full text is decoded once, on a match.
+
+    As vLLM, no stop string is looked for before ``min_tokens`` tokens exist, and a match must end
+    in the text of the ``min_tokens``-th token or later."""
 
     __slots__ = ("tokenizer", "_window")
 
@@ -235,7 +238,7 @@ class StopChecker:
         self._window = window
 
     def check(self, output_token_ids: list[int], params: SamplingParams) -> int | None:
-        if not params.stop or not output_token_ids:
+        if not params.stop or not output_token_ids or len(output_token_ids) < params.min_tokens:
             return None
         window = self._window or 2 * max(len(s) for s in params.stop) + 8
         decode = self.tokenizer.decode  # type: ignore[attr-defined]
@@ -245,5 +248,6 @@ class StopChecker:
         if not any(s in tail[max(0, len(before) - len(s) + 1):] for s in params.stop):
             return None
         full = decode(output_token_ids, skip_special_tokens=True)
-        found = [pos for s in params.stop if (pos := full.find(s)) >= 0]
+        floor = len(decode(output_token_ids[:params.min_tokens - 1], skip_special_tokens=True)) if params.min_tokens else 0
+        found = [pos for s in params.stop if (pos := full.find(s, max(0, floor - len(s) + 1))) >= 0]
         return min(found) if found else None
