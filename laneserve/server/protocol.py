@@ -245,6 +245,8 @@ def _bad_request(exc: ValidationError, model: type[BaseModel]) -> BadRequest:
         isinstance(x, str) and _UNION_TAG.search(x) for x in loc)
     if kind == "missing":
         msg = f"missing required field '{path}'"
+    elif param == "slo" and len(loc) > 1 and kind != "extra_forbidden":
+        msg = f"'{path}' must be a number > 0 and <= {MAX_SLO_MS} (milliseconds), got {_show(value)}"
     elif union or (kind in _TYPE_NAMES and leaf in _EXPECTS):
         msg = f"'{path}' must be {_EXPECTS.get(leaf, 'of another type')}, got {_type_name(value)}"
     elif kind in _TYPE_NAMES:
