@@ -1,32 +1,39 @@
-"""Per-request validation cost in the API process: :func:`laneserve.server.api.parse_request`
-(body bytes -> JSON -> field checks -> tokenization or chat template -> ``GenerateInput``) on
-typical requests, timed in-process (no HTTP), median of repeated runs.
+"""Per-request validation cost in the API process, against an earlier version of the validation:
+body bytes -> JSON -> field checks -> tokenization or chat template -> ``GenerateInput``, timed
+in-process (no HTTP) on typical requests:
 
-- ``completion_ids``: a completion with a 64-token id prompt and six sampling fields (validation
+- ``completion_ids``: a completion with a 64-token id prompt and five sampling fields (validation
   only: no tokenizer work);
-- ``completion_text``: the same with a ~300-character text prompt (smoke tokenizer);
+- ``completion_text``: a ~300-character text prompt and six sampling fields (smoke tokenizer);
 - ``chat``: three chat messages through the smoke model's chat template.
 
-    flock /tmp/laneserve-bench.lock .venv/bin/python benchmarks/request_parse.py [--label NAME]
+The baseline is ``laneserve/server/protocol.py`` as of ``--baseline`` (a git revision; default
+5cfb81c, the hand-written checks before the typed request models), loaded from git next to the
+current module. Both run in the same process with their rounds interleaved, so load from other
+work on the (shared) machine hits both alike; each figure is the fastest of ``--rounds`` rounds of
+``--repeats`` calls. ``metrics.<request>_ratio`` = current / baseline time.
 
-``--label`` names the result (``request_parse_<label>``), to compare two versions of the code.
+    flock /tmp/laneserve-bench.lock .venv/bin/python benchmarks/request_parse.py
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+# the checkout this script lives in, not whatever laneserve the environment installs
+sys.path.insert(0, str(ROOT))
 
 from laneserve.bench.results import markdown_table, write_result  # noqa: E402
 from laneserve.core.slo import SLO  # noqa: E402
-from laneserve.server.api import parse_request  # noqa: E402
-from laneserve.server.protocol import ServerDefaults  # noqa: E402
+from laneserve.server import protocol  # noqa: E402
 
 SAMPLING = {"max_tokens": 64, "temperature": 0.7, "top_p": 0.95, "seed": 7, "stop": ["\n\n"], "stream": True}
 TEXT = "the model serve token prefill decode " * 8
@@ -46,38 +53,58 @@ def bodies() -> dict[str, tuple[str, bytes, bool]]:
     }
 
 
-def time_us(fn, repeats: int, rounds: int = 7) -> float:
-    """Median over ``rounds`` of the mean time per call of ``repeats`` calls, in microseconds."""
-    fn()
-    per = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        per.append((time.perf_counter() - t0) / repeats * 1e6)
-    return statistics.median(per)
+def load_baseline(rev: str):
+    """``laneserve/server/protocol.py`` at git revision ``rev``, as a module of its own."""
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:laneserve/server/protocol.py"],
+                            check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="laneserve-bench-")) / "baseline_protocol.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("baseline_protocol", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def parser(mod, kind: str, raw: bytes, **kw):
+    parse = mod.parse_completion if kind == "completion" else mod.parse_chat
+    return lambda: parse(mod.parse_body(raw), **kw, defaults=mod.ServerDefaults(default_slo=SLO(1.0, 0.1)))
+
+
+def mean_call_us(fn, repeats: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats * 1e6
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--label", default="", help="suffix of the result name")
-    ap.add_argument("--repeats", type=int, default=2000)
+    ap.add_argument("--baseline", default="5cfb81c", help="git revision of the baseline protocol.py")
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=40)
     args = ap.parse_args()
     from laneserve.commands.serve import _load_tokenizer
     from laneserve.engine.smoke import smoke_model_path
     tokenizer = _load_tokenizer(smoke_model_path())
-    defaults = ServerDefaults(default_slo=SLO(1.0, 0.1))
+    base = load_baseline(args.baseline)
     rows, metrics = [], {}
     for name, (kind, raw, needs_tok) in bodies().items():
         kw = dict(tokenizer=tokenizer if needs_tok else None, max_model_len=4096, vocab_size=1024,
-                  kv_tokens=16384, headers={}, defaults=defaults)
-        gi = parse_request(kind, raw, **kw)
-        assert gi.prompt_ids
-        us = time_us(lambda: parse_request(kind, raw, **kw), args.repeats)
-        metrics[f"{name}_us"] = round(us, 2)
-        rows.append({"request": name, "bytes": len(raw), "parse_us": us})
-    name = "request_parse" + (f"_{args.label}" if args.label else "")
-    write_result(name, metrics, markdown=markdown_table(rows))
+                  kv_tokens=16384, headers={})
+        fns = {"current": parser(protocol, kind, raw, **kw), "baseline": parser(base, kind, raw, **kw)}
+        assert fns["current"]().prompt_ids == fns["baseline"]().prompt_ids
+        best = {k: float("inf") for k in fns}
+        for _ in range(args.rounds):
+            for k, fn in fns.items():
+                best[k] = min(best[k], mean_call_us(fn, args.repeats))
+        ratio = best["current"] / best["baseline"]
+        metrics.update({f"{name}_us": round(best["current"], 2), f"{name}_baseline_us": round(best["baseline"], 2),
+                        f"{name}_ratio": round(ratio, 3)})
+        rows.append({"request": name, "bytes": len(raw), "baseline_us": best["baseline"],
+                     "current_us": best["current"], "current/baseline": ratio})
+    write_result("request_parse", metrics, markdown=markdown_table(rows),
+                 extra={"baseline": args.baseline, "repeats": args.repeats, "rounds": args.rounds})
     print(markdown_table(rows))
 
 

@@ -4,6 +4,8 @@ and the load generator's conversion to metrics."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from laneserve.core.request import RequestSpec
@@ -141,3 +143,56 @@ def test_loadgen_outcomes_become_vllm_style_summary():
     assert s["mean_itl_ms"] == pytest.approx(75.0)        # gaps of 50 ms and 100 ms
     assert s["ttfts"][:2] == pytest.approx([0.2, 0.9]) and s["output_lens"] == [4, 4, 0]
     assert s["request_goodput"] == pytest.approx(0.5)
+
+
+def test_sampling_surface_fields_become_sampling_params():
+    g = parse({"prompt": [1, 2], "max_tokens": 8, "presence_penalty": 0.5, "frequency_penalty": -1,
+               "repetition_penalty": 1.3, "logit_bias": {"7": 100, "3": -2.5}, "min_tokens": 4})
+    sp = g.sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_tokens) == (0.5, -1.0, 1.3, 4)
+    assert dict(sp.logit_bias) == {7: 100.0, 3: -2.5}
+    from laneserve.cluster.messages import pack, request_fields, request_from_fields, unpack
+    wire = unpack(pack(request_fields(9, [1, 2], sp, 0.0, SLO())))
+    assert request_from_fields(wire, vocab_size=50).sampling == sp
+    with pytest.raises(ValueError, match="logit_bias"):
+        request_from_fields(wire, vocab_size=5)           # an instance never trusts the wire's ids
+    for body, message in (({"logit_bias": {"x": 1}}, "keys must be token ids"),
+                          ({"logit_bias": {"50": 1}}, "outside the vocabulary"),
+                          ({"logit_bias": {"1": 100.5}}, "'logit_bias.1' must be <= 100"),
+                          ({"logit_bias": {"1": 1, "01": 2}}, "names a token id twice"),
+                          ({"logit_bias": {str(i): 1 for i in range(1025)}}, "at most 1024"),
+                          ({"presence_penalty": 2.5}, "'presence_penalty' must be in [-2.0, 2.0]"),
+                          ({"repetition_penalty": 0}, "'repetition_penalty' must be in [0.01, 2.0]"),
+                          ({"min_tokens": 17}, "'min_tokens' (17) must be <= max_tokens (16)"),
+                          ({"min_tokens": -1}, "'min_tokens' must be >= 0"),
+                          ({"frequency_penalty": float("nan")}, "must be a finite number")):
+        with pytest.raises(BadRequest, match=re.escape(message)):
+            parse({"prompt": [1], **body})
+
+
+def test_unknown_fields_are_ignored_and_logged_once_per_name(caplog):
+    import laneserve.server.protocol as protocol
+    protocol._logged_unknown.discard("guided_json_typo")
+    with caplog.at_level("WARNING", logger="laneserve.server"):
+        for _ in range(3):
+            g = parse({"prompt": [1, 2], "guided_json_typo": {"a": 1}, "temperature": 0})
+            assert g.sampling.temperature == 0.0
+    assert sum("guided_json_typo" in r.getMessage() for r in caplog.records) == 1
+    # neutral values of fields other parts implement are accepted; others refused by name
+    parse({"prompt": [1], "n": 1, "echo": False, "best_of": 1})
+    with pytest.raises(BadRequest, match="'n' is not supported"):
+        parse({"prompt": [1], "n": 2})
+
+
+def test_request_models_are_strict_and_name_the_field():
+    cases = [({"prompt": [1], "max_tokens": True}, "'max_tokens' must be an integer, got bool"),
+             ({"prompt": [1], "temperature": "0.5"}, "'temperature' must be a number, got str"),
+             ({"prompt": [1], "seed": 2**64}, "'seed' must be <= 9223372036854775807"),
+             ({"prompt": [1], "stop": ["a"] * 17}, "'stop' must be a non-empty string or a list"),
+             ({"prompt": 5}, "'prompt' must be a string or a list of token ids"),
+             ({"prompt": [1], "slo": {"ttft": 5}}, "unknown field 'slo.ttft'"),
+             ({"prompt": [1], "stream_options": {"include_usage": True}}, "only allowed when 'stream' is true")]
+    for body, message in cases:
+        with pytest.raises(BadRequest, match=re.escape(message)) as info:
+            parse(body)
+        assert info.value.param == next(iter(k for k in body if k != "prompt"), "prompt")
