@@ -42,8 +42,8 @@ from pydantic import BaseModel, ValidationError
 
 from laneserve.core.sampling import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN, SamplingParams, is_real
 from laneserve.core.slo import SLO, SLOClass
-from laneserve.server.schema import (MAX_CHARS_PER_TOKEN, MAX_JSON_DEPTH, MAX_LABEL_CHARS, MAX_NAME_CHARS,
-                                     MAX_SLO_MS, ChatCompletionRequest, CompletionRequest)
+from laneserve.server.schema import (MAX_CHARS_PER_TOKEN, MAX_JSON_DEPTH, MAX_LABEL_CHARS, MAX_SLO_MS,
+                                     ChatCompletionRequest, CompletionRequest)
 
 log = logging.getLogger("laneserve.server")
 _M = TypeVar("_M", bound=BaseModel)
