@@ -13,6 +13,7 @@ from laneserve.core.sampling import SamplingParams
 from laneserve.engine.sampler import PLACEHOLDER_TOKEN, Sampler, StopChecker, UnsampleableRows, token_stops
 
 FAMILY = "qwen2"
+VOCAB_EOS = 511            # the tiny checkpoints' eos_token_id (VOCAB - 1)
 N = 10
 
 
@@ -140,3 +141,139 @@ def test_unsampleable_rows_fail_alone():
     assert [err.tokens[r] for r in (0, 2, 5)] == alone and err.tokens[2] >= 10
     assert all(err.tokens[r] == PLACEHOLDER_TOKEN and err.logprobs[r] is None for r in err.rows)
     assert err.logprobs[0].top == alone_lp[0].top and err.logprobs[5].top == alone_lp[2].top
+
+# ---- logit shaping: penalties, logit_bias, min_tokens against transformers -----------------------
+class _OutputPenalty:
+    """The direct formula of vLLM's presence/frequency penalties (HF has no processor for them):
+    over the generated tokens only, ``logit -= frequency * count + presence * (count > 0)``."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        out = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(1, out, torch.ones(out.shape, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0)
+
+
+def _hf_greedy_processed(prompt: list[int], n: int, processors: list) -> list[int]:
+    """transformers' greedy ``generate`` with extra logits processors, EOS ignored."""
+    from transformers import LogitsProcessorList
+
+    from engine_support import hf_model
+    with torch.no_grad():
+        out = hf_model(FAMILY).generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                        do_sample=False, max_new_tokens=n, min_new_tokens=0, eos_token_id=None,
+                                        pad_token_id=0, logits_processor=LogitsProcessorList(processors))
+    return out[0, len(prompt):].tolist()
+
+
+M = 16
+# a prompt that repeats itself, so that prompt tokens are likely continuations
+REPEATING = prompts([6], seed=11)[0] * 3
+
+
+def test_repetition_penalty_matches_hf_processor():
+    from transformers import RepetitionPenaltyLogitsProcessor
+    plain = _run([make_request(0, REPEATING, M)])[0]
+    changed = False
+    for penalty in (1.8, 0.5):
+        ours = _run([make_request(0, REPEATING, M, repetition_penalty=penalty)])[0]
+        assert ours == _hf_greedy_processed(REPEATING, M, [RepetitionPenaltyLogitsProcessor(penalty)]), penalty
+        changed |= ours != plain
+    assert changed, "the penalty never changed the greedy output: the test cannot tell"
+
+
+def test_presence_and_frequency_penalties_match_the_formula():
+    plain = _run([make_request(0, REPEATING, M)])[0]
+    changed = False
+    for presence, frequency in ((2.0, 0.0), (0.0, 1.5), (-1.0, 0.7)):
+        ours = _run([make_request(0, REPEATING, M, presence_penalty=presence, frequency_penalty=frequency)])[0]
+        ref = _hf_greedy_processed(REPEATING, M, [_OutputPenalty(len(REPEATING), presence, frequency)])
+        assert ours == ref, (presence, frequency)
+        changed |= ours != plain
+    assert changed
+
+
+def test_logit_bias_matches_hf_sequence_bias():
+    from transformers import SequenceBiasLogitsProcessor
+    p = prompts([10], seed=12)[0]
+    plain = _run([make_request(0, p, M)])[0]
+    forced = 77
+    assert _run([make_request(0, p, M, logit_bias=((forced, 100.0),))])[0] == [forced] * M
+    bias = tuple({5: 2.0, plain[1]: 3.5, plain[0]: -100.0}.items())
+    ours = _run([make_request(0, p, M, logit_bias=bias)])[0]
+    assert ours[0] != plain[0] and plain[0] not in ours
+    ref = _hf_greedy_processed(p, M, [SequenceBiasLogitsProcessor([[[t], b] for t, b in bias])])
+    assert ours == ref
+
+
+def test_min_tokens_masks_eos_and_stop_ids_like_hf():
+    from transformers import MinNewTokensLengthLogitsProcessor, SequenceBiasLogitsProcessor
+    p = prompts([9], seed=13)[0]
+    ex = make_executor(FAMILY)
+    eos, stop = VOCAB_EOS, 40
+    assert eos in ex.eos_token_ids
+    req = make_request(0, p, 8, ignore_eos=False, stop_token_ids=(stop,), min_tokens=5,
+                       logit_bias=((eos, 60.0), (stop, 50.0)))
+    driver = Driver(ex)
+    stopped_at = None
+    driver.step([(req, req.prompt_len)], [])
+    while req.num_output_tokens < 8:
+        _, result = driver.step([], [req])
+        if 0 in result.stop_hit and stopped_at is None:
+            stopped_at = req.num_output_tokens
+    out = req.output_token_ids
+    assert eos not in out[:5] and stop not in out[:5] and out[5] == eos and stopped_at == 6
+    ref = _hf_greedy_processed(p, 8, [SequenceBiasLogitsProcessor([[[eos], 60.0], [[stop], 50.0]]),
+                                      MinNewTokensLengthLogitsProcessor(len(p), 5, [eos, stop])])
+    assert out == ref
+
+
+def test_shaped_rows_are_batch_independent_and_histories_are_freed():
+    a, b, c = REPEATING, prompts([13], seed=14)[0], prompts([7], seed=15)[0]
+    specs = [dict(repetition_penalty=1.8), dict(), dict(presence_penalty=1.0, frequency_penalty=0.5,
+                                                         logit_bias=((9, 4.0),))]
+    alone = [_run([make_request(0, pr, M, **kw)])[0] for pr, kw in zip((a, b, c), specs)]
+    ex = make_executor(FAMILY)
+    reqs = [make_request(i, pr, M, **kw) for i, (pr, kw) in enumerate(zip((a, b, c), specs))]
+    # chunked prefill: the history starts when the last chunk samples the first token
+    assert Driver(ex).run(reqs, chunk_size=5) == alone
+    assert ex.num_token_histories == 2
+    for r in reqs:                             # the requests end: their KV is freed
+        ex.kv.free(r.request_id)
+    late = make_request(7, b, 2, repetition_penalty=1.2)
+    Driver(ex).run([late])
+    assert ex.num_token_histories == 1         # only the live request's history is left
+
+
+def test_history_is_rebuilt_for_a_request_that_arrives_with_outputs():
+    """A decode instance receives a prefilled request (prompt + first token) and samples its next
+    tokens: the history it builds then counts the first token too (PD disaggregation)."""
+    kw = dict(repetition_penalty=1.8, presence_penalty=0.5)
+    whole = _run([make_request(0, REPEATING, M, **kw)])[0]
+    pre = make_request(0, REPEATING, M, **kw)
+    Driver(make_executor(FAMILY)).step([(pre, pre.prompt_len)], [])
+    dec = make_request(0, REPEATING, M, **kw)           # a new Request object on a new executor
+    dec.output_token_ids, dec.num_output_tokens = list(pre.output_token_ids), 1
+    ex = make_executor(FAMILY)
+    Driver(ex).step([(dec, dec.prompt_len)], [])        # recompute the prompt's KV, no sampling
+    dec.num_computed_tokens = dec.prompt_len
+    Driver(ex).run([dec])
+    assert dec.output_token_ids == whole
+
+
+def test_stop_strings_wait_for_min_tokens():
+    class WordTokenizer:
+        words = ["alpha", "END", "beta", "gamma"]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(self.words[i] for i in ids)
+
+    checker = StopChecker(WordTokenizer())
+    out = [0, 1, 2, 1, 3]                     # alpha END beta END gamma
+    plain = SamplingParams(stop=("END",))
+    late = SamplingParams(stop=("END",), min_tokens=3)
+    assert checker.check(out[:2], plain) == len("alpha ")
+    assert [checker.check(out[:n], late) for n in (2, 3)] == [None, None]
+    assert checker.check(out[:4], late) == len("alpha END beta ")   # the first END came too early

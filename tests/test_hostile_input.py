@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from laneserve.cluster.messages import pack, request_fields, request_from_fields, sampling_from_dict, unpack
 from laneserve.core.sampling import INT64_MAX, INT64_MIN
 from laneserve.core.slo import SLO
-from laneserve.engine.sampler import Sampler
+from laneserve.engine.sampler import Sampler, TokenHistory
+from laneserve.server import protocol
 from laneserve.server.protocol import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_JSON_DEPTH, MAX_MESSAGES,
                                        MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, BadRequest, GenerateInput,
                                        ServerDefaults, parse_body, parse_chat, parse_completion)
@@ -62,7 +63,10 @@ def assert_usable(gi: GenerateInput) -> None:
     req = request_from_fields(msg, vocab_size=VOCAB)
     assert req.sampling == gi.sampling
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
-    tokens, _ = Sampler(0).sample(logits, [req.sampling, req.sampling], [0, 3])
+    history = TokenHistory(req, req.sampling, req.prompt_token_ids, VOCAB, torch.device("cpu"), eos_token_ids=[0])
+    later = TokenHistory(req, req.sampling, req.prompt_token_ids, VOCAB, torch.device("cpu"), eos_token_ids=[0])
+    later.extend([1, 2, 1])
+    tokens, _ = Sampler(0).sample(logits, [req.sampling, req.sampling], [0, 3], [history, later])
     assert all(0 <= t < VOCAB for t in tokens)
 
 
@@ -137,7 +141,7 @@ BAD_FIELDS = [
     ({"seed": 1.5}, "seed", "integer"),
     ({"seed": True}, "seed", "integer"),
     ({"top_k": 2 ** 64}, "top_k", "<="),
-    ({"top_k": -2}, "top_k", "or >= 1"),
+    ({"top_k": -2}, "top_k", ">= -1"),
     ({"top_k": 5.0}, "top_k", "integer"),
     ({"priority": 2 ** 64}, "priority", "<="),
     ({"priority": -(2 ** 63) - 1}, "priority", ">="),
@@ -150,20 +154,23 @@ BAD_FIELDS = [
     ({"stop_token_ids": [-1]}, "stop_token_ids", "outside the vocabulary"),
     ({"stop_token_ids": [VOCAB]}, "stop_token_ids", "outside the vocabulary"),
     ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids", "at most"),
-    ({"stop_token_ids": [True]}, "stop_token_ids", "list of integers"),
+    ({"stop_token_ids": [True]}, "stop_token_ids", "must be an integer"),
     ({"stop_token_ids": 7}, "stop_token_ids", "list of integers"),
-    ({"logprobs": 21}, "logprobs", "<= 20"),
-    ({"logprobs": -1}, "logprobs", ">= 0"),
-    ({"n": float("nan")}, "n", "not supported"),
-    ({"presence_penalty": float("inf")}, "presence_penalty", "not supported"),
-    ({"logit_bias": {"1": 5}}, "logit_bias", "not supported"),
-    ({"logit_bias": [1]}, "logit_bias", "not supported"),
+    ({"logprobs": 21}, "logprobs", r"in \[0, 20\]"),
+    ({"logprobs": -1}, "logprobs", r"in \[0, 20\]"),
+    ({"n": float("nan")}, "n", "must be an integer"),
+    ({"n": 2}, "n", "not supported"),
+    ({"presence_penalty": float("inf")}, "presence_penalty", "finite"),
+    ({"logit_bias": {str(VOCAB): 5}}, "logit_bias", "outside the vocabulary"),
+    ({"logit_bias": {"1": float("nan")}}, "logit_bias", "finite"),
+    ({"logit_bias": [1]}, "logit_bias", "must be an object"),
     ({"user": "u" * 2000}, "user", "longer than"),
     ({"user": 5}, "user", "must be a string"),
     ({"model": "m" * 2000}, "model", "longer than"),
     ({"model": ["m"]}, "model", "must be a string"),
     ({"stream": 1}, "stream", "boolean"),
-    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage", "boolean"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options",
+     "'stream_options.include_usage' must be a boolean"),
     ({"ignore_eos": None, "return_token_ids": "true"}, "return_token_ids", "boolean"),
     ({"slo": {"ttft_ms": float("nan")}}, "slo", "'slo.ttft_ms' must be a number > 0"),
     ({"slo": {"tpot_ms": float("inf")}}, "slo", "'slo.tpot_ms' must be a number > 0"),
@@ -203,15 +210,23 @@ def test_bad_slo_headers_are_400(header, value):
     assert e.value.param == header
 
 
-def test_body_shape_and_unknown_fields():
+def test_body_shape_and_unknown_fields(caplog, monkeypatch):
     for body in ([BASE], "prompt", None, 5):
         with pytest.raises(BadRequest, match="JSON object"):
             completion(body)
     with pytest.raises(BadRequest, match="field names must be strings"):
         completion({**BASE, 1: 2})
-    with pytest.raises(BadRequest, match="unknown field") as e:
-        completion({**BASE, "k" * 100_000: 1})
-    assert len(str(e.value)) < 200 and e.value.param is None
+    # issue 14 (as vLLM): an unknown top-level field is ignored and its name logged once, bounded
+    monkeypatch.setattr(protocol, "_logged_unknown", set())
+    with caplog.at_level("WARNING", logger="laneserve.server"):
+        for _ in range(2):
+            assert completion({**BASE, "k" * 100_000: 1}).prompt_ids == BASE["prompt"]
+    logged = [r.getMessage() for r in caplog.records if "kkk" in r.getMessage()]
+    assert len(logged) == 1 and len(logged[0]) < 200
+    # inside 'slo' a typo is still refused, without echoing the key unbounded
+    with pytest.raises(BadRequest, match="unknown field 'slo.kkk") as e:
+        completion({**BASE, "slo": {"k" * 100_000: 1}})
+    assert len(str(e.value)) < 200 and e.value.param == "slo"
 
 
 def test_accepted_values_are_normalised_and_usable():
@@ -232,6 +247,11 @@ def test_accepted_values_are_normalised_and_usable():
     assert completion({**BASE, "top_k": 0}).sampling.top_k == -1
     assert completion({**BASE, "top_k": INT64_MAX}).sampling.top_k == -1
     assert completion({**BASE, "top_k": VOCAB - 1}).sampling.top_k == VOCAB - 1
+    # issue 14's sampling fields, at their ends
+    gi = completion({**BASE, "logit_bias": {"1": 100, "0": -100}, "presence_penalty": -2, "frequency_penalty": 2,
+                     "repetition_penalty": 0.01, "min_tokens": 16, "temperature": 0.5})
+    assert gi.sampling.logit_bias == ((1, 100.0), (0, -100.0)) and gi.sampling.min_tokens == 16
+    assert_usable(gi)
     gi = completion({**BASE, "priority": INT64_MIN, "stop_token_ids": [0, VOCAB - 1] * 128, "logprobs": 20,
                      "top_p": 5e-324, "slo": {"ttft_ms": 86_400_000, "tpot_ms": 1e-300}, "max_tokens": 77})
     assert gi.priority == INT64_MIN and gi.slo.ttft == 86_400.0 and gi.slo.tpot == pytest.approx(1e-303)
@@ -286,13 +306,13 @@ BAD_CHAT = [
     ({"chat_template_kwargs": {"x": float("nan")}}, "chat_template_kwargs", "must be null"),
     ({"chat_template_kwargs": {f"k{i}": 1 for i in range(17)}}, "chat_template_kwargs", "at most"),
     ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "must be an object"),
-    ({"metadata": {"k": 1}}, "metadata", "string values"),
+    ({"metadata": {"k": 1}}, "metadata", "'metadata.k' must be a string"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most"),
-    ({"metadata": {"k": "v" * 513}}, "metadata", "string values"),
+    ({"metadata": {"k": "v" * 513}}, "metadata", "'metadata.k' is longer than 512"),
     ({"service_tier": ["auto"]}, "service_tier", "must be a string"),
     ({"store": "no"}, "store", "boolean"),
     ({"parallel_tool_calls": 0}, "parallel_tool_calls", "boolean"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "<= 20"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", r"in \[0, 20\]"),
     ({"logprobs": "yes"}, "logprobs", "boolean"),
     ({"max_completion_tokens": 2 ** 64}, "max_completion_tokens", "<="),
     ({"temperature": float("nan")}, "temperature", "finite"),
@@ -454,7 +474,10 @@ def test_bad_fields_are_rejected_before_tokenization():
     tok = Counting()
     for body, parse in (({"model": "m", "prompt": "x" * 50, "temperature": float("nan")}, parse_completion),
                         ({"model": "m", "prompt": "x" * 50, "seed": 2 ** 64}, parse_completion),
-                        ({**CHAT, "top_p": 0}, parse_chat), ({**CHAT, "stop_token_ids": [-1]}, parse_chat)):
+                        ({**CHAT, "top_p": 0}, parse_chat), ({**CHAT, "stop_token_ids": [-1]}, parse_chat),
+                        ({"model": "m", "prompt": "x" * 50, "logit_bias": {"999": 1}}, parse_completion),
+                        ({"model": "m", "prompt": "x" * 50, "min_tokens": 17}, parse_completion),
+                        ({**CHAT, "max_tokens": 4, "min_tokens": 5}, parse_chat)):
         with pytest.raises(BadRequest):
             parse(body, tokenizer=tok, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB, kv_tokens=MAX_MODEL_LEN,
                   headers={}, defaults=DEFAULTS)

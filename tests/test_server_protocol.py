@@ -4,6 +4,8 @@ and the load generator's conversion to metrics."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from laneserve.core.request import RequestSpec
@@ -82,17 +84,35 @@ def test_detokenizer_stop_string_is_never_partly_streamed():
     assert plain.delta() == "a b c"
 
 
+def _samples(text: str) -> dict[tuple, float]:
+    """(name, sorted labels) -> value, by prometheus_client's own text parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
 def test_metrics_render_prometheus_text():
     m = ServerMetrics("m")
-    m.ttft.observe(0.03, model_name="m")
-    m.ttft.observe(3.0, model_name="m")
+    m.ttft.observe(0.03)
+    m.ttft.observe(3.0)
+    m.aborted.inc()
+    m.reject("bad_request")
     text = m.render([{"id": 0, "role": "prefill", "running": 2, "waiting": 1, "kv_usage": 0.5, "kv_free": 8,
-                      "kv_total": 16, "preemptions": 3, "alive": 1}], in_flight=2)
-    assert 'laneserve:time_to_first_token_seconds_bucket{model_name="m",le="0.04"} 1' in text
-    assert 'laneserve:time_to_first_token_seconds_bucket{model_name="m",le="+Inf"} 2' in text
-    assert 'laneserve:time_to_first_token_seconds_count{model_name="m"} 2' in text
-    assert 'laneserve:num_requests_running{model_name="m",instance="0",role="prefill"} 2.0' in text
-    assert 'laneserve:num_preemptions_total{model_name="m",instance="0",role="prefill"} 3.0' in text
+                      "kv_total": 16, "preemptions": 3, "alive": 1},
+                     {"id": 1, "role": "decode", "running": None, "alive": 0}], in_flight=2).decode()
+    got = _samples(text)
+    model = (("model_name", "m"),)
+    inst0 = (("instance", "0"), ("model_name", "m"), ("role", "prefill"))
+    assert got[("laneserve:time_to_first_token_seconds_bucket", (("le", "0.04"), *model))] == 1
+    assert got[("laneserve:time_to_first_token_seconds_bucket", (("le", "+Inf"), *model))] == 2
+    assert got[("laneserve:time_to_first_token_seconds_count", model)] == 2
+    assert got[("laneserve:num_requests_running", inst0)] == 2
+    assert got[("laneserve:num_preemptions_total", inst0)] == 3
+    assert got[("laneserve:request_aborted_total", model)] == 1
+    assert got[("laneserve:request_rejected_total", (("model_name", "m"), ("reason", "bad_request")))] == 1
+    assert got[("laneserve:num_requests_in_flight", model)] == 2
+    dead = (("instance", "1"), ("model_name", "m"), ("role", "decode"))
+    assert got[("laneserve:instance_up", dead)] == 0 and ("laneserve:num_requests_running", dead) not in got
 
 
 @pytest.mark.parametrize("name", ["shm", "inline"])
@@ -123,3 +143,56 @@ def test_loadgen_outcomes_become_vllm_style_summary():
     assert s["mean_itl_ms"] == pytest.approx(75.0)        # gaps of 50 ms and 100 ms
     assert s["ttfts"][:2] == pytest.approx([0.2, 0.9]) and s["output_lens"] == [4, 4, 0]
     assert s["request_goodput"] == pytest.approx(0.5)
+
+
+def test_sampling_surface_fields_become_sampling_params():
+    g = parse({"prompt": [1, 2], "max_tokens": 8, "presence_penalty": 0.5, "frequency_penalty": -1,
+               "repetition_penalty": 1.3, "logit_bias": {"7": 100, "3": -2.5}, "min_tokens": 4})
+    sp = g.sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_tokens) == (0.5, -1.0, 1.3, 4)
+    assert dict(sp.logit_bias) == {7: 100.0, 3: -2.5}
+    from laneserve.cluster.messages import pack, request_fields, request_from_fields, unpack
+    wire = unpack(pack(request_fields(9, [1, 2], sp, 0.0, SLO())))
+    assert request_from_fields(wire, vocab_size=50).sampling == sp
+    with pytest.raises(ValueError, match="logit_bias"):
+        request_from_fields(wire, vocab_size=5)           # an instance never trusts the wire's ids
+    for body, message in (({"logit_bias": {"x": 1}}, "keys must be token ids"),
+                          ({"logit_bias": {"50": 1}}, "outside the vocabulary"),
+                          ({"logit_bias": {"1": 100.5}}, "'logit_bias.1' must be <= 100"),
+                          ({"logit_bias": {"1": 1, "01": 2}}, "names a token id twice"),
+                          ({"logit_bias": {str(i): 1 for i in range(1025)}}, "at most 1024"),
+                          ({"presence_penalty": 2.5}, "'presence_penalty' must be in [-2.0, 2.0]"),
+                          ({"repetition_penalty": 0}, "'repetition_penalty' must be in [0.01, 2.0]"),
+                          ({"min_tokens": 17}, "'min_tokens' (17) must be <= max_tokens (16)"),
+                          ({"min_tokens": -1}, "'min_tokens' must be >= 0"),
+                          ({"frequency_penalty": float("nan")}, "must be a finite number")):
+        with pytest.raises(BadRequest, match=re.escape(message)):
+            parse({"prompt": [1], **body})
+
+
+def test_unknown_fields_are_ignored_and_logged_once_per_name(caplog, monkeypatch):
+    import laneserve.server.protocol as protocol
+    monkeypatch.setattr(protocol, "_logged_unknown", set())   # other tests' unknown names may have filled it
+    with caplog.at_level("WARNING", logger="laneserve.server"):
+        for _ in range(3):
+            g = parse({"prompt": [1, 2], "guided_json_typo": {"a": 1}, "temperature": 0})
+            assert g.sampling.temperature == 0.0
+    assert sum("guided_json_typo" in r.getMessage() for r in caplog.records) == 1
+    # neutral values of fields other parts implement are accepted; others refused by name
+    parse({"prompt": [1], "n": 1, "echo": False, "best_of": 1})
+    with pytest.raises(BadRequest, match="'n' is not supported"):
+        parse({"prompt": [1], "n": 2})
+
+
+def test_request_models_are_strict_and_name_the_field():
+    cases = [({"prompt": [1], "max_tokens": True}, "'max_tokens' must be an integer, got bool"),
+             ({"prompt": [1], "temperature": "0.5"}, "'temperature' must be a number, got str"),
+             ({"prompt": [1], "seed": 2**64}, "'seed' must be <= 9223372036854775807"),
+             ({"prompt": [1], "stop": ["a"] * 17}, "'stop' must be a non-empty string or a list"),
+             ({"prompt": 5}, "'prompt' must be a string or a list of token ids"),
+             ({"prompt": [1], "slo": {"ttft": 5}}, "unknown field 'slo.ttft'"),
+             ({"prompt": [1], "stream_options": {"include_usage": True}}, "only allowed when 'stream' is true")]
+    for body, message in cases:
+        with pytest.raises(BadRequest, match=re.escape(message)) as info:
+            parse(body)
+        assert info.value.param == next(iter(k for k in body if k != "prompt"), "prompt")

@@ -76,14 +76,14 @@ def synth_prompt(spec: RequestSpec, vocab_size: int, seed: int) -> list[int]:
     return [rng.randrange(lo, hi) for _ in range(spec.prompt_len)]
 
 
-async def _model_info(session, cfg: LoadConfig) -> tuple[str, int | None]:
-    async with session.get(cfg.base_url.rstrip("/") + "/v1/models") as resp:
-        data = await resp.json()
+async def _model_info(client, cfg: LoadConfig) -> tuple[str, int | None]:
+    resp = await client.get(cfg.base_url.rstrip("/") + "/v1/models")
+    data = resp.json()
     first = data["data"][0]
     return first["id"], first.get("vocab_size")
 
 
-async def _one(session, cfg: LoadConfig, url: str, model: str, vocab: int, spec: RequestSpec, t0: float,
+async def _one(client, cfg: LoadConfig, url: str, model: str, vocab: int, spec: RequestSpec, t0: float,
                out: RequestOutcome) -> None:
     payload: dict[str, Any] = {"model": model, "prompt": synth_prompt(spec, vocab, cfg.seed),
                                "max_tokens": spec.output_len, "ignore_eos": True, "temperature": cfg.temperature,
@@ -98,17 +98,17 @@ async def _one(session, cfg: LoadConfig, url: str, model: str, vocab: int, spec:
     usage_tokens = None
     counted = 0
     try:
-        async with session.post(url, json=payload) as resp:
-            out.status = resp.status
-            if resp.status != 200:
-                out.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+        async with asyncio.timeout(cfg.timeout), client.stream("POST", url, json=payload) as resp:
+            out.status = resp.status_code
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
                 return
-            async for raw in resp.content:
+            async for raw in resp.aiter_lines():
                 line = raw.strip()
-                if not line.startswith(b"data:"):
+                if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
-                if data == b"[DONE]":
+                if data == "[DONE]":
                     break
                 now = time.perf_counter() - t0
                 obj = json.loads(data)
@@ -129,21 +129,21 @@ async def _one(session, cfg: LoadConfig, url: str, model: str, vocab: int, spec:
         out.success = out.first is not None
         if not out.success:
             out.error = "no tokens received"
-    except Exception as exc:  # noqa: BLE001 - timeouts, aiohttp.ClientError, bad JSON: a failed request
+    except Exception as exc:  # noqa: BLE001 - timeouts, httpx.HTTPError, bad JSON: a failed request
         out.error = f"{type(exc).__name__}: {exc}"
 
 
 async def run_load(cfg: LoadConfig, specs: Sequence[RequestSpec], *, rate: float | None = None) -> LoadResult:
     """Send ``specs`` at their arrival offsets (all at t=0 when ``rate`` is ``inf``)."""
-    import aiohttp
+    import httpx
 
     from laneserve.bench.progress import progress_bar
-    timeout = aiohttp.ClientTimeout(total=cfg.timeout)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    # no connection cap (the concurrency cap is cfg.max_concurrency); cfg.timeout bounds each request
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout), limits=limits) as client:
         model, vocab = (cfg.model, cfg.vocab_size)
         if model is None or vocab is None:
-            m, v = await _model_info(session, cfg)
+            m, v = await _model_info(client, cfg)
             model = model or m
             vocab = vocab or v or 1000
         url = cfg.base_url.rstrip("/") + cfg.endpoint
@@ -160,9 +160,9 @@ async def run_load(cfg: LoadConfig, specs: Sequence[RequestSpec], *, rate: float
                 await asyncio.sleep(delay)
             if sem is not None:
                 async with sem:
-                    await _one(session, cfg, url, model, vocab, spec, t0, out)
+                    await _one(client, cfg, url, model, vocab, spec, t0, out)
             else:
-                await _one(session, cfg, url, model, vocab, spec, t0, out)
+                await _one(client, cfg, url, model, vocab, spec, t0, out)
             bar.update(1)
 
         await asyncio.gather(*(fire(s, o) for s, o in zip(specs, outcomes)))

@@ -35,7 +35,8 @@ from laneserve.core.sampling import INT64_MAX, INT64_MIN, SamplingParams, is_int
 from laneserve.core.slo import SLO
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
-                    "ignore_eos", "logprobs")
+                    "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "logit_bias", "min_tokens")
 
 
 class EpochClock:
@@ -62,6 +63,7 @@ def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:
     d = {f: getattr(p, f) for f in _SAMPLING_FIELDS}
     d["stop_token_ids"] = list(p.stop_token_ids)
     d["stop"] = list(p.stop)
+    d["logit_bias"] = [list(e) for e in p.logit_bias]
     return d
 
 
@@ -75,6 +77,11 @@ def sampling_from_dict(d: Any) -> SamplingParams:
         if v is not None and not isinstance(v, (list, tuple)):
             raise ValueError(f"sampling '{name}' must be a list, got {type(v).__name__}")
         fields[name] = tuple(v or ())
+    bias = fields.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, (list, tuple)) or not all(isinstance(e, (list, tuple)) for e in bias):
+            raise ValueError("sampling 'logit_bias' must be a list of [token id, bias] pairs")
+        fields["logit_bias"] = tuple(tuple(e) for e in bias)
     return SamplingParams(**fields)     # SamplingParams checks types, ranges and finiteness
 
 
@@ -117,6 +124,8 @@ def _request_from_fields(m: dict[str, Any], vocab_size: int | None) -> Request:
         raise ValueError(f"'rid' must be an integer, got {rid!r}")
     sampling = sampling_from_dict(m["sp"])
     prompt = _token_ids(m["prompt"], "prompt", vocab_size)
+    if vocab_size is not None and any(t >= vocab_size for t, _ in sampling.logit_bias):
+        raise ValueError(f"'logit_bias' holds a token id outside the vocabulary [0, {vocab_size})")
     slo = m["slo"]
     if not isinstance(slo, (list, tuple)) or len(slo) != 2:
         raise ValueError(f"'slo' must be [ttft, tpot], got {slo!r}")

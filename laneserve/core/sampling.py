@@ -1,5 +1,14 @@
 """Sampling parameters (pure data; the engine's sampler interprets them).
 
+Besides temperature / top-k / top-p / seed and the stop conditions, a request may shape the logits
+before sampling (vLLM's semantics, applied by ``laneserve.engine.sampler`` in this order):
+``logit_bias`` (token id -> added bias), ``min_tokens`` (EOS and ``stop_token_ids`` masked until
+that many tokens were generated), then the penalties: ``repetition_penalty`` over the prompt and
+the output (a seen token's positive logit is divided by it, a negative one multiplied, as HF's
+``RepetitionPenaltyLogitsProcessor``), ``frequency_penalty`` (minus the penalty times the token's
+count in the output) and ``presence_penalty`` (minus the penalty once the token occurs in the
+output).
+
 Construction checks every field's type, range and finiteness (NaN passes ``< 0`` tests, so each
 float is checked with :func:`math.isfinite` first): a :class:`SamplingParams` that exists can be
 packed for the wire (every int fits int64) and sampled. The API validates requests before they get
@@ -16,6 +25,10 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by them overflows
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0                  # presence/frequency penalties in [-2, 2] (OpenAI's and vLLM's range)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0   # a tiny divisor would overflow logits
+MAX_LOGIT_BIAS = 1024              # token ids in one logit_bias map
+MAX_BIAS = 100.0                   # |bias| <= 100 (OpenAI's range): enough to force or ban a token
 
 
 def is_int(v: object) -> bool:
@@ -44,6 +57,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # return the top-n logprobs of each sampled token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs, ids unique
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX:
@@ -65,7 +83,41 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_real(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {v!r}")
+        rp = self.repetition_penalty
+        if not is_real(rp) or not MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
+                             f"got {rp!r}")
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS or not all(
+                isinstance(e, tuple) and len(e) == 2 and is_int(e[0]) and 0 <= e[0] <= INT64_MAX
+                and is_real(e[1]) and -MAX_BIAS <= e[1] <= MAX_BIAS for e in bias):
+            raise ValueError(f"logit_bias must be a tuple of at most {MAX_LOGIT_BIAS} (token id >= 0, bias in "
+                             f"[-{MAX_BIAS}, {MAX_BIAS}]) pairs, got {_short(bias)}")
+        if len({t for t, _ in bias}) != len(bias):
+            raise ValueError("logit_bias names a token id twice")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the request's token history (any penalty is set)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, logit_bias, min_tokens)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+
+
+def _short(v: object, limit: int = 60) -> str:
+    s = repr(v)
+    return s if len(s) <= limit else s[:limit] + "..."

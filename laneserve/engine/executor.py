@@ -37,7 +37,7 @@ from laneserve.engine.config import EngineConfig
 from laneserve.engine.kv_cache import KVPayload, PagedKVCache
 from laneserve.engine.models.llama import LlamaModel
 from laneserve.engine.runner import ModelRunner, SeqInput, plan_sequences
-from laneserve.engine.sampler import GREEDY, Sampler, TokenLogprobs, UnsampleableRows, token_stops
+from laneserve.engine.sampler import GREEDY, Sampler, TokenHistory, TokenLogprobs, UnsampleableRows, token_stops
 
 
 @dataclass(slots=True)
@@ -82,6 +82,9 @@ class EngineExecutor:
             eos.add(tok_eos)
         self.eos_token_ids = frozenset(eos)
         self._parked: dict[int, _Parked] = {}
+        # per-request token statistics for logit shaping (penalties, logit_bias, min_tokens): kept
+        # while the request holds KV here, rebuilt from its tokens if it comes back without
+        self._histories: dict[int, TokenHistory] = {}
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -172,9 +175,11 @@ class EngineExecutor:
         if not sampled_seqs:
             return {}, set(), {}, {}
         params = [s.request.sampling or GREEDY for s in sampled_seqs]
+        histories = self._token_histories(sampled_seqs, params, logits)
         failed: dict[int, str] = {}
         try:
-            tokens, logprobs = self.sampler.sample(logits, params, [s.request.num_output_tokens for s in sampled_seqs])
+            tokens, logprobs = self.sampler.sample(logits, params, [s.request.num_output_tokens for s in sampled_seqs],
+                                                   histories)
         except UnsampleableRows as exc:          # the other rows' tokens are valid
             tokens, logprobs = exc.tokens, exc.logprobs
             failed = {sampled_seqs[row].request.request_id: why for row, why in exc.rows.items()}
@@ -189,6 +194,33 @@ class EngineExecutor:
             if lp is not None:
                 lp_out[rid] = lp
         return sampled, stop_hit, lp_out, failed
+
+    def _token_histories(self, seqs: list[SeqInput], params: list, logits: torch.Tensor) -> list[TokenHistory | None]:
+        """Each shaped row's :class:`TokenHistory`, extended by its new output tokens. Histories of
+        requests that no longer hold KV on this instance (finished, aborted, handed off, preempted
+        by recompute) are dropped first, so the map never outgrows the requests resident here."""
+        hist = self._histories
+        if hist:
+            host = self.host_pool.tables if self.host_pool is not None else {}
+            for rid in [r for r in hist if r not in self.kv.tables and r not in host]:
+                del hist[rid]
+        out: list[TokenHistory | None] = []
+        for s, p in zip(seqs, params):
+            if not p.shapes_logits:
+                out.append(None)
+                continue
+            req = s.request
+            h = hist.get(req.request_id)
+            if h is None or h.request is not req:
+                h = hist[req.request_id] = TokenHistory(req, p, req.prompt_token_ids or (), logits.shape[-1],
+                                                        logits.device, self.eos_token_ids)
+            h.extend(req.output_token_ids or ())
+            out.append(h)
+        return out
+
+    @property
+    def num_token_histories(self) -> int:
+        return len(self._histories)
 
     def discard(self, plan: StepPlan) -> bool:
         """Drop a parked plan (its request was aborted or will be recomputed); True if one was parked."""

@@ -6,8 +6,15 @@ sequence depends only on its seed and logits — not on batching, preemption or 
 (prefill or decode, DESIGN.md PD disaggregation) sampled which token. Unseeded requests share the
 engine's generator (``EngineConfig.seed``): deterministic for a fixed schedule.
 
-Logprobs are those of the model's distribution (log-softmax of the raw logits, before temperature
-and truncation), like vLLM's default.
+Logprobs are those of the model's distribution (log-softmax of the raw logits, before penalties,
+logit_bias, temperature and truncation), like vLLM's default (``raw_logprobs``).
+
+Logit shaping (``SamplingParams.shapes_logits``), before greedy or random choice, in vLLM's order:
+``logit_bias`` is added, EOS and ``stop_token_ids`` are masked while fewer than ``min_tokens``
+tokens were generated, then the repetition, frequency and presence penalties are applied (formulas
+in ``laneserve.core.sampling``). The penalties need the request's tokens: a :class:`TokenHistory`
+per request, which the executor keeps and extends by the new output tokens each step (no copy of
+the history per step).
 
 The sampler cannot be crashed by a request: any :class:`SamplingParams` that constructs is sampled
 (temperatures are applied to max-shifted logits, so a tiny temperature cannot overflow; seeds are
@@ -20,7 +27,7 @@ the caller can keep the good rows' tokens and fail the named rows' requests.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,18 +61,61 @@ class UnsampleableRows(RuntimeError):
         self.logprobs = logprobs
 
 
+class TokenHistory:
+    """One request's token statistics for logit shaping, on the logits' device: ``seen`` (bool,
+    ``[vocab]``: prompt and output tokens, for ``repetition_penalty``) and ``counts`` (output token
+    counts, for the frequency and presence penalties) when the request has a penalty; the
+    ``logit_bias`` ids and values; the ids ``min_tokens`` masks. :meth:`extend` adds the output
+    tokens generated since the last call, so the cost per step is that of the new tokens only."""
+
+    __slots__ = ("request", "num_outputs", "seen", "counts", "bias_ids", "bias_values", "stop_ids")
+
+    def __init__(self, request: object, params: SamplingParams, prompt: Sequence[int], vocab_size: int,
+                 device: torch.device, eos_token_ids: Iterable[int]) -> None:
+        self.request = request           # the request object this history belongs to (identity)
+        self.num_outputs = 0
+        self.seen = self.counts = self.bias_ids = self.bias_values = self.stop_ids = None
+        if params.penalized:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            ids = torch.tensor([t for t in prompt if 0 <= t < vocab_size], dtype=torch.long, device=device)
+            self.seen[ids] = True
+        bias = [(t, b) for t, b in params.logit_bias if t < vocab_size]
+        if bias:
+            self.bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=device)
+            self.bias_values = torch.tensor([b for _, b in bias], dtype=torch.float32, device=device)
+        if params.min_tokens:
+            stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+            self.stop_ids = torch.tensor(sorted(t for t in stop if t < vocab_size), dtype=torch.long, device=device)
+
+    def extend(self, output_token_ids: Sequence[int]) -> None:
+        """Count the output tokens past the ones already counted."""
+        new = output_token_ids[self.num_outputs:]
+        if not new:
+            return
+        self.num_outputs += len(new)
+        if self.counts is not None:
+            vocab = self.counts.shape[0]
+            ids = torch.tensor([t for t in new if 0 <= t < vocab], dtype=torch.long, device=self.counts.device)
+            self.counts.index_add_(0, ids, torch.ones(ids.shape[0], device=self.counts.device))
+            self.seen[ids] = True
+
+
 class Sampler:
     __slots__ = ("_generator",)
 
     def __init__(self, seed: int = 0) -> None:
         self._generator = torch.Generator().manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               output_index: list[int]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
+               histories: Sequence[TokenHistory | None] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
         """``logits`` ``[S, vocab]`` (fp32); ``output_index[i]`` = how many output tokens row i's
-        request already has (seeds the per-request draw). Returns token ids and logprobs, or raises
-        :class:`UnsampleableRows` (after sampling every other row) if some rows cannot be sampled."""
-        logits = logits.float()
+        request already has (seeds the per-request draw, gates ``min_tokens``); ``histories[i]``
+        the row's :class:`TokenHistory`, needed where ``params[i].shapes_logits``. Returns token
+        ids and logprobs, or raises :class:`UnsampleableRows` (after sampling every other row) if
+        some rows cannot be sampled."""
+        raw = logits.float()
+        logits = _shape(raw, params, output_index, histories)
         bad = _unsampleable_rows(logits)
         tokens = logits.argmax(dim=-1).tolist()
         cpu_logits = None
@@ -84,7 +134,7 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
         wanted = [row for row, p in enumerate(params) if p.logprobs is not None and row not in bad]
         if wanted:
-            lp = torch.log_softmax(logits[wanted], dim=-1).cpu()
+            lp = torch.log_softmax(raw[wanted], dim=-1).cpu()
             for i, row in enumerate(wanted):
                 n = min(params[row].logprobs or 0, lp.shape[-1])
                 top_v, top_i = lp[i].topk(n) if n else (lp.new_empty(0), lp.new_empty(0, dtype=torch.long))
@@ -93,6 +143,41 @@ class Sampler:
         if bad:
             raise UnsampleableRows(bad, tokens, logprobs)
         return tokens, logprobs
+
+
+def _shape(logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
+           histories: Sequence[TokenHistory | None] | None) -> torch.Tensor:
+    """``logits`` with logit_bias, the min_tokens mask and the penalties applied (a copy, when any
+    row asks for them)."""
+    rows = [row for row, p in enumerate(params) if p.shapes_logits]
+    if not rows:
+        return logits
+    if histories is None or any(histories[row] is None for row in rows):
+        raise ValueError("rows with penalties, logit_bias or min_tokens need their TokenHistory")
+    logits = logits.clone()
+    penalized = []
+    for row in rows:
+        h, p = histories[row], params[row]
+        if h.bias_ids is not None:
+            logits[row].index_add_(0, h.bias_ids, h.bias_values)
+        if h.stop_ids is not None and output_index[row] < p.min_tokens:
+            logits[row, h.stop_ids] = float("-inf")
+        if p.penalized:
+            penalized.append(row)
+    if penalized:
+        dev = logits.device
+        idx = torch.tensor(penalized, device=dev)
+        x = logits[idx]
+        seen = torch.stack([histories[r].seen for r in penalized])
+        counts = torch.stack([histories[r].counts for r in penalized])
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(params[r], name) for r in penalized], device=dev).unsqueeze(1)
+        rp = column("repetition_penalty")
+        x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+        x = x - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
+        logits[idx] = x
+    return logits
 
 
 def _unsampleable_rows(logits: torch.Tensor) -> dict[int, str]:
@@ -143,7 +228,10 @@ class StopChecker:
     (truncate the text there and finish the request with reason "stop"), or ``None``.
 
     Per token only the last ``window`` tokens are decoded (enough for the longest stop string plus
-    slack), so the cost per token stays constant; the full text is decoded once, on a match."""
+    slack), so the cost per token stays constant; the full text is decoded once, on a match.
+
+    As vLLM, no stop string is looked for before ``min_tokens`` tokens exist, and a match must end
+    in the text of the ``min_tokens``-th token or later."""
 
     __slots__ = ("tokenizer", "_window")
 
@@ -152,7 +240,7 @@ class StopChecker:
         self._window = window
 
     def check(self, output_token_ids: list[int], params: SamplingParams) -> int | None:
-        if not params.stop or not output_token_ids:
+        if not params.stop or not output_token_ids or len(output_token_ids) < params.min_tokens:
             return None
         window = self._window or 2 * max(len(s) for s in params.stop) + 8
         decode = self.tokenizer.decode  # type: ignore[attr-defined]
@@ -162,5 +250,6 @@ class StopChecker:
         if not any(s in tail[max(0, len(before) - len(s) + 1):] for s in params.stop):
             return None
         full = decode(output_token_ids, skip_special_tokens=True)
-        found = [pos for s in params.stop if (pos := full.find(s)) >= 0]
+        floor = len(decode(output_token_ids[:params.min_tokens - 1], skip_special_tokens=True)) if params.min_tokens else 0
+        found = [pos for s in params.stop if (pos := full.find(s, max(0, floor - len(s) + 1))) >= 0]
         return min(found) if found else None

@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP API (issue 6, item 2): ``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models``, ``/health``, ``/metrics`` (Prometheus) and ``/debug/state`` (per-instance KV blocks,
-queues and liveness, for tests and operators).
+queues and liveness, for tests and operators). ``/openapi.json`` and ``/docs`` describe the request
+and response bodies with the models of :mod:`laneserve.server.schema`; the handlers read the raw
+body themselves (never FastAPI's own parsing and 422s), so every refusal is a 400 in OpenAI's shape.
 
 Requests pass :class:`EdgeGuard` first (API key, 401; body size, 413 before anything is parsed),
 are parsed and validated by :mod:`laneserve.server.protocol` (400 with a clear message) in a
@@ -28,13 +30,18 @@ from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic.json_schema import models_json_schema
 
 from laneserve.cluster.process import Overloaded, ProcessCluster, Track, Unavailable
 from laneserve.server.detok import IncrementalDetokenizer, token_text
+from laneserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from laneserve.server.metrics import ServerMetrics
 from laneserve.server.protocol import (BadRequest, GenerateInput, ServerDefaults, parse_body, parse_chat,
                                       parse_completion)
+from laneserve.server.schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                    CompletionResponse, ErrorResponse)
 
 
 @dataclass(slots=True)
@@ -100,7 +107,7 @@ class EdgeGuard:
         return await self.app(scope, _capped(receive, limit), send)
 
     async def _too_big(self, scope, receive, send) -> None:
-        self.state.metrics.rejected.inc(model_name=self.state.metrics.model, reason="too_large")
+        self.state.metrics.reject("too_large")
         await error_response(413, f"request body larger than {self.state.max_request_bytes} bytes "
                                   "(--max-request-bytes)", "RequestTooLargeError")(scope, receive, send)
 
@@ -150,7 +157,8 @@ class _Run:
 
     def __init__(self, state: ServerState, gi: GenerateInput, track: Track) -> None:
         self.state, self.gi, self.track = state, gi, track
-        self.detok = IncrementalDetokenizer(state.tokenizer, gi.sampling.stop, gi.skip_special_tokens)
+        self.detok = IncrementalDetokenizer(state.tokenizer, gi.sampling.stop, gi.skip_special_tokens,
+                                            gi.sampling.min_tokens)
         self.finish: str | None = None
         self.error: str | None = None
         self.error_status = 500
@@ -171,13 +179,13 @@ class _Run:
         if toks:
             if self.t_first is None:
                 self.t_first = now
-                m.ttft.observe(now - self.track.request.arrival_time, model_name=m.model)
+                m.ttft.observe(now - self.track.request.arrival_time)
             else:
-                m.itl.observe(now - self.t_last, model_name=m.model)
+                m.itl.observe(now - self.t_last)
             self.t_last = now
         if info and info.get("prefill_start") is not None and self.queue_time is None:
             self.queue_time = max(0.0, info["prefill_start"] - self.track.request.arrival_time)
-            m.queue.observe(self.queue_time, model_name=m.model)
+            m.queue.observe(self.queue_time)
         self.detok.add(toks)
         if self.detok.stopped and finish is None:
             finish = "stop"
@@ -194,20 +202,20 @@ class _Run:
     def _on_finish(self, now: float) -> None:
         m, req = self.state.metrics, self.track.request
         e2e = now - req.arrival_time
-        m.e2e.observe(e2e, model_name=m.model)
-        m.success.inc(model_name=m.model, finished_reason=self.finish)
-        m.generation_tokens.inc(self.n_tokens, model_name=m.model)
+        m.e2e.observe(e2e)
+        m.success.labels(m.model, self.finish).inc()
+        m.generation_tokens.inc(self.n_tokens)
         ttft = (self.t_first or now) - req.arrival_time
         tpot = (e2e - ttft) / (self.n_tokens - 1) if self.n_tokens > 1 else None
         if tpot is not None:
-            m.tpot.observe(tpot, model_name=m.model)
+            m.tpot.observe(tpot)
         if req.slo.ttft is not None or req.slo.tpot is not None:
             ok_ttft = req.slo.ttft is None or ttft <= req.slo.ttft
             ok_tpot = req.slo.tpot is None or tpot is None or tpot <= req.slo.tpot
-            m.slo_total.inc(model_name=m.model, slo_class=req.slo_class)
+            m.slo_total.labels(m.model, req.slo_class).inc()
             for name, ok in (("ttft", ok_ttft), ("tpot", ok_tpot), ("both", ok_ttft and ok_tpot)):
                 if ok:
-                    m.slo_met.inc(model_name=m.model, slo_class=req.slo_class, target=name)
+                    m.slo_met.labels(m.model, req.slo_class, name).inc()
 
     def usage(self) -> dict[str, int]:
         p = len(self.gi.prompt_ids)
@@ -234,9 +242,42 @@ class _Run:
                 "top_logprobs": [{token_text(tok, i): v for i, v in x[1]} for x in lp], "text_offset": offsets}
 
 
+_REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": what} for code, what in (
+        (400, "invalid request: the message names the field"), (401, "missing or wrong API key"),
+        (404, "unknown model"), (413, "body larger than --max-request-bytes"),
+        (429, "overloaded (Retry-After)"), (503, "no instance can serve"))}
+
+
+def _documented(request_model, response_model) -> dict[str, Any]:
+    """Route arguments that document a body the handler parses itself (``openapi_extra``)."""
+    return {"openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{request_model.__name__}"}}}}},
+            "responses": {200: {"model": response_model, "description": "the completion, or server-sent events "
+                                "ending in data: [DONE] with stream: true",
+                                "content": {"text/event-stream": {}}}, **_ERRORS}}
+
+
+def _install_openapi(app: FastAPI) -> None:
+    """FastAPI's schema plus the request models (handlers take the raw body, so FastAPI does not
+    see them)."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                                 description="OpenAI-compatible completions and chat completions")
+            _, defs = models_json_schema([(m, "validation") for m in _REQUEST_MODELS],
+                                         ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi
+
+
 def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
     app = FastAPI(title="laneserve", lifespan=lifespan)
     app.state.ls = state
+    _install_openapi(app)
 
     async def _generate(request: Request, kind: str) -> Response:
         st = state
@@ -244,7 +285,7 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
             try:
                 raw = await request.body()
             except BodyTooLarge:
-                st.metrics.rejected.inc(model_name=st.metrics.model, reason="too_large")
+                st.metrics.reject("too_large")
                 return error_response(413, f"request body larger than {st.max_request_bytes} bytes "
                                            "(--max-request-bytes)", "RequestTooLargeError")
             limits = st.cluster.limits
@@ -254,7 +295,7 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
                             kv_tokens=limits["kv_tokens"], headers=headers, defaults=st.defaults)
             gi = await asyncio.get_running_loop().run_in_executor(st.parse_pool, parse)
         except BadRequest as exc:
-            st.metrics.rejected.inc(model_name=st.metrics.model, reason="bad_request")
+            st.metrics.reject("bad_request")
             return error_response(400, str(exc), "BadRequestError", exc.param)
         if gi.model not in (st.model_name, st.model_path):
             return error_response(404, f"The model `{gi.model}` does not exist. Served: `{st.model_name}`.",
@@ -263,15 +304,15 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
             track = st.cluster.submit(gi.prompt_ids, gi.sampling, slo=gi.slo, slo_class=gi.slo_class,
                                       priority=gi.priority)
         except Overloaded as exc:
-            st.metrics.rejected.inc(model_name=st.metrics.model, reason="overloaded")
+            st.metrics.reject("overloaded")
             return error_response(429, str(exc), "RateLimitError", headers={"Retry-After": str(exc.retry_after)})
         except Unavailable as exc:
-            st.metrics.rejected.inc(model_name=st.metrics.model, reason="unavailable")
+            st.metrics.reject("unavailable")
             return error_response(503, str(exc), "ServiceUnavailableError")
         release = partial(st.cluster.abort, track.rid)     # the slot's one owner: a no-op once finished
         handed_over = False
         try:
-            st.metrics.prompt_tokens.inc(len(gi.prompt_ids), model_name=st.metrics.model)
+            st.metrics.prompt_tokens.inc(len(gi.prompt_ids))
             run = _Run(st, gi, track)
             if gi.stream:
                 resp = _OwnedStream(_stream(run), release, media_type="text/event-stream",
@@ -306,6 +347,7 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
             if not work.done():          # the client went away: cancel everywhere, free the KV
                 work.cancel()
                 state.cluster.abort(run.track.rid)
+                state.metrics.aborted.inc()
         if not work.done() or work.cancelled():
             return Response(status_code=499)
         toks, lps = work.result()
@@ -371,12 +413,14 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
         finally:
             if not done:                 # client disconnected (or the server is stopping)
                 state.cluster.abort(rid)
+                if run.finish is None and run.error is None:
+                    state.metrics.aborted.inc()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **_documented(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
         return await _generate(request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **_documented(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, "chat")
 
@@ -395,7 +439,7 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
         return JSONResponse(h, status_code=503 if h["status"] == "unavailable" else 200)
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics() -> Response:
         c = state.cluster
         insts = []
         for h in c.instances:
@@ -404,8 +448,7 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
                           "waiting": s.get("waiting"), "kv_usage": s.get("kv_usage"), "kv_free": s.get("kv_free"),
                           "kv_total": s.get("kv_total"), "preemptions": s.get("preemptions"),
                           "alive": 1 if h.alive else 0})
-        return PlainTextResponse(state.metrics.render(insts, len(c.tracks)),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(state.metrics.render(insts, len(c.tracks)), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/debug/state")
     async def debug_state() -> JSONResponse:

@@ -7,7 +7,7 @@ cost per token stays constant.
 
 Stop strings (OpenAI ``stop``): the accumulated text is searched; on a match the text is cut
 before the stop string, the request finishes with ``"stop"`` and the router cancels it on its
-instance. While streaming, the last ``len(longest stop) - 1`` characters are held back, so a stop
+instance. As vLLM, stop strings are looked for only once ``min_tokens`` tokens have arrived. While streaming, the last ``len(longest stop) - 1`` characters are held back, so a stop
 string split across steps is never partly sent.
 
 A model without a tokenizer yields empty text (clients read ``token_ids`` with
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("tokenizer", "ids", "_prefix", "_read", "text", "_sent", "stop", "_hold", "stopped", "skip_special")
+    __slots__ = ("tokenizer", "ids", "_prefix", "_read", "text", "_sent", "stop", "_hold", "stopped", "skip_special",
+                 "min_tokens")
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special: bool = True) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special: bool = True, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self._prefix = 0
@@ -31,6 +32,7 @@ class IncrementalDetokenizer:
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.stopped = False
         self.skip_special = skip_special
+        self.min_tokens = min_tokens
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -49,7 +51,7 @@ class IncrementalDetokenizer:
             self._prefix, self._read = self._read, len(self.ids)
             start = max(0, len(self.text) - self._hold)
             self.text += delta
-            if self.stop:
+            if self.stop and len(self.ids) >= self.min_tokens:
                 hits = [p for s in self.stop if (p := self.text.find(s, start)) >= 0]
                 if hits:
                     self.text = self.text[:min(hits)]

@@ -1,121 +1,112 @@
-"""Prometheus metrics in the text exposition format, named like vLLM's under ``laneserve:``.
+"""Prometheus metrics through ``prometheus_client``, named like vLLM's under ``laneserve:``.
 
 Request latencies are measured in the API process, where the client sees them: TTFT (arrival to
 first token sent), inter-token latency (gaps between token deliveries), TPOT, end-to-end latency,
 and queue time (arrival to prefill start, reported by the prefill instance on the shared clock).
+Counters: finished requests by finish reason, prompt and generated tokens, requests refused (by
+reason), aborted (the client went away or the server stopped before the request finished), and
+SLO attainment by class and target.
+
 Per-instance gauges come from each instance's latest ``stats`` message and carry
 ``instance``/``role`` labels: running and waiting requests, KV-cache usage and free blocks,
-preemptions, liveness. No client library: a handful of metric families, written by hand.
+preemptions, liveness; a dead instance reports only ``instance_up 0``. They are collected when
+``/metrics`` is scraped, from the snapshot :meth:`ServerMetrics.render` is given. Each
+:class:`ServerMetrics` has its own registry, so several servers (or tests) in one process do not
+share series.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import defaultdict
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# (name, help, key in an instance snapshot)
+_INSTANCE_GAUGES = (("laneserve:num_requests_running", "Requests in the running batch.", "running"),
+                    ("laneserve:num_requests_waiting", "Requests waiting on the instance.", "waiting"),
+                    ("laneserve:kv_cache_usage_perc", "KV-cache usage (1 = full).", "kv_usage"),
+                    ("laneserve:kv_cache_free_blocks", "Free KV-cache blocks.", "kv_free"),
+                    ("laneserve:kv_cache_total_blocks", "KV-cache blocks.", "kv_total"),
+                    ("laneserve:instance_up", "1 while the instance process is alive.", "alive"))
+_INSTANCE_LABELS = ["model_name", "instance", "role"]
 
 
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    body = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                    for k, v in labels.items())
-    return "{" + body + "}"
+class _InstanceCollector(Collector):
+    """The per-instance gauges, the preemption counters and the in-flight gauge of the latest
+    snapshot."""
 
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
 
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
-        self.name, self.help, self.buckets = name, help_text, buckets
-        self.series: dict[tuple, list] = {}
-
-    def observe(self, value: float, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        s = self.series.get(key)
-        if s is None:
-            s = self.series[key] = [[0] * len(self.buckets), 0.0, 0]
-        i = bisect.bisect_left(self.buckets, value)
-        if i < len(self.buckets):
-            s[0][i] += 1
-        s[1] += value
-        s[2] += 1
-
-    def render(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        for key, (counts, total, n) in self.series.items():
-            labels = dict(key)
-            cum = 0
-            for b, c in zip(self.buckets, counts):
-                cum += c
-                out.append(f"{self.name}_bucket{_labels({**labels, 'le': repr(float(b))})} {cum}")
-            out.append(f"{self.name}_bucket{_labels({**labels, 'le': '+Inf'})} {n}")
-            out.append(f"{self.name}_sum{_labels(labels)} {total}")
-            out.append(f"{self.name}_count{_labels(labels)} {n}")
-        return out
-
-
-class Counter:
-    def __init__(self, name: str, help_text: str) -> None:
-        self.name, self.help = name, help_text
-        self.values: dict[tuple, float] = defaultdict(float)
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        self.values[tuple(sorted(labels.items()))] += amount
-
-    def render(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        out += [f"{self.name}{_labels(dict(k))} {v}" for k, v in self.values.items()]
-        return out
+    def collect(self):
+        model = self.metrics.model
+        instances, in_flight = self.metrics.snapshot
+        for name, help_text, key in _INSTANCE_GAUGES:
+            g = GaugeMetricFamily(name, help_text, labels=_INSTANCE_LABELS)
+            for inst in instances:
+                if inst.get(key) is not None:
+                    g.add_metric([model, str(inst["id"]), inst["role"]], float(inst[key]))
+            yield g
+        c = CounterMetricFamily("laneserve:num_preemptions", "Preemptions (prefill steps stopped at a boundary, "
+                                "decode swaps/recomputes).", labels=_INSTANCE_LABELS)
+        for inst in instances:
+            if inst.get("preemptions") is not None:
+                c.add_metric([model, str(inst["id"]), inst["role"]], float(inst["preemptions"]))
+        yield c
+        g = GaugeMetricFamily("laneserve:num_requests_in_flight", "Requests admitted and not finished (router).",
+                              labels=["model_name"])
+        g.add_metric([model], float(in_flight))
+        yield g
 
 
 class ServerMetrics:
+    """The API server's metric families. Series labelled by the model only are pre-bound
+    (``metrics.ttft.observe(s)``); the others take their labels (``metrics.success.labels(
+    model_name=..., finished_reason=...).inc()``)."""
+
     def __init__(self, model_name: str) -> None:
         self.model = model_name
-        self.ttft = Histogram("laneserve:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
-        self.itl = Histogram("laneserve:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
-        self.tpot = Histogram("laneserve:request_time_per_output_token_seconds",
-                              "Time per output token of each finished request.", ITL_BUCKETS)
-        self.e2e = Histogram("laneserve:e2e_request_latency_seconds", "End-to-end request latency.",
-                             LATENCY_BUCKETS)
-        self.queue = Histogram("laneserve:request_queue_time_seconds",
-                               "Time from arrival to the start of prefill.", LATENCY_BUCKETS)
-        self.success = Counter("laneserve:request_success_total", "Finished requests by finish reason.")
-        self.prompt_tokens = Counter("laneserve:prompt_tokens_total", "Prompt tokens of admitted requests.")
-        self.generation_tokens = Counter("laneserve:generation_tokens_total", "Generated tokens.")
-        self.rejected = Counter("laneserve:request_rejected_total", "Requests refused, by reason.")
-        self.slo_met = Counter("laneserve:request_slo_met_total",
-                               "Finished requests meeting their SLO targets, by target and class.")
-        self.slo_total = Counter("laneserve:request_slo_total", "Finished requests with an SLO, by class.")
-        self.families = [self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.success,
-                         self.prompt_tokens, self.generation_tokens, self.rejected, self.slo_met, self.slo_total]
+        self.registry = reg = CollectorRegistry(auto_describe=True)
+        self.snapshot: tuple[list[dict], int] = ([], 0)
 
-    def render(self, instances: list[dict], in_flight: int) -> str:
-        lines: list[str] = []
-        for fam in self.families:
-            lines += fam.render()
-        gauges = (("laneserve:num_requests_running", "Requests in the running batch.", "running"),
-                  ("laneserve:num_requests_waiting", "Requests waiting on the instance.", "waiting"),
-                  ("laneserve:kv_cache_usage_perc", "KV-cache usage (1 = full).", "kv_usage"),
-                  ("laneserve:kv_cache_free_blocks", "Free KV-cache blocks.", "kv_free"),
-                  ("laneserve:kv_cache_total_blocks", "KV-cache blocks.", "kv_total"),
-                  ("laneserve:instance_up", "1 while the instance process is alive.", "alive"))
-        for name, help_text, key in gauges:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
-            for inst in instances:
-                v = inst.get(key)
-                if v is not None:
-                    labels = {"model_name": self.model, "instance": inst["id"], "role": inst["role"]}
-                    lines.append(f"{name}{_labels(labels)} {float(v)}")
-        lines += ["# HELP laneserve:num_preemptions_total Preemptions (prefill steps stopped at a boundary, "
-                  "decode swaps/recomputes).", "# TYPE laneserve:num_preemptions_total counter"]
-        for inst in instances:
-            if inst.get("preemptions") is not None:
-                labels = {"model_name": self.model, "instance": inst["id"], "role": inst["role"]}
-                lines.append(f"laneserve:num_preemptions_total{_labels(labels)} {float(inst['preemptions'])}")
-        lines += ["# HELP laneserve:num_requests_in_flight Requests admitted and not finished (router).",
-                  "# TYPE laneserve:num_requests_in_flight gauge",
-                  f"laneserve:num_requests_in_flight{_labels({'model_name': self.model})} {in_flight}"]
-        return "\n".join(lines) + "\n"
+        def hist(name: str, help_text: str, buckets: tuple[float, ...]):
+            return Histogram(name, help_text, ["model_name"], buckets=buckets, registry=reg).labels(model_name)
+
+        def per_model(name: str, help_text: str):
+            return Counter(name, help_text, ["model_name"], registry=reg).labels(model_name)
+
+        self.ttft = hist("laneserve:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.itl = hist("laneserve:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
+        self.tpot = hist("laneserve:request_time_per_output_token_seconds",
+                         "Time per output token of each finished request.", ITL_BUCKETS)
+        self.e2e = hist("laneserve:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+        self.queue = hist("laneserve:request_queue_time_seconds", "Time from arrival to the start of prefill.",
+                          LATENCY_BUCKETS)
+        self.success = Counter("laneserve:request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=reg)
+        self.prompt_tokens = per_model("laneserve:prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = per_model("laneserve:generation_tokens", "Generated tokens.")
+        self.rejected = Counter("laneserve:request_rejected", "Requests refused, by reason.",
+                                ["model_name", "reason"], registry=reg)
+        self.aborted = per_model("laneserve:request_aborted", "Admitted requests that ended before they finished: "
+                                 "the client disconnected or the server stopped.")
+        self.slo_met = Counter("laneserve:request_slo_met", "Finished requests meeting their SLO targets, by target "
+                               "and class.", ["model_name", "slo_class", "target"], registry=reg)
+        self.slo_total = Counter("laneserve:request_slo", "Finished requests with an SLO, by class.",
+                                 ["model_name", "slo_class"], registry=reg)
+        reg.register(_InstanceCollector(self))
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model, reason).inc()
+
+    def render(self, instances: list[dict], in_flight: int) -> bytes:
+        """The exposition text, with the per-instance series of ``instances`` (dicts of ``id``,
+        ``role`` and the gauge keys; ``None`` values are left out) and ``in_flight``."""
+        self.snapshot = (instances, in_flight)
+        return generate_latest(self.registry)

@@ -1,18 +1,25 @@
-"""OpenAI-compatible request validation (issue 6, items 2-4; issue 11, item 1): request bodies of
-``/v1/completions`` and ``/v1/chat/completions`` become one :class:`GenerateInput`, or a
-:class:`BadRequest` (HTTP 400) whose message names the field and what is wrong.
+"""OpenAI-compatible request validation (issue 6, items 2-4; issue 11, item 1; issue 14, item 1):
+request bodies of ``/v1/completions`` and ``/v1/chat/completions`` become one
+:class:`GenerateInput`, or a :class:`BadRequest` (HTTP 400) whose message names the field and what
+is wrong.
 
-This module is the one place a request is checked before admission: :func:`parse_body` turns the
-raw bytes into JSON (bounded depth and number size, valid UTF-8 and Unicode), then
-:func:`parse_completion` / :func:`parse_chat` check every field's type, range and finiteness
-against the limits below. Whatever they return packs for the wire and samples without error.
+This module is the one place a request is checked before admission, in three layers:
+:func:`parse_body` turns the raw bytes into JSON (bounded depth and number size, valid UTF-8 and
+Unicode, no duplicate keys); the typed models of :mod:`laneserve.server.schema` check every field's
+type, range, finiteness and size (a pydantic ``ValidationError`` becomes a :class:`BadRequest`
+naming the field); :func:`parse_completion` / :func:`parse_chat` then check what depends on the
+served model (vocabulary, context length, tokenizer, SLO classes, headers) and build the
+:class:`GenerateInput`; every check that does not depend on the prompt runs before the prompt is
+tokenized (or its chat template applied), so a bad field costs no tokenizer call. Whatever they
+return packs for the wire and samples without error.
 
-Accepted fields: OpenAI's, vLLM's sampling extensions (``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``priority``, ``return_token_ids``) and laneserve's SLO extensions (``slo:
-{ttft_ms, tpot_ms}``, ``slo_class``; headers ``x-slo-ttft-ms`` / ``x-slo-tpot-ms``). Unknown fields
-are rejected (a typo must not silently change behaviour). OpenAI fields laneserve does not
-implement are accepted only at their neutral value (``n=1``, ``presence_penalty=0`` ...) and
-rejected otherwise with "not supported".
+Accepted fields: OpenAI's, vLLM's sampling extensions (``top_k``, ``min_tokens``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``priority``, ``return_token_ids`` ...)
+and laneserve's SLO extensions (``slo: {ttft_ms, tpot_ms}``, ``slo_class``; headers
+``x-slo-ttft-ms`` / ``x-slo-tpot-ms``). Unknown fields are accepted and ignored, as vLLM does: each
+unknown name is logged once (up to ``MAX_LOGGED_UNKNOWN`` names). OpenAI fields laneserve does not
+implement are accepted only at their neutral value (``n=1``, ``echo=false`` ...) and rejected
+otherwise with "not supported".
 
 SLO precedence: ``slo`` field > headers > the ``slo_class``'s launch default > the server default.
 A class not configured at launch is accepted as a label only when the request sets both targets
@@ -21,39 +28,37 @@ itself (load generators replaying a workload's classes); otherwise it is a 400.
 
 ``max_tokens`` defaults: 16 for completions (OpenAI's and vLLM's default); for chat the remaining
 context, capped at the server's ``default_max_tokens`` (a cap vLLM does not apply: random-weight
-smoke models rarely sample EOS).
+smoke models rarely sample EOS). ``min_tokens`` may not exceed it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from laneserve.core.sampling import (GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams,
-                                     is_int, is_real)
+from pydantic import BaseModel, ValidationError
+
+from laneserve.core.sampling import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN, SamplingParams, is_real
 from laneserve.core.slo import SLO, SLOClass
+from laneserve.server.schema import (MAX_CHARS_PER_TOKEN, MAX_JSON_DEPTH, MAX_LABEL_CHARS, MAX_MESSAGES,
+                                     MAX_NAME_CHARS, MAX_SLO_MS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                     ChatCompletionRequest, CompletionRequest)
 
-# ---- limits (issue 11) ---------------------------------------------------------------------------
-# Each is far beyond what a legitimate client sends, and small enough that no single request can
-# make the server recurse, allocate, compute or echo without bound. Every accepted int fits the
-# wire (msgpack int64): seeds and priorities are int64 like vLLM's seed (torch.long's range).
-MAX_JSON_DEPTH = 32            # nested arrays/objects in a body; a chat request with text parts needs 5
-MAX_TEMPERATURE = 2.0          # OpenAI's range [0, 2]; below GREEDY_TEMPERATURE (1e-5) is greedy
-MAX_STOP_STRINGS = 16          # OpenAI allows 4
-MAX_STOP_CHARS = 256           # per stop string (the stop checker decodes ~2x this many tokens a step)
-MAX_STOP_TOKEN_IDS = 256
-MAX_CHARS_PER_TOKEN = 64       # prompt text beyond max_model_len * this cannot fit the context
-MAX_MESSAGES = 8192
-MAX_CONTENT_PARTS = 1024       # text parts of one message
-MAX_NAME_CHARS = 1024          # 'model', 'user', 'service_tier'
-MAX_LABEL_CHARS = 64           # an slo_class that is only a label (it becomes a metrics label)
-MAX_SLO_MS = 86_400_000        # one day, for slo.ttft_ms / slo.tpot_ms and the x-slo-*-ms headers
-MAX_TEMPLATE_KWARGS = 16       # chat_template_kwargs entries, scalar values, strings <= MAX_NAME_CHARS
-MAX_METADATA = 16              # OpenAI's metadata limits: 16 pairs, keys <= 64 chars, values <= 512
-MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
+__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "MAX_JSON_DEPTH", "MAX_MESSAGES", "MAX_STOP_STRINGS",
+           "MAX_STOP_TOKEN_IDS", "BadRequest", "GenerateInput", "ServerDefaults", "parse_body", "parse_chat",
+           "parse_completion"]
+
+# the top-level fields each endpoint reads; any other is ignored (and logged once per name)
+COMPLETION_FIELDS = frozenset(CompletionRequest.model_fields)
+CHAT_FIELDS = frozenset(ChatCompletionRequest.model_fields)
+
+log = logging.getLogger("laneserve.server")
+_M = TypeVar("_M", bound=BaseModel)
+MAX_LOGGED_UNKNOWN = 256       # unknown field names remembered (each logged once); later ones are not logged
 
 _LABEL = re.compile(r"[A-Za-z0-9_.:-]+")
 # apply_chat_template's own arguments: a request may not set them through chat_template_kwargs
@@ -66,20 +71,6 @@ class BadRequest(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
-
-
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
-           "presence_penalty", "frequency_penalty", "logit_bias", "user",
-           # vLLM extensions
-           "top_k", "ignore_eos", "stop_token_ids", "priority", "return_token_ids", "skip_special_tokens",
-           "min_tokens", "repetition_penalty", "min_p",
-           # laneserve extensions
-           "slo", "slo_class"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "suffix", "echo", "best_of", "logprobs"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
-                         "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
-                         "chat_template_kwargs", "metadata", "store", "service_tier"}
-_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 # ---- the body ------------------------------------------------------------------------------------
@@ -202,105 +193,157 @@ class GenerateInput:
     prompt_text: str | None = None
 
 
-# ---- field checks --------------------------------------------------------------------------------
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+# ---- the models' errors as 400s --------------------------------------------------------------------
+# what a field holds, for type errors (a union's members each report an error: one message instead)
+_EXPECTS = {
+    "prompt": "a string or a list of token ids (batched prompts are not supported)",
+    "stop": f"a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings (each at most "
+            f"{MAX_STOP_CHARS} characters)",
+    "messages": "a non-empty list of {role, content} objects",
+    "content": "a string or a list of text parts",
+    "stop_token_ids": "a list of integers (token ids)",
+    "logit_bias": "an object of token id (a decimal string) -> number",
+    "tool_choice": "a string or an object",
+    "slo": 'an object like {"ttft_ms": 500, "tpot_ms": 50}',
+    "stream_options": "an object with 'include_usage' and/or 'continuous_usage_stats'",
+    "chat_template_kwargs values": f"null, a boolean, a finite number or a string of at most {MAX_NAME_CHARS} "
+                                   "characters",
+}
+_TYPE_NAMES = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+               "string_type": "a string", "list_type": "a list", "dict_type": "an object",
+               "model_type": "an object", "model_attributes_type": "an object"}
+_UNION_TAG = re.compile(r"[\[\]\-]|^(str|int|float|bool|list|dict|none|function)$")
 
 
-def _num(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_num(v):
-        raise BadRequest(f"'{name}' must be a number, got {type(v).__name__}", name)
-    if isinstance(v, float) and not math.isfinite(v):
-        raise BadRequest(f"'{name}' must be a finite number, got {v}", name)
-    if v < lo or (lo_open and v == lo) or v > hi:
-        lo_s = f"({lo}" if lo_open else f"[{lo}"
-        raise BadRequest(f"'{name}' must be in {lo_s}, {hi}], got {_show(v)}", name)
-    return float(v)
+def _field_path(loc: tuple) -> str:
+    """``('messages', 0, 'role')`` -> ``messages[0].role``; union-member tags are left out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part == "[key]":
+            out += " key"
+        elif not _UNION_TAG.search(part):
+            part = part if len(part) <= 64 else part[:64] + "..."      # a client's key: no unbounded echo
+            out += f".{part}" if out else part
+    return out
 
 
-def _int(body: dict, name: str, default: int | None, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not is_int(v):
-        raise BadRequest(f"'{name}' must be an integer, got {type(v).__name__}", name)
-    if v < lo:
-        raise BadRequest(f"'{name}' must be >= {lo}, got {_show(v)}", name)
-    if v > hi:
-        raise BadRequest(f"'{name}' must be <= {hi}, got {_show(v)}", name)
-    return v
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise BadRequest(f"'{name}' must be a boolean, got {type(v).__name__}", name)
-    return v
-
-
-def _str(body: dict, name: str, limit: int = MAX_NAME_CHARS) -> str | None:
-    v = body.get(name)
-    if v is None:
+def _bound(model: type[BaseModel], name: str) -> str | None:
+    """The range of a numeric field with two bounds (not int64's), as ``[lo, hi]`` or ``(lo, hi]``."""
+    info = model.model_fields.get(name)
+    if info is None:
         return None
-    if not isinstance(v, str):
-        raise BadRequest(f"'{name}' must be a string, got {type(v).__name__}", name)
-    if len(v) > limit:
-        raise BadRequest(f"'{name}' is longer than {limit} characters", name)
-    return v
+    lo = hi = None
+    lo_open = False
+    for arg in getattr(info.annotation, "__args__", ()) or ():
+        for meta in getattr(arg, "__metadata__", ()):
+            for c in getattr(meta, "metadata", ()):
+                lo = getattr(c, "ge", lo)
+                if getattr(c, "gt", None) is not None:
+                    lo, lo_open = c.gt, True
+                hi = getattr(c, "le", hi)
+    if lo is None or hi is None or isinstance(hi, int) and not isinstance(hi, bool) and abs(hi) >= INT64_MAX:
+        return None
+    if isinstance(lo, float) or isinstance(hi, float):
+        lo, hi = float(lo), float(hi)
+    return f"{'(' if lo_open else '['}{lo}, {hi}]"
 
 
-def _neutral(body: dict, name: str, neutral: Any, what: str) -> None:
-    v = body.get(name)
-    if v is not None and v != neutral and not (neutral == {} and v == {}):
+def _bad_request(exc: ValidationError, model: type[BaseModel]) -> BadRequest:
+    """The first error of ``exc`` as a :class:`BadRequest` naming the field (``param`` = the
+    top-level field)."""
+    errors = exc.errors(include_url=False)
+    err = errors[0]
+    loc, kind, ctx, value = err["loc"], err["type"], err.get("ctx") or {}, err.get("input")
+    param = loc[0] if loc and isinstance(loc[0], str) else None
+    path = _field_path(loc) or "the request body"
+    leaf = next((x for x in reversed(loc) if isinstance(x, str) and not _UNION_TAG.search(x)), None)
+    union = len(errors) > 1 and len({e["loc"][:1] for e in errors}) == 1 and any(
+        isinstance(x, str) and _UNION_TAG.search(x) for x in loc)
+    if kind == "missing":
+        msg = f"missing required field '{path}'"
+    elif param == "slo" and len(loc) > 1 and kind != "extra_forbidden":
+        msg = f"'{path}' must be a number > 0 and <= {MAX_SLO_MS} (milliseconds), got {_show(value)}"
+    elif union or (kind in _TYPE_NAMES and leaf == path and leaf in _EXPECTS):
+        expects = _EXPECTS.get(leaf) or _EXPECTS.get(f"{param} values", "of another type")
+        msg = f"'{path}' must be {expects}, got {_type_name(value)}"
+    elif kind == "float_type" and isinstance(value, int) and not isinstance(value, bool):   # too large a float
+        msg = f"'{path}' must be in {_bound(model, path) or 'the double range'}, got {_show(value)}"
+    elif kind in _TYPE_NAMES:
+        msg = f"'{path}' must be {_TYPE_NAMES[kind]}, got {_type_name(value)}"
+    elif kind == "finite_number":
+        msg = f"'{path}' must be a finite number, got {value}"
+    elif kind in ("greater_than", "greater_than_equal", "less_than_equal", "less_than"):
+        rng = _bound(model, path) if path == param else None
+        if rng is not None:
+            msg = f"'{path}' must be in {rng}, got {_show(value)}"
+        else:
+            op, bound = {"greater_than": (">", "gt"), "greater_than_equal": (">=", "ge"),
+                         "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}[kind]
+            msg = f"'{path}' must be {op} {ctx[bound]}, got {_show(value)}"
+    elif kind in ("too_long", "string_too_long"):
+        what = "characters" if kind == "string_too_long" else "entries"
+        msg = f"'{path}' may hold at most {ctx['max_length']} {what}"
+        if kind == "string_too_long":
+            msg = f"'{path}' is longer than {ctx['max_length']} characters"
+    elif kind in ("too_short", "string_too_short"):
+        msg = f"'{path}' must not be empty"
+    elif kind == "literal_error":
+        msg = f"'{path}' must be {ctx.get('expected')}, got {_show(value)}"
+    elif kind == "string_pattern_mismatch" and param == "logit_bias":
+        msg = f"'logit_bias' keys must be token ids (decimal strings), got {_show(value)}"
+    elif kind == "extra_forbidden":
+        msg = f"unknown field '{path}'"
+    else:
+        msg = f"'{path}': {err['msg']}"
+    if path.startswith("messages["):          # as before: messages[0].role must be one of ...
+        msg = msg.replace(f"'{path}'", path, 1)
+    return BadRequest(msg, param if param is None or len(param) <= 64 else None)
+
+
+def _type_name(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+_logged_unknown: set[str] = set()
+
+
+def _log_unknown(body: dict, model: type[BaseModel]) -> None:
+    """Log each unknown top-level field name once (vLLM's warning), remembering a bounded set."""
+    if len(_logged_unknown) >= MAX_LOGGED_UNKNOWN:
+        return
+    known = model.model_fields
+    for name in body:
+        if name not in known and name not in _logged_unknown and len(_logged_unknown) < MAX_LOGGED_UNKNOWN:
+            _logged_unknown.add(name)
+            log.warning("ignoring unknown request field %s (logged once per name)", _show(name, 64))
+
+
+def _validate(body: Any, model: type[_M]) -> _M:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    if not all(isinstance(k, str) for k in body):       # only a body built in-process, not JSON
+        raise BadRequest("field names must be strings")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as exc:
+        raise _bad_request(exc, model) from None
+    if len(body) > len(req.model_fields_set):
+        _log_unknown(body, model)
+    return req
+
+
+# ---- checks that depend on the served model ------------------------------------------------------
+def _neutral(value: Any, neutral: Any, name: str, what: str) -> None:
+    if value is not None and value != neutral:
         raise BadRequest(f"'{name}' is not supported by laneserve ({what})", name)
 
 
-def _check_fields(body: Any, allowed: set[str], required: tuple[str, ...]) -> None:
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    if not all(isinstance(k, str) for k in body):
-        raise BadRequest("field names must be strings")
-    unknown = sorted(k for k in body if k not in allowed)
-    if unknown:
-        names = ", ".join(k if len(k) <= 40 else k[:40] + "..." for k in unknown[:5])
-        raise BadRequest(f"unknown field(s): {names}{', ...' if len(unknown) > 5 else ''}",
-                         unknown[0] if len(unknown[0]) <= 64 else None)
-    for name in required:
-        if body.get(name) is None:
-            raise BadRequest(f"missing required field '{name}'", name)
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
-        raise BadRequest("'stop' must be a non-empty string or a list of non-empty strings", "stop")
-    if len(v) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in v):
-        raise BadRequest(f"'stop' may hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
-                         "characters each", "stop")
-    return tuple(v)
-
-
-def _stop_token_ids(body: dict, vocab_size: int) -> tuple[int, ...]:
-    v = body.get("stop_token_ids")
-    if v is None:
-        return ()
-    if not isinstance(v, list) or not all(is_int(t) for t in v):
-        raise BadRequest("'stop_token_ids' must be a list of integers", "stop_token_ids")
-    if len(v) > MAX_STOP_TOKEN_IDS:
-        raise BadRequest(f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
-    bad = next((t for t in v if not 0 <= t < vocab_size), None)
+def _in_vocab(ids: list[int], vocab_size: int, what: str, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise BadRequest(f"stop token id {_show(bad)} is outside the vocabulary [0, {vocab_size})", "stop_token_ids")
-    return tuple(v)
+        raise BadRequest(f"{what} {_show(bad)} is outside the vocabulary [0, {vocab_size})", param)
 
 
 def _slo_ms(v: Any, what: str, param: str) -> float:
@@ -310,10 +353,8 @@ def _slo_ms(v: Any, what: str, param: str) -> float:
     return v / 1e3
 
 
-def _slo(body: dict, headers: dict[str, str], defaults: ServerDefaults) -> tuple[SLO, str, int]:
-    cls_name = body.get("slo_class")
-    if cls_name is not None and not isinstance(cls_name, str):
-        raise BadRequest("'slo_class' must be a string", "slo_class")
+def _slo(req, headers: dict[str, str], defaults: ServerDefaults) -> tuple[SLO, str, int]:
+    cls_name = req.slo_class
     base, priority = defaults.default_slo, 0
     unknown_class = False
     if cls_name is not None and cls_name != "default":
@@ -323,7 +364,8 @@ def _slo(body: dict, headers: dict[str, str], defaults: ServerDefaults) -> tuple
         else:
             base, priority = cls.slo.with_defaults(base), cls.priority
     ttft, tpot = base.ttft, base.tpot
-    for header, key in (("x-slo-ttft-ms", "ttft"), ("x-slo-tpot-ms", "tpot")):
+    own = set()
+    for header, key in (("x-slo-ttft-ms", "ttft_ms"), ("x-slo-tpot-ms", "tpot_ms")):
         raw = headers.get(header)
         if raw is not None:
             try:
@@ -332,25 +374,13 @@ def _slo(body: dict, headers: dict[str, str], defaults: ServerDefaults) -> tuple
                 raise BadRequest(f"header {header} must be a number of milliseconds, got {_show(raw)}",
                                  header) from None
             s = _slo_ms(ms, f"header {header}", header)
-            ttft, tpot = (s, tpot) if key == "ttft" else (ttft, s)
-    slo = body.get("slo")
-    if slo is not None:
-        if not isinstance(slo, dict):
-            raise BadRequest("'slo' must be an object like {\"ttft_ms\": 500, \"tpot_ms\": 50}", "slo")
-        unknown = sorted(k for k in slo if k not in ("ttft_ms", "tpot_ms"))
-        if unknown:
-            raise BadRequest(f"unknown field(s) in 'slo': {', '.join(_show(k) for k in unknown[:5])} "
-                             "(use ttft_ms, tpot_ms)", "slo")
-        for key in ("ttft_ms", "tpot_ms"):
-            v = slo.get(key)
-            if v is None:
-                continue
-            if key == "ttft_ms":
-                ttft = _slo_ms(v, f"'slo.{key}'", "slo")
-            else:
-                tpot = _slo_ms(v, f"'slo.{key}'", "slo")
-    own = {k for h, k in (("x-slo-ttft-ms", "ttft_ms"), ("x-slo-tpot-ms", "tpot_ms")) if headers.get(h) is not None}
-    own |= {k for k in ("ttft_ms", "tpot_ms") if isinstance(slo, dict) and slo.get(k) is not None}
+            ttft, tpot = (s, tpot) if key == "ttft_ms" else (ttft, s)
+            own.add(key)
+    if req.slo is not None:
+        if req.slo.ttft_ms is not None:
+            ttft, _ = req.slo.ttft_ms / 1e3, own.add("ttft_ms")
+        if req.slo.tpot_ms is not None:
+            tpot, _ = req.slo.tpot_ms / 1e3, own.add("tpot_ms")
     if unknown_class:
         if own != {"ttft_ms", "tpot_ms"}:
             # an unknown class is only a label; it cannot supply defaults
@@ -360,20 +390,7 @@ def _slo(body: dict, headers: dict[str, str], defaults: ServerDefaults) -> tuple
         if len(cls_name) > MAX_LABEL_CHARS or not _LABEL.fullmatch(cls_name):
             raise BadRequest(f"an slo_class label must be 1-{MAX_LABEL_CHARS} characters of A-Z a-z 0-9 _ . : -",
                              "slo_class")
-    prio = _int(body, "priority", None)
-    return SLO(ttft, tpot), cls_name or "default", priority if prio is None else prio
-
-
-def _stream_opts(body: dict, stream: bool) -> tuple[bool, bool]:
-    so = body.get("stream_options")
-    if so is None:
-        return False, False
-    if not stream:
-        raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    if not isinstance(so, dict) or any(k not in ("include_usage", "continuous_usage_stats") for k in so):
-        raise BadRequest("'stream_options' must be an object with 'include_usage' and/or "
-                         "'continuous_usage_stats'", "stream_options")
-    return _bool(so, "include_usage", False), _bool(so, "continuous_usage_stats", False)
+    return SLO(ttft, tpot), cls_name or "default", priority if req.priority is None else req.priority
 
 
 def _text_limit(text_chars: int, max_model_len: int, param: str) -> None:
@@ -385,70 +402,70 @@ def _text_limit(text_chars: int, max_model_len: int, param: str) -> None:
 
 @dataclass(slots=True)
 class _Checked:
-    """The fields checked before the prompt is tokenized, so that a bad one costs no tokenization."""
+    """What the prompt-independent fields say, checked before the prompt is tokenized (a bad field
+    costs no tokenizer call)."""
 
-    model: str
     sampling: dict[str, Any]               # SamplingParams keywords, all but max_tokens
     slo: SLO
     slo_class: str
     priority: int
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
-    return_token_ids: bool
-    skip_special_tokens: bool
 
 
-def _check_common(body: dict, vocab_size: int, headers: dict[str, str], defaults: ServerDefaults,
-                  has_tokenizer: bool, logprobs: int | None) -> _Checked:
-    model = _str(body, "model")
-    _neutral(body, "n", 1, "only n=1")
-    _neutral(body, "presence_penalty", 0, "only 0")
-    _neutral(body, "frequency_penalty", 0, "only 0")
-    _neutral(body, "repetition_penalty", 1, "only 1")
-    _neutral(body, "min_p", 0, "only 0")
-    _neutral(body, "min_tokens", 0, "only 0")
-    _neutral(body, "logit_bias", {}, "no logit_bias")
-    stop = _stop(body)
+def _min_tokens_fit(min_tokens: int, max_tokens: int, max_tokens_key: str) -> None:
+    if min_tokens > max_tokens:
+        raise BadRequest(f"'min_tokens' ({min_tokens}) must be <= {max_tokens_key} ({max_tokens})", "min_tokens")
+
+
+def _check_common(req: CompletionRequest | ChatCompletionRequest, vocab_size: int, headers: dict[str, str],
+                  defaults: ServerDefaults, has_tokenizer: bool, logprobs: int | None, max_tokens: int | None,
+                  max_tokens_key: str) -> _Checked:
+    """The checks of the fields shared by both endpoints that do not depend on the prompt;
+    ``max_tokens`` is None when its default depends on the prompt (chat)."""
+    _neutral(req.n, 1, "n", "only n=1")
+    _neutral(req.min_p, 0, "min_p", "only 0")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if stop and not has_tokenizer:
         raise BadRequest("stop strings need a tokenizer; this model has none (use stop_token_ids)", "stop")
-    top_k = _int(body, "top_k", -1)
-    if top_k == 0 or top_k >= vocab_size:      # 0 (vLLM) and k >= vocab mean "off"
-        top_k = -1
-    if top_k < -1:
-        raise BadRequest(f"'top_k' must be -1 (off) or >= 1, got {top_k}", "top_k")
-    temperature = _num(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
+    stop_ids = tuple(req.stop_token_ids or ())
+    _in_vocab(list(stop_ids), vocab_size, "stop token id", "stop_token_ids")
+    bias = tuple((int(k), v) for k, v in (req.logit_bias or {}).items())
+    _in_vocab([t for t, _ in bias], vocab_size, "logit_bias token id", "logit_bias")
+    if len({t for t, _ in bias}) != len(bias):         # "01" and "1"
+        raise BadRequest("'logit_bias' names a token id twice", "logit_bias")
+    min_tokens = req.min_tokens or 0
+    if max_tokens is not None:
+        _min_tokens_fit(min_tokens, max_tokens, max_tokens_key)
+    top_k = -1 if req.top_k is None or req.top_k == 0 or req.top_k >= vocab_size else req.top_k
+    temperature = 1.0 if req.temperature is None else float(req.temperature)
     if temperature < GREEDY_TEMPERATURE:       # as vLLM: a sub-1e-5 temperature is greedy
         temperature = 0.0
-    sampling = dict(temperature=temperature, top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=top_k,
-                    seed=_int(body, "seed", None), stop=stop, stop_token_ids=_stop_token_ids(body, vocab_size),
-                    ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs)
-    stream = _bool(body, "stream", False)
-    include_usage, continuous = _stream_opts(body, stream)
-    slo, slo_class, priority = _slo(body, headers, defaults)
-    _str(body, "user")
-    return _Checked(model, sampling, slo, slo_class, priority, stream, include_usage, continuous,
-                    _bool(body, "return_token_ids", False), _bool(body, "skip_special_tokens", True))
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    sampling = dict(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+                    seed=req.seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos),
+                    logprobs=logprobs, presence_penalty=req.presence_penalty or 0.0,
+                    frequency_penalty=req.frequency_penalty or 0.0,
+                    repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                    logit_bias=bias, min_tokens=min_tokens)
+    slo, slo_class, priority = _slo(req, headers, defaults)
+    return _Checked(sampling, slo, slo_class, priority)
 
 
-def _finish(body: dict, kind: str, c: _Checked, prompt_ids: list[int], max_model_len: int, vocab_size: int,
-            kv_tokens: int, defaults: ServerDefaults, max_tokens_key: str, prompt_text: str | None) -> GenerateInput:
+def _finish(req: CompletionRequest | ChatCompletionRequest, kind: str, c: _Checked, prompt_ids: list[int],
+            max_model_len: int, vocab_size: int, kv_tokens: int, defaults: ServerDefaults, max_tokens: int | None,
+            max_tokens_key: str, prompt_text: str | None) -> GenerateInput:
     """The prompt-dependent checks (vocabulary, context, KV) and the :class:`GenerateInput`."""
     if not prompt_ids:
         raise BadRequest("the prompt is empty", "prompt" if kind == "completion" else "messages")
-    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise BadRequest(f"token id {_show(bad)} is outside the vocabulary [0, {vocab_size})", "prompt")
+    _in_vocab(prompt_ids, vocab_size, "token id", "prompt")
     n_prompt = len(prompt_ids)
     room = max_model_len - n_prompt
     if room < 1:
         raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, your "
                          f"prompt has {n_prompt} tokens, leaving no room for output.", "prompt")
-    default_max = 16 if kind == "completion" else min(room, defaults.default_max_tokens)
-    max_tokens = _int(body, max_tokens_key, None, lo=1)
-    if max_tokens is None and max_tokens_key != "max_tokens":
-        max_tokens = _int(body, "max_tokens", None, lo=1)
-    max_tokens = default_max if max_tokens is None else max_tokens
+    if max_tokens is None:                     # chat's default: the context left, capped
+        max_tokens = min(room, defaults.default_max_tokens)
+        _min_tokens_fit(c.sampling["min_tokens"], max_tokens, max_tokens_key)
     if n_prompt + max_tokens > max_model_len:
         raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, you "
                          f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} "
@@ -461,125 +478,75 @@ def _finish(body: dict, kind: str, c: _Checked, prompt_ids: list[int], max_model
         sampling = SamplingParams(max_tokens=max_tokens, **c.sampling)
     except ValueError as exc:       # the checks above should leave nothing for SamplingParams to refuse
         raise BadRequest(str(exc)) from None
-    return GenerateInput(kind, c.model, prompt_ids, sampling, c.slo, c.slo_class, c.priority, c.stream,
-                         c.include_usage, c.continuous_usage, c.return_token_ids, c.sampling["logprobs"],
-                         c.skip_special_tokens, prompt_text)
+    so = req.stream_options
+    return GenerateInput(kind, req.model, prompt_ids, sampling, c.slo, c.slo_class, c.priority, bool(req.stream),
+                         bool(so and so.include_usage), bool(so and so.continuous_usage_stats),
+                         bool(req.return_token_ids), sampling.logprobs,
+                         True if req.skip_special_tokens is None else req.skip_special_tokens, prompt_text)
 
 
 def parse_completion(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_tokens: int,
                      headers: dict[str, str], defaults: ServerDefaults) -> GenerateInput:
-    _check_fields(body, COMPLETION_FIELDS, ("model", "prompt"))
-    prompt = body["prompt"]
+    req = _validate(body, CompletionRequest)
+    prompt = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]                     # a batch of one
     if isinstance(prompt, str):
         if tokenizer is None:
             raise BadRequest("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
         _text_limit(len(prompt), max_model_len, "prompt")
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    elif not all(isinstance(t, int) for t in prompt):
         raise BadRequest("batched prompts are not supported: send one request per prompt", "prompt")
-    elif not (isinstance(prompt, list) and all(is_int(t) for t in prompt)):
-        raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
-    _neutral(body, "echo", False, "only echo=false")
-    _neutral(body, "suffix", None, "no suffix")
-    _neutral(body, "best_of", 1, "only best_of=1")
-    logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    checked = _check_common(body, vocab_size, headers, defaults, tokenizer is not None, logprobs)
+    _neutral(req.echo, False, "echo", "only echo=false")
+    _neutral(req.suffix, None, "suffix", "no suffix")
+    _neutral(req.best_of, 1, "best_of", "only best_of=1")
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens      # OpenAI's and vLLM's default
+    checked = _check_common(req, vocab_size, headers, defaults, tokenizer is not None, req.logprobs, max_tokens,
+                            "max_tokens")
     if isinstance(prompt, str):
         text, ids = prompt, list(tokenizer.encode(prompt))
     else:
         text, ids = None, list(prompt)
-    return _finish(body, "completion", checked, ids, max_model_len, vocab_size, kv_tokens, defaults, "max_tokens",
-                   text)
+    return _finish(req, "completion", checked, ids, max_model_len, vocab_size, kv_tokens, defaults, max_tokens,
+                   "max_tokens", text)
 
 
-def _message_text(m: Any, i: int) -> dict[str, str]:
-    if not isinstance(m, dict):
-        raise BadRequest(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
-    role, content = m.get("role"), m.get("content")
-    if not isinstance(role, str) or role not in _ROLES:
-        raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {_show(role)}", "messages")
-    if isinstance(content, list):
-        if len(content) > MAX_CONTENT_PARTS:
-            raise BadRequest(f"messages[{i}].content has more than {MAX_CONTENT_PARTS} parts", "messages")
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
-            parts.append(part["text"])
-        content = "\n".join(parts)
-    if not isinstance(content, str):
-        raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    return {"role": role, "content": content}
-
-
-def _template_kwargs(body: dict) -> dict[str, Any]:
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    if len(kwargs) > MAX_TEMPLATE_KWARGS:
-        raise BadRequest(f"'chat_template_kwargs' may hold at most {MAX_TEMPLATE_KWARGS} entries",
-                         "chat_template_kwargs")
-    for k, v in kwargs.items():
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    for k in kwargs or ():
         if k in _TEMPLATE_RESERVED or not k.isidentifier():
             raise BadRequest(f"'chat_template_kwargs' may not set {_show(k)}", "chat_template_kwargs")
-        if not (v is None or isinstance(v, bool) or is_real(v)
-                or isinstance(v, str) and len(v) <= MAX_NAME_CHARS):
-            raise BadRequest(f"'chat_template_kwargs.{k}' must be null, a boolean, a finite number or a string of "
-                             f"at most {MAX_NAME_CHARS} characters", "chat_template_kwargs")
-    return kwargs
-
-
-def _metadata(body: dict) -> None:
-    md = body.get("metadata")
-    if md is None:
-        return
-    if (not isinstance(md, dict) or len(md) > MAX_METADATA
-            or not all(len(k) <= MAX_METADATA_KEY_CHARS and isinstance(v, str) and len(v) <= MAX_METADATA_VALUE_CHARS
-                       for k, v in md.items())):
-        raise BadRequest(f"'metadata' must be an object of at most {MAX_METADATA} string values (keys <= "
-                         f"{MAX_METADATA_KEY_CHARS} characters, values <= {MAX_METADATA_VALUE_CHARS})", "metadata")
+    return kwargs or {}
 
 
 def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_tokens: int,
                headers: dict[str, str], defaults: ServerDefaults) -> GenerateInput:
-    _check_fields(body, CHAT_FIELDS, ("model", "messages"))
+    req = _validate(body, ChatCompletionRequest)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise BadRequest("this model has no chat template: use /v1/completions", "messages")
-    messages = body["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list", "messages")
-    if len(messages) > MAX_MESSAGES:
-        raise BadRequest(f"'messages' may hold at most {MAX_MESSAGES} messages", "messages")
-    msgs = [_message_text(m, i) for i, m in enumerate(messages)]
+    msgs = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+             else "\n".join(part.text for part in m.content)} for m in req.messages]
     _text_limit(sum(len(m["content"]) for m in msgs), max_model_len, "messages")
-    if body.get("tools"):
+    if req.tools:
         raise BadRequest("'tools' is not supported by laneserve", "tools")
-    _neutral(body, "tool_choice", "none", "no tools")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
+    _neutral(req.tool_choice, "none", "tool_choice", "no tools")
+    if req.response_format is not None and req.response_format != {"type": "text"}:
         raise BadRequest("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
-    _bool(body, "parallel_tool_calls", True)
-    _bool(body, "store", False)
-    _str(body, "service_tier")
-    _metadata(body)
     logprobs = None
-    if _bool(body, "logprobs", False):
-        logprobs = _int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
-    elif body.get("top_logprobs") is not None:
+    if req.logprobs:
+        logprobs = req.top_logprobs or 0
+    elif req.top_logprobs is not None:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    kwargs = _template_kwargs(body)
-    checked = _check_common(body, vocab_size, headers, defaults, True, logprobs)
+    kwargs = _template_kwargs(req.chat_template_kwargs)
+    max_tokens, key = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None and req.max_tokens is not None:
+        max_tokens, key = req.max_tokens, "max_tokens"
+    checked = _check_common(req, vocab_size, headers, defaults, True, logprobs, max_tokens, key)
     try:
         text = tokenizer.apply_chat_template(msgs, tokenize=False,
-                                             add_generation_prompt=_bool(body, "add_generation_prompt", True),
-                                             **kwargs)
-    except BadRequest:
-        raise
+                                             add_generation_prompt=req.add_generation_prompt is not False, **kwargs)
     except Exception as exc:  # noqa: BLE001 - template errors are the client's input
         raise BadRequest(f"the chat template failed on these messages: {_show(str(exc), 200)}", "messages") from None
     if not isinstance(text, str):
         raise BadRequest("the chat template did not produce text", "messages")
     ids = list(tokenizer.encode(text, add_special_tokens=False))
-    return _finish(body, "chat", checked, ids, max_model_len, vocab_size, kv_tokens, defaults,
-                   "max_completion_tokens", text)
+    return _finish(req, "chat", checked, ids, max_model_len, vocab_size, kv_tokens, defaults, max_tokens, key, text)

@@ -1,0 +1,245 @@
+"""Typed request and response bodies of ``/v1/completions`` and ``/v1/chat/completions`` (pydantic
+v2): what a request may hold, each field's type, range and size limit, and what the server answers.
+``/openapi.json`` and ``/docs`` are generated from these models.
+
+The request models check everything that depends on the body alone — types (strict: no ``"8"``
+for 8, no ``true`` for 1), ranges, finiteness, int64 bounds, lengths — as field constraints; what
+depends on the served model (vocabulary, context length, tokenizer, SLO classes, headers) is checked
+by ``laneserve.server.protocol``, which turns a validated model into a ``GenerateInput``. Every
+limit is a named constant below: each is far beyond what a legitimate client sends, and small
+enough that no single request can make the server recurse, allocate, compute or echo without bound.
+
+Unknown fields are ignored (as vLLM, which logs them: ``protocol`` logs each name once). Fields of
+OpenAI's API that laneserve does not implement (``n`` > 1, ``echo``, ``tools`` ...) are typed here
+and refused by ``protocol`` unless neutral.
+
+The response models document the JSON bodies (``responses=`` of the routes) and let tests check a
+live server's answers against them; the handlers build plain dicts, so a request pays nothing for
+them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from laneserve.core.sampling import (INT64_MAX, INT64_MIN, MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY,
+                                     MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY)
+
+# ---- limits (issue 11) ---------------------------------------------------------------------------
+# Every accepted int fits the wire (msgpack int64): seeds and priorities are int64 like vLLM's seed.
+MAX_JSON_DEPTH = 32            # nested arrays/objects in a body; a chat request with text parts needs 5
+MAX_TEMPERATURE = 2.0          # OpenAI's range [0, 2]; below GREEDY_TEMPERATURE (1e-5) is greedy
+MAX_STOP_STRINGS = 16          # OpenAI allows 4
+MAX_STOP_CHARS = 256           # per stop string (the stop checker decodes ~2x this many tokens a step)
+MAX_STOP_TOKEN_IDS = 256
+MAX_CHARS_PER_TOKEN = 64       # prompt text beyond max_model_len * this cannot fit the context
+MAX_PROMPT_IDS = 1 << 20       # a token-id prompt (the context length bounds it further)
+MAX_MESSAGES = 8192
+MAX_CONTENT_PARTS = 1024       # text parts of one message
+MAX_NAME_CHARS = 1024          # 'model', 'user', 'service_tier', chat template string values
+MAX_LABEL_CHARS = 64           # an slo_class that is only a label (it becomes a metrics label)
+MAX_SLO_MS = 86_400_000        # one day, for slo.ttft_ms / slo.tpot_ms and the x-slo-*-ms headers
+MAX_TEMPLATE_KWARGS = 16       # chat_template_kwargs entries, scalar values, strings <= MAX_NAME_CHARS
+MAX_METADATA = 16              # OpenAI's metadata limits: 16 pairs, keys <= 64 chars, values <= 512
+MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
+MAX_N = 128                    # n / best_of (typed for the docs; protocol serves n = 1)
+MAX_TOOLS = 128
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+# Token ids (prompt, stop_token_ids) are plain ints here: protocol checks them against the served
+# model's vocabulary, naming the bad id (within a union, a bounded int would only say no member matched).
+Name = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+_TOKEN_KEY = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,19}$")]   # a token id as a JSON key
+_TEMPLATE_VALUE = None | bool | int | float | Name
+
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class SLOTargets(BaseModel):
+    """laneserve's per-request SLO targets (milliseconds); a typo here is refused, not ignored."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+    ttft_ms: Annotated[float, Field(gt=0, le=MAX_SLO_MS, description="time-to-first-token target")] | None = None
+    tpot_ms: Annotated[float, Field(gt=0, le=MAX_SLO_MS, description="time-per-output-token target")] | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = Field(False, description="a last chunk with the request's token usage")
+    continuous_usage_stats: bool = Field(False, description="usage in every chunk (vLLM)")
+
+
+class _Request(BaseModel):
+    """Fields shared by completions and chat completions: OpenAI's, vLLM's sampling extensions
+    and laneserve's SLO extensions."""
+
+    model_config = _STRICT
+    model: Name
+    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = Field(
+        None, description="output tokens at most (completions: 16 by default; chat: the context left, capped "
+                          "at the server's --default-max-tokens)")
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = Field(
+        None, description="1 by default; below 1e-5 is greedy")
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(None, description="only 1")
+    stream: bool | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description="stop strings (need a tokenizer); not part of the output")
+    seed: Int64 | None = None
+    presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = Field(
+        None, description="subtracted once from the logit of every token already in the output")
+    frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = Field(
+        None, description="times a token's count in the output, subtracted from its logit")
+    logit_bias: Annotated[dict[_TOKEN_KEY, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="token id (a decimal string) -> bias added to its logit")
+    user: Name | None = None
+    # vLLM extensions
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = Field(None, description="-1 or 0: off")
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = Field(None, description="only 0")
+    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)] | None = Field(
+        None, description="over prompt and output: a seen token's positive logit is divided by it, a negative one "
+                          "multiplied")
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = Field(
+        None, description="EOS, stop_token_ids and stop strings are ignored until this many tokens")
+    ignore_eos: bool | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    skip_special_tokens: bool | None = None
+    return_token_ids: bool | None = Field(None, description="token ids of the prompt and the output in each choice")
+    priority: Int64 | None = Field(None, description="lower = served earlier by priority-aware policies")
+    # laneserve extensions
+    slo: SLOTargets | None = None
+    slo_class: str | None = Field(None, description="a --slo-class of the server, or a label when slo sets both "
+                                                    "targets")
+
+
+class CompletionRequest(_Request):
+    """The body of ``POST /v1/completions``."""
+
+    prompt: str | Annotated[list[int], Field(max_length=MAX_PROMPT_IDS)] | list[str] | list[list[int]] = Field(
+        description="text, or a list of token ids (a batch of one prompt is accepted)")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="top-n logprobs of each output token")
+    echo: bool | None = Field(None, description="only false")
+    suffix: str | None = Field(None, description="not supported")
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(None, description="only 1")
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
+
+
+class ChatCompletionRequest(_Request):
+    """The body of ``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = Field(
+        None, description="output tokens at most; takes precedence over max_tokens")
+    logprobs: bool | None = Field(None, description="logprobs of each output token")
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(None, description="needs logprobs")
+    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = Field(None, description="not supported")
+    tool_choice: str | dict[str, Any] | None = Field(None, description='only "none"')
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool | None = Field(None, description="true by default")
+    chat_template_kwargs: Annotated[dict[str, _TEMPLATE_VALUE], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = Field(
+        None, description="extra variables of the chat template (not its own arguments)")
+    metadata: Annotated[dict[Annotated[str, StringConstraints(max_length=MAX_METADATA_KEY_CHARS)],
+                             Annotated[str, StringConstraints(max_length=MAX_METADATA_VALUE_CHARS)]],
+                        Field(max_length=MAX_METADATA)] | None = None
+    store: bool | None = None
+    service_tier: Name | None = None
+
+
+# ---- responses (documentation and tests; handlers build dicts) ------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort", "error"] | None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(None, description="with return_token_ids")
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort", "error"] | None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(None, description="with return_token_ids")
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids")
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
