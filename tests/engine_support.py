@@ -167,3 +167,17 @@ class Driver:
                 for r in live:
                     self.step([], [r])
         return [list(r.output_token_ids or []) for r in reqs]
+
+
+class OutputPenalty:
+    """The direct formula of vLLM's presence/frequency penalties (HF has no processor for them), as
+    a ``transformers`` logits processor: over the generated tokens only,
+    ``logit -= frequency * count + presence * (count > 0)``."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        out = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(1, out, torch.ones(out.shape, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_support import Driver, make_executor, make_request, prompts
+from engine_support import Driver, OutputPenalty, make_executor, make_request, prompts
 from laneserve.core.sampling import SamplingParams
 from laneserve.engine.sampler import PLACEHOLDER_TOKEN, Sampler, StopChecker, UnsampleableRows, token_stops
 
@@ -143,19 +143,6 @@ def test_unsampleable_rows_fail_alone():
     assert err.logprobs[0].top == alone_lp[0].top and err.logprobs[5].top == alone_lp[2].top
 
 # ---- logit shaping: penalties, logit_bias, min_tokens against transformers -----------------------
-class _OutputPenalty:
-    """The direct formula of vLLM's presence/frequency penalties (HF has no processor for them):
-    over the generated tokens only, ``logit -= frequency * count + presence * (count > 0)``."""
-
-    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
-        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
-
-    def __call__(self, input_ids, scores):
-        out = input_ids[:, self.prompt_len:]
-        counts = torch.zeros_like(scores).scatter_add_(1, out, torch.ones(out.shape, dtype=scores.dtype))
-        return scores - self.frequency * counts - self.presence * (counts > 0)
-
-
 def _hf_greedy_processed(prompt: list[int], n: int, processors: list) -> list[int]:
     """transformers' greedy ``generate`` with extra logits processors, EOS ignored."""
     from transformers import LogitsProcessorList
@@ -189,7 +176,7 @@ def test_presence_and_frequency_penalties_match_the_formula():
     changed = False
     for presence, frequency in ((2.0, 0.0), (0.0, 1.5), (-1.0, 0.7)):
         ours = _run([make_request(0, REPEATING, M, presence_penalty=presence, frequency_penalty=frequency)])[0]
-        ref = _hf_greedy_processed(REPEATING, M, [_OutputPenalty(len(REPEATING), presence, frequency)])
+        ref = _hf_greedy_processed(REPEATING, M, [OutputPenalty(len(REPEATING), presence, frequency)])
         assert ours == ref, (presence, frequency)
         changed |= ours != plain
     assert changed

@@ -14,6 +14,7 @@ import functools
 import httpx
 import pytest
 import torch
+from engine_support import OutputPenalty
 from server_support import TIMEOUT, Server, wait_all_free
 
 openai = pytest.importorskip("openai")
@@ -57,18 +58,6 @@ def _hf_greedy(prompt_ids: list[int], n: int, processors: list) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-class _OutputPenalty:
-    """vLLM's presence/frequency penalties by their formula, over the generated tokens only."""
-
-    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
-        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
-
-    def __call__(self, input_ids, scores):
-        out = input_ids[:, self.prompt_len:]
-        counts = torch.zeros_like(scores).scatter_add_(1, out, torch.ones(out.shape, dtype=scores.dtype))
-        return scores - self.frequency * counts - self.presence * (counts > 0)
-
-
 def _ids(client, **kw) -> tuple[list[int], list[int]]:
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0,
                                     extra_body={"ignore_eos": True, "return_token_ids": True, **kw})
@@ -83,8 +72,8 @@ def test_penalties_match_transformers_across_the_handoff(server):
     assert plain == _hf_greedy(prompt, N, [])
     changed = 0
     for kw, proc in (({"repetition_penalty": 1.8}, RepetitionPenaltyLogitsProcessor(1.8)),
-                     ({"presence_penalty": 2.0}, _OutputPenalty(len(prompt), 2.0, 0.0)),
-                     ({"frequency_penalty": 1.5, "presence_penalty": -0.5}, _OutputPenalty(len(prompt), -0.5, 1.5))):
+                     ({"presence_penalty": 2.0}, OutputPenalty(len(prompt), 2.0, 0.0)),
+                     ({"frequency_penalty": 1.5, "presence_penalty": -0.5}, OutputPenalty(len(prompt), -0.5, 1.5))):
         _, got = _ids(client, **kw)
         assert got == _hf_greedy(prompt, N, [proc]), kw
         changed += got != plain
