@@ -7,33 +7,46 @@ Each layer is the five operators of :data:`LAYER_OPERATORS`. An operator's time 
   weights are read once per step and ``eff`` ramps with the number of rows;
 * plus its small kernels (norm and rotary in ``qkv_proj``, the second norm in ``gate_up``, the
   activation in ``down``) as HBM traffic, ``elements * elementwise_bytes_per_element / bw``;
-* plus, for ``attention``, the causal attention of the prefill chunks (FLOPs
-  ``4 * heads * head_dim * new * (cached + new/2)``, KV of cached + new tokens read) and the decode
-  attention (KV of every context read; ``ragged`` pays ``sum(ctx)``, ``padded`` pays
-  ``batch * max(ctx)``);
-* plus, with tensor parallelism, an all-reduce after ``o_proj`` and after ``down``;
-* plus ``layer_overhead_s / 5`` of fixed launch cost.
+* plus, for ``attention``, one FlashAttention kernel for the prefill chunks and one for the
+  decodes (:meth:`AnalyticCostModel.attention_kernel_time`): the larger of the roofline (prefill
+  FLOPs ``4 * heads * head_dim * new * (cached + new/2)`` at ``attention_efficiency``; KV bytes at
+  HBM bandwidth) and the thread-block schedule (one block per 128 query rows and head walks its
+  keys serially, so batch-1 decode over a long context is bound by one block's walk — no split-KV),
+  plus a per-kernel floor. ``ragged`` (varlen) gives each request its own keys; ``padded`` pads
+  every request to the longest (``batch * max(ctx)``);
+* plus, with tensor parallelism, an all-reduce after ``o_proj`` and after ``down`` (2 per layer,
+  Megatron-style) and one for the vocab-parallel embedding, each ``latency + bytes / bandwidth`` as
+  fitted to the DGX all-reduce profile for that number of GPUs;
+* plus ``layer_overhead_s / 5`` of fixed launch cost (dropped under CUDA-graph replay).
 
-The embedding is folded into the first operator, the final norm and the LM head (last token of each
-prefill request, every decode request) into the last. The efficiency terms are the calibrated ones
-recorded in :mod:`laneserve.costmodel.specs` (rerun :mod:`laneserve.costmodel.calibrate`).
+Every step also pays the host's CPU cost of an iteration (``HardwareSpec.host``: schedule, input
+preparation, sampling, output processing, worker messaging with TP > 1) by number of sequences;
+``host_overhead=False`` leaves it out (GPU time only). An MoE layer runs its ``experts_per_token``
+routed experts per token and reads the weights of every expert the batch touches.
+
+The embedding and the host cost are folded into the first operator, the final norm and the LM head
+(last token of each prefill request, every decode request) into the last. The constants are the
+calibrated ones in :mod:`laneserve.costmodel.fitted_constants` (re-run ``laneserve calibrate``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from .base import LAYER_OPERATORS, PrefillBatch
 from .specs import HardwareSpec, ModelSpec
 
 ATTENTION_KINDS = ("ragged", "padded")
+#: query rows per FlashAttention thread block
+ATTN_BLOCK_ROWS = 128
 
 
 class AnalyticCostModel:
     """Roofline latency model implementing :class:`~laneserve.costmodel.base.CostModel`."""
 
     def __init__(self, model: ModelSpec, hw: HardwareSpec, tp: int = 1,
-                 attention: str = "ragged") -> None:
+                 attention: str = "ragged", host_overhead: bool = True) -> None:
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         if tp < 1 or model.num_heads % tp:
@@ -44,7 +57,10 @@ class AnalyticCostModel:
         self.kv_bytes_per_token = model.kv_bytes_per_token
         self._q_local = model.q_dim // tp
         self._kv_local = max(model.num_kv_heads // tp, 1) * model.head_dim
+        self._heads_local = model.num_heads // tp
         self._op_overhead = hw.layer_overhead_s / len(LAYER_OPERATORS)
+        self._host = hw.host if host_overhead else None
+        self._allreduce = hw.allreduce_link(tp) if tp > 1 else None
         self._fixed_cache: dict[tuple[float, int], float] = {}
 
     # --- building blocks (per layer, seconds) ----------------------------------------------------
@@ -62,13 +78,25 @@ class AnalyticCostModel:
         memory = nbytes / (hw.hbm_bandwidth * hw.memory_efficiency)
         return max(compute, memory) + hw.gemm_overhead_s
 
+    def expert_gemm_time(self, tokens: float, d_in: int, d_out: int, *, split_out: bool = True) -> float:
+        """An MoE expert GEMM over ``tokens`` tokens: ``experts_per_token`` rows per token spread
+        over the experts they touch (expected distinct experts of uniform routing), each expert's
+        weights read once; a dense model has one expert that every token uses."""
+        m = self.model
+        if not m.is_moe or tokens <= 0:
+            return self.gemm_time(tokens, d_in, d_out, split_out=split_out)
+        e, k = m.num_experts, m.experts_per_token
+        active = e * (1.0 - (1.0 - k / e) ** tokens)
+        return active * self.gemm_time(tokens * k / active, d_in, d_out, split_out=split_out)
+
     def linear_op_times(self, tokens: float) -> dict[str, float]:
         """The GEMM part of each linear operator of one layer."""
         m = self.model
         return {"qkv_proj": self.gemm_time(tokens, m.hidden_size, m.q_dim + 2 * m.kv_dim),
                 "o_proj": self.gemm_time(tokens, m.q_dim, m.hidden_size, split_out=False),
-                "gate_up": self.gemm_time(tokens, m.hidden_size, m.gate_up_params // m.hidden_size),
-                "down": self.gemm_time(tokens, m.intermediate_size, m.hidden_size, split_out=False)}
+                "gate_up": self.expert_gemm_time(tokens, m.hidden_size, m.gate_up_params // m.hidden_size),
+                "down": self.expert_gemm_time(tokens, m.intermediate_size, m.hidden_size,
+                                              split_out=False)}
 
     def elementwise_times(self, tokens: float) -> dict[str, float]:
         """Norms, rotary and activation of one layer, keyed by the operator they are folded in."""
@@ -77,6 +105,25 @@ class AnalyticCostModel:
         return {"qkv_proj": tokens * (m.hidden_size + rope) * per_elem,
                 "gate_up": tokens * m.hidden_size * per_elem,
                 "down": tokens * (m.intermediate_size // self.tp) * per_elem}
+
+    def attention_kernel_time(self, blocks: int, max_keys: float, mean_keys: float) -> float:
+        """Thread-block schedule of one FlashAttention kernel: ``blocks`` blocks (128 query rows of
+        one head each) walk their keys one tile at a time. Up to ``num_sms`` blocks run side by
+        side, so the kernel lasts as long as its longest walk (``max_keys``); more blocks queue up
+        in ``ceil(blocks / num_sms)`` waves of the average walk (``mean_keys``), blocks sharing an
+        SM at ``attn_shared_factor`` of their serial cost. Without split-KV a batch-1 decode over a
+        long context is one block per head walking the whole KV: far slower than its bytes."""
+        hw = self.hw
+        tile = hw.attn_tile_keys
+
+        def walk(keys: float) -> float:
+            return hw.attn_block_s + hw.attn_key_s * tile * math.ceil(keys / tile)
+
+        longest = walk(max_keys)
+        if blocks <= hw.num_sms:
+            return longest
+        waves = math.ceil(blocks / hw.num_sms)
+        return max(longest, hw.attn_shared_factor * waves * walk(mean_keys))
 
     def prefill_attention_time(self, batch: PrefillBatch) -> float:
         """Causal attention of prefill chunks in one layer (new tokens attend to cached + new)."""
@@ -92,28 +139,40 @@ class AnalyticCostModel:
         kv_read = sum(n + c for n, c in pairs) * 2 * self._kv_local
         q_o = sum(n for n, _ in pairs) * (2 * self._q_local + 2 * self._kv_local)
         nbytes = dtype * (kv_read + q_o)
-        return max(flops / (hw.peak_flops * hw.attention_efficiency),
-                   nbytes / (hw.hbm_bandwidth * hw.memory_efficiency))
+        roofline = max(flops / (hw.peak_flops * hw.attention_efficiency),
+                       nbytes / (hw.hbm_bandwidth * hw.memory_efficiency))
+        # a request's query blocks walk cached + (half of, on average) its new keys
+        row_blocks = [math.ceil(n / ATTN_BLOCK_ROWS) for n, _ in pairs]
+        blocks = sum(row_blocks) * self._heads_local
+        walked = sum(b * (c + n / 2) for b, (n, c) in zip(row_blocks, pairs)) * self._heads_local
+        kernel = self.attention_kernel_time(blocks, max(n + c for n, c in pairs), walked / blocks)
+        return max(roofline, kernel) + hw.attn_floor_s
 
     def decode_attention_time(self, context_lens: Sequence[int]) -> float:
-        """One query per request over its whole KV; memory-bound on the KV bytes."""
+        """One query per request over its whole KV: memory-bound on the KV bytes or bound by the
+        thread-block schedule (one block per request and head, no split-KV)."""
         if not context_lens:
             return 0.0
-        kv_tokens = (len(context_lens) * max(context_lens) if self.attention == "padded"
-                     else sum(context_lens))
+        batch, longest = len(context_lens), max(context_lens)
+        kv_tokens = batch * longest if self.attention == "padded" else sum(context_lens)
         dtype, hw = self.model.dtype_bytes, self.hw
         nbytes = dtype * (kv_tokens * 2 * self._kv_local
-                          + len(context_lens) * 2 * (self._q_local + self._kv_local))
+                          + batch * 2 * (self._q_local + self._kv_local))
         flops = 4.0 * self._q_local * kv_tokens
-        return max(flops / (hw.peak_flops * hw.attention_efficiency),
-                   nbytes / (hw.hbm_bandwidth * hw.memory_efficiency))
+        roofline = max(flops / (hw.peak_flops * hw.attention_efficiency),
+                       nbytes / (hw.hbm_bandwidth * hw.memory_efficiency))
+        kernel = self.attention_kernel_time(batch * self._heads_local, longest, kv_tokens / batch)
+        return max(roofline, kernel) + hw.attn_floor_s
 
     def allreduce_time(self, tokens: float) -> float:
-        if self.tp == 1 or tokens <= 0:
+        """One all-reduce of the hidden states of ``tokens`` tokens among the ``tp`` GPUs."""
+        if self._allreduce is None or tokens <= 0:
             return 0.0
-        link = self.hw.link("nvlink")
-        nbytes = tokens * self.model.hidden_size * self.model.dtype_bytes
-        return link.latency + 2 * (self.tp - 1) / self.tp * nbytes / link.bandwidth
+        return self._allreduce.transfer_time(tokens * self.model.hidden_size * self.model.dtype_bytes)
+
+    def host_time(self, seqs: int) -> float:
+        """CPU cost of one iteration over ``seqs`` sequences (0 with ``host_overhead=False``)."""
+        return self._host.time(seqs, self.tp) if self._host is not None else 0.0
 
     def _layer_ops(self, tokens: float, attention_s: float) -> list[float]:
         lin, elem, ar = self.linear_op_times(tokens), self.elementwise_times(tokens), self.allreduce_time(tokens)
@@ -125,10 +184,11 @@ class AnalyticCostModel:
                 lin["down"] + elem["down"] + ar + ov]
 
     def _head_times(self, tokens: float, rows: int) -> tuple[float, float]:
-        """(embedding, final norm + LM head) for a step of ``tokens`` tokens and ``rows`` logits."""
+        """(host cost + embedding and its all-reduce, final norm + LM head) for a step of
+        ``tokens`` tokens and ``rows`` logits (one per sequence)."""
         m = self.model
         per_elem = self.hw.elementwise_bytes_per_element / self.hw.hbm_bandwidth
-        embed = tokens * m.hidden_size * per_elem
+        embed = self.host_time(rows) + tokens * m.hidden_size * per_elem + self.allreduce_time(tokens)
         head = tokens * m.hidden_size * per_elem + self.gemm_time(rows, m.hidden_size, m.vocab_size)
         return embed, head
 
@@ -165,7 +225,8 @@ class AnalyticCostModel:
 
     def graphed_prefill_time(self, batch: PrefillBatch) -> float:
         """A prefill step replayed from a captured CUDA graph: the per-layer launch cost of the
-        small kernels (``layer_overhead_s``) disappears; GEMM, attention and element-wise work
+        small kernels (``layer_overhead_s``) disappears; GEMM, attention, element-wise work,
+        collectives and the host's per-iteration CPU cost (scheduling, sampling: not launches)
         stay. This assumes the calibrated layer overhead is CPU launch time, as its definition
         says (HF-eager-like profile); a fused engine would gain less."""
         t = self.prefill_time(batch)
@@ -199,4 +260,5 @@ class AnalyticCostModel:
         return int(free // self.kv_bytes_per_token)
 
     def __repr__(self) -> str:
-        return f"AnalyticCostModel({self.model.name!r}, {self.hw.name!r}, tp={self.tp}, attention={self.attention!r})"
+        return (f"AnalyticCostModel({self.model.name!r}, {self.hw.name!r}, tp={self.tp}, "
+                f"attention={self.attention!r}, host_overhead={self._host is not None})")
