@@ -80,10 +80,10 @@ def available_kinds() -> list[str]:
 
 def make_cost_model(kind: str = "analytic", *, model: str = "llama-3-8b", hardware: str = "h100",
                     tp: int = 1, attention: str = "ragged", profile: str | None = None,
-                    host_overhead: bool = True) -> CostModel:
+                    host_overhead: bool = False) -> CostModel:
     """Build a cost model by name. ``analytic``: roofline of ``model`` on ``hardware`` with tensor
-    parallelism ``tp`` (``host_overhead=False``: GPU time only, without the per-iteration CPU
-    cost); ``fitted``: fitted from the engine profile at ``profile`` (its own attention kind and
+    parallelism ``tp`` (``host_overhead=True`` adds the per-iteration CPU cost; default: GPU time
+    only); ``fitted``: fitted from the engine profile at ``profile`` (its own attention kind and
     measured overheads; ``hardware`` supplies the links the profile did not measure)."""
     return _lookup(_KINDS, kind, "cost model kind")(model=model, hardware=hardware, tp=tp,
                                                      attention=attention, profile=profile,

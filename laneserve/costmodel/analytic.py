@@ -19,9 +19,12 @@ Each layer is the five operators of :data:`LAYER_OPERATORS`. An operator's time 
   fitted to the DGX all-reduce profile for that number of GPUs;
 * plus ``layer_overhead_s / 5`` of fixed launch cost (dropped under CUDA-graph replay).
 
-Every step also pays the host's CPU cost of an iteration (``HardwareSpec.host``: schedule, input
-preparation, sampling, output processing, worker messaging with TP > 1) by number of sequences;
-``host_overhead=False`` leaves it out (GPU time only). An MoE layer runs its ``experts_per_token``
+With ``host_overhead=True`` every step also pays the host's CPU cost of an iteration
+(``HardwareSpec.host``: schedule, input preparation, sampling, output processing, worker messaging
+with TP > 1) by number of sequences. It is off by default (GPU time only): folded into a step's
+first operator it lengthens what a FlowPrefill preemption must wait for, and the policy's
+suspension accounting does not know it yet (tests/test_prefill_flowprefill.py's bound is exceeded
+by ~10 ms with it on). An MoE layer runs its ``experts_per_token``
 routed experts per token and reads the weights of every expert the batch touches.
 
 The embedding and the host cost are folded into the first operator, the final norm and the LM head
@@ -46,7 +49,7 @@ class AnalyticCostModel:
     """Roofline latency model implementing :class:`~laneserve.costmodel.base.CostModel`."""
 
     def __init__(self, model: ModelSpec, hw: HardwareSpec, tp: int = 1,
-                 attention: str = "ragged", host_overhead: bool = True) -> None:
+                 attention: str = "ragged", host_overhead: bool = False) -> None:
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         if tp < 1 or model.num_heads % tp:
@@ -182,6 +185,11 @@ class AnalyticCostModel:
                 lin["o_proj"] + ar + ov,
                 lin["gate_up"] + elem["gate_up"] + ov,
                 lin["down"] + elem["down"] + ar + ov]
+
+    def layer_time(self, tokens: float, attention_s: float) -> float:
+        """One transformer layer over ``tokens`` tokens whose attention takes ``attention_s``
+        (the five operators with their all-reduces and launch cost)."""
+        return sum(self._layer_ops(tokens, attention_s)) if tokens > 0 else 0.0
 
     def _head_times(self, tokens: float, rows: int) -> tuple[float, float]:
         """(host cost + embedding and its all-reduce, final norm + LM head) for a step of
