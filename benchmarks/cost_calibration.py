@@ -15,7 +15,13 @@ Every figure is a mean absolute percentage error (MAPE) and says whether its dat
   (measured 1.75 ms) over the model without / with the thread-block term.
 * ``e2e_step_ape_llama2_70b_tp4_h100_*``: one 70B tp4 step (80 layers) predicted by the model vs the
   sum of the profiled operators (Vidur H100 70B tp4 per-layer operators + the sample's attention
-  row + 2 all-reduces per layer at the profiled median for that message size), GPU time only.
+  row + 2 all-reduces per layer at the profiled median for that message size). Both sides are GPU
+  kernel time: the profile times each operator with CUDA events, so the model side leaves out the
+  eager engine's per-layer launch cost (``layer_time(..., launch=False)``, which is also what a
+  CUDA-graph replay pays); the table shows the eager figure beside it.
+* ``small_ops_mape_llama2_7b`` (fitted) and ``small_ops_mape_llama2_70b_tp{1,2,4,8}_{h100,a100}``
+  (held out): the five small kernels of a layer (2 norms, rotary, activation, residual add)
+  together, ``5 * kernel_floor_s + elements * bytes / bw``.
 * ``host_overhead_mape_*``: per-iteration CPU cost vs Vidur's A100 profile (fitted / held out).
 * ``prefill_mape_llama31_8b`` and ``linear_mape_llama2_7b`` (fitted): the original checks, GPU time.
 
@@ -38,7 +44,8 @@ from laneserve.costmodel.calibrate import (ALLREDUCE_FILES, CPU_FILE, HOST_FIT_M
                                            LLMSS_FILE, VIDUR_70B_FILES, VIDUR_FILE, VIDUR_LINEAR,
                                            attention_sample_model, attention_split,
                                            fit_allreduce_link, load_allreduce, load_attention_sample,
-                                           load_cpu_overheads, mape, predict_attention_row)
+                                           load_cpu_overheads, mape, predict_attention_row,
+                                           small_op_mape, small_op_pairs)
 from laneserve.costmodel.profile import (llmss_prefill_seconds, load_llmservingsim_layers,  # noqa: E402
                                          load_vidur_mlp)
 
@@ -78,10 +85,13 @@ def e2e_checks(profiles: Path, h100, attn_rows):
         ops = vidur[tokens].op_seconds
         allreduce = nearest_allreduce(ar, tokens * spec.hidden_size * spec.dtype_bytes)
         measured = spec.num_layers * (sum(ops[o] for o in LAYER_OPS) + arow["seconds"] + 2 * allreduce)
-        predicted = spec.num_layers * cm.layer_time(tokens, predict_attention_row(cm, arow))
+        attention = predict_attention_row(cm, arow)
+        predicted = spec.num_layers * cm.layer_time(tokens, attention, launch=False)
+        eager = spec.num_layers * cm.layer_time(tokens, attention)
         ape = abs(predicted - measured) / measured
         apes[label] = ape
         rows.append({"step": label, "measured_ms": measured * 1e3, "model_ms": predicted * 1e3,
+                     "model + eager launch ms": eager * 1e3,
                      "of which all-reduce meas/model ms": f"{2 * spec.num_layers * allreduce * 1e3:.2f}/"
                      f"{2 * spec.num_layers * cm.allreduce_time(tokens) * 1e3:.2f}",
                      "error_%": 100 * (predicted - measured) / measured})
@@ -140,6 +150,20 @@ def main() -> None:
             s = scatter.setdefault(f"Llama-2-70B linear ops ({hw_name}, tp 1-8)", ([], []))
             s[0].extend(m), s[1].extend(p)
 
+    # small kernels of a layer (norms, rotary, activation, residual add), summed per layer
+    small7 = small_op_pairs(vidur7, get_model_spec("llama-2-7b"), 1)
+    metrics["small_ops_mape_llama2_7b"] = small_op_mape(h100, small7)
+    table.append({"file": VIDUR_FILE, "what": "small kernels / layer", "tp": 1, "fit": "fitted",
+                  "rows": len(small7), "mape": metrics["small_ops_mape_llama2_7b"]})
+    for hw_name, hw in (("h100", h100), ("a100", a100)):
+        rows = load_vidur_mlp(profiles / VIDUR_70B_FILES[hw_name])
+        for tp in (1, 2, 4, 8):
+            pairs = small_op_pairs(rows, get_model_spec("llama-2-70b"), tp)
+            key = f"small_ops_mape_llama2_70b_tp{tp}_{hw_name}"
+            metrics[key] = small_op_mape(hw, pairs)
+            table.append({"file": VIDUR_70B_FILES[hw_name], "what": "small kernels / layer", "tp": tp,
+                          "fit": "held out", "rows": len(pairs), "mape": metrics[key]})
+
     # all-reduce
     ar = {name: load_allreduce(profiles / f) for name, f in ALLREDUCE_FILES.items()}
     for hw_name, hw in (("h100", h100), ("a100", a100)):
@@ -164,7 +188,8 @@ def main() -> None:
                   "fit": "held out", "rows": len(cross_m), "mape": metrics["allreduce_mape_a100_with_h100_fit"]})
     # held-out GPU count: n=4 predicted by interpolating the n=2 and n=8 fits' log-latency/log-bandwidth
     two, eight = (fit_allreduce_link(ar["h100"][n]) for n in (2, 8))
-    mid = replace(two, latency=(two.latency * eight.latency) ** 0.5, bandwidth=(two.bandwidth * eight.bandwidth) ** 0.5)
+    mid = replace(two, latency=(two.latency * eight.latency) ** 0.5, bandwidth=(two.bandwidth * eight.bandwidth) ** 0.5,
+                  floor=(two.floor * eight.floor) ** 0.5)
     metrics["allreduce_mape_h100_4gpu_interpolated"] = mape([t for _, t in ar["h100"][4]],
                                                             [mid.transfer_time(b) for b, _ in ar["h100"][4]])
     table.append({"file": ALLREDUCE_FILES["h100"], "what": "all-reduce 4 GPUs from 2+8 GPU fits", "tp": 4,
@@ -240,7 +265,7 @@ def main() -> None:
                  extra={"hardware_calibration": {k: getattr(h100, k) for k in (
                      "gemm_efficiency_max", "gemm_half_tokens", "memory_efficiency",
                      "attention_efficiency", "elementwise_bytes_per_element", "gemm_overhead_s",
-                     "layer_overhead_s", "attn_key_s", "attn_block_s", "attn_tile_keys",
+                     "kernel_floor_s", "eager_bytes_per_element", "layer_overhead_s", "attn_key_s", "attn_block_s", "attn_tile_keys",
                      "attn_shared_factor", "attn_floor_s")}})
     for k, v in metrics.items():
         print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")

@@ -11,7 +11,7 @@ from laneserve.costmodel import AnalyticCostModel, get_hardware_spec, get_model_
 from laneserve.costmodel.calibrate import (attention_sample_model, attention_split,
                                            constants_module, fit_allreduce_link, fit_host_overhead,
                                            load_attention_sample, mape, predict_attention_row)
-from laneserve.costmodel.specs import MODELS, HostOverhead
+from laneserve.costmodel.specs import MODELS, HostOverhead, LinkSpec
 
 
 def test_new_specs_match_published_sizes():
@@ -42,10 +42,27 @@ def test_allreduce_grows_with_gpus_and_bytes_and_has_a_floor():
 
 
 def test_fit_allreduce_recovers_constants():
-    samples = [(b, 20e-6 + b / 250e9) for b in (2048, 65536, 2**20, 2**24, 2**26)]
-    link = fit_allreduce_link(samples)
-    assert link.latency == pytest.approx(20e-6, rel=0.05)
+    truth = LinkSpec(bandwidth=250e9, latency=20e-6, floor=40e-6)
+    sizes = [2048, 65536, 2**20, 2**21, 2**22, 2**23, 2**24, 2**25, 2**26]
+    link = fit_allreduce_link([(b, truth.transfer_time(b)) for b in sizes])
+    assert link.floor == pytest.approx(40e-6, rel=0.05)
     assert link.bandwidth == pytest.approx(250e9, rel=0.05)
+    for b in sizes:
+        assert link.transfer_time(b) == pytest.approx(truth.transfer_time(b), rel=0.03)
+    assert LinkSpec(bandwidth=1e9, latency=1e-6, floor=5e-6).transfer_time(1000) == 5e-6
+    assert LinkSpec(bandwidth=1e9, latency=1e-6, floor=5e-6).transfer_time(0) == 0.0
+
+
+def test_small_kernels_have_a_floor_and_eager_extras_drop_without_launch():
+    cm = make_cost_model(model="llama-2-70b", tp=4)
+    hw = cm.hw
+    one = cm.elementwise_times(1, eager=False)
+    # five small kernels a layer (two norms, rotary, activation, residual add), each at least a floor
+    assert sum(one.values()) == pytest.approx(5 * hw.kernel_floor_s, rel=0.02)
+    assert sum(cm.elementwise_times(1).values()) > sum(one.values())     # unfused eager traffic
+    gpu, eager = cm.layer_time(1, 0.0, launch=False), cm.layer_time(1, 0.0)
+    assert eager - gpu == pytest.approx(hw.layer_overhead_s + sum(cm.elementwise_times(1).values())
+                                        - sum(one.values()), rel=1e-6)
 
 
 def test_host_overhead_term_and_fit():
@@ -106,12 +123,12 @@ def test_graph_replay_keeps_host_and_collectives():
 def test_constants_module_round_trips(tmp_path):
     report = {"constants": {"H100_CALIBRATION": {"gemm_efficiency_max": 0.8},
                             "H100_ATTENTION": {"attn_key_s": 2.5e-08, "attn_tile_keys": 64},
-                            "ALLREDUCE": {"h100": {2: [1e-05, 3e11]}},
+                            "ALLREDUCE": {"h100": {2: [1e-05, 3e11, 3e-05]}},
                             "HOST_OVERHEAD": {"base_s": 0.001, "per_seq_s": 5e-05, "tp_s": 0.006}}}
     namespace: dict = {}
     exec(constants_module(report), namespace)
     assert namespace["H100_ATTENTION"] == {"attn_key_s": 2.5e-08, "attn_tile_keys": 64}
-    assert namespace["ALLREDUCE"]["h100"][2] == [1e-05, 3e11]
+    assert namespace["ALLREDUCE"]["h100"][2] == [1e-05, 3e11, 3e-05]
     json.dumps(report)
 
 
@@ -129,3 +146,4 @@ def test_calibrate_cli_reports_per_file_mape(tmp_path):
     mapes = report["mape"]
     assert all(v < 0.15 for v in mapes["allreduce_h100 (fitted)"].values())
     assert all(v < 0.15 for v in mapes["linear_llama2_70b_a100 (held out)"].values())
+    assert all(v < 0.15 for v in mapes["small_ops_llama2_70b_h100 (held out)"].values())

@@ -6,7 +6,8 @@ Each layer is the five operators of :data:`LAYER_OPERATORS`. An operator's time 
 * its GEMM: ``max(flops / (peak * eff(tokens)), bytes / (bw * mem_eff)) + gemm_overhead`` where the
   weights are read once per step and ``eff`` ramps with the number of rows;
 * plus its small kernels (norm and rotary in ``qkv_proj``, the second norm in ``gate_up``, the
-  activation in ``down``) as HBM traffic, ``elements * elementwise_bytes_per_element / bw``;
+  activation and residual add in ``down``), each ``kernel_floor_s`` plus its HBM traffic,
+  ``elements * elementwise_bytes_per_element / bw`` (fitted on Vidur's fused vLLM kernels);
 * plus, for ``attention``, one FlashAttention kernel for the prefill chunks and one for the
   decodes (:meth:`AnalyticCostModel.attention_kernel_time`): the larger of the roofline (prefill
   FLOPs ``4 * heads * head_dim * new * (cached + new/2)`` at ``attention_efficiency``; KV bytes at
@@ -15,9 +16,13 @@ Each layer is the five operators of :data:`LAYER_OPERATORS`. An operator's time 
   plus a per-kernel floor. ``ragged`` (varlen) gives each request its own keys; ``padded`` pads
   every request to the longest (``batch * max(ctx)``);
 * plus, with tensor parallelism, an all-reduce after ``o_proj`` and after ``down`` (2 per layer,
-  Megatron-style) and one for the vocab-parallel embedding, each ``latency + bytes / bandwidth`` as
-  fitted to the DGX all-reduce profile for that number of GPUs;
-* plus ``layer_overhead_s / 5`` of fixed launch cost (dropped under CUDA-graph replay).
+  Megatron-style) and one for the vocab-parallel embedding, each
+  ``max(floor, latency + bytes / bandwidth)`` as fitted to the DGX all-reduce profile for that
+  number of GPUs;
+* plus what an eager engine adds (fitted on LLMServingSim's HF-eager profile): the extra traffic of
+  its unfused small kernels (``eager_bytes_per_element``) and ``layer_overhead_s / 5`` of fixed
+  launch cost (dropped under CUDA-graph replay); ``layer_time(..., launch=False)`` is the
+  fused-kernel GPU time alone, as Vidur's per-operator profiles measure it.
 
 With ``host_overhead=True`` every step also pays the host's CPU cost of an iteration
 (``HardwareSpec.host``: schedule, input preparation, sampling, output processing, worker messaging
@@ -101,13 +106,18 @@ class AnalyticCostModel:
                 "down": self.expert_gemm_time(tokens, m.intermediate_size, m.hidden_size,
                                               split_out=False)}
 
-    def elementwise_times(self, tokens: float) -> dict[str, float]:
-        """Norms, rotary and activation of one layer, keyed by the operator they are folded in."""
-        m, per_elem = self.model, self.hw.elementwise_bytes_per_element / self.hw.hbm_bandwidth
+    def elementwise_times(self, tokens: float, *, eager: bool = True) -> dict[str, float]:
+        """The small kernels of one layer, keyed by the operator they are folded in: input norm and
+        rotary in ``qkv_proj``, the second norm in ``gate_up``, activation and residual add in
+        ``down``; each ``kernel_floor_s`` plus its HBM traffic, with ``eager`` also the extra
+        traffic of an eager engine's unfused kernels (``eager_bytes_per_element``)."""
+        m, hw = self.model, self.hw
+        nbytes = hw.elementwise_bytes_per_element + (hw.eager_bytes_per_element if eager else 0.0)
+        per_elem, floor = nbytes / hw.hbm_bandwidth, hw.kernel_floor_s
         rope = (self._q_local + self._kv_local) if m.rope else 0
-        return {"qkv_proj": tokens * (m.hidden_size + rope) * per_elem,
-                "gate_up": tokens * m.hidden_size * per_elem,
-                "down": tokens * (m.intermediate_size // self.tp) * per_elem}
+        return {"qkv_proj": (2 if m.rope else 1) * floor + tokens * (m.hidden_size + rope) * per_elem,
+                "gate_up": floor + tokens * m.hidden_size * per_elem,
+                "down": 2 * floor + tokens * (m.intermediate_size // self.tp + m.hidden_size) * per_elem}
 
     def attention_kernel_time(self, blocks: int, max_keys: float, mean_keys: float) -> float:
         """Thread-block schedule of one FlashAttention kernel: ``blocks`` blocks (128 query rows of
@@ -177,27 +187,31 @@ class AnalyticCostModel:
         """CPU cost of one iteration over ``seqs`` sequences (0 with ``host_overhead=False``)."""
         return self._host.time(seqs, self.tp) if self._host is not None else 0.0
 
-    def _layer_ops(self, tokens: float, attention_s: float) -> list[float]:
-        lin, elem, ar = self.linear_op_times(tokens), self.elementwise_times(tokens), self.allreduce_time(tokens)
-        ov = self._op_overhead
+    def _layer_ops(self, tokens: float, attention_s: float, launch: bool = True) -> list[float]:
+        lin, ar = self.linear_op_times(tokens), self.allreduce_time(tokens)
+        elem = self.elementwise_times(tokens, eager=launch)
+        ov = self._op_overhead if launch else 0.0
         return [lin["qkv_proj"] + elem["qkv_proj"] + ov,
                 attention_s + ov,
                 lin["o_proj"] + ar + ov,
                 lin["gate_up"] + elem["gate_up"] + ov,
                 lin["down"] + elem["down"] + ar + ov]
 
-    def layer_time(self, tokens: float, attention_s: float) -> float:
+    def layer_time(self, tokens: float, attention_s: float, *, launch: bool = True) -> float:
         """One transformer layer over ``tokens`` tokens whose attention takes ``attention_s``
-        (the five operators with their all-reduces and launch cost)."""
-        return sum(self._layer_ops(tokens, attention_s)) if tokens > 0 else 0.0
+        (the five operators with their all-reduces). ``launch=False`` leaves out what the eager
+        engine adds (its per-layer launch cost ``layer_overhead_s`` and its unfused kernels'
+        extra traffic): the fused-kernel GPU time alone."""
+        return sum(self._layer_ops(tokens, attention_s, launch)) if tokens > 0 else 0.0
 
     def _head_times(self, tokens: float, rows: int) -> tuple[float, float]:
         """(host cost + embedding and its all-reduce, final norm + LM head) for a step of
         ``tokens`` tokens and ``rows`` logits (one per sequence)."""
         m = self.model
         per_elem = self.hw.elementwise_bytes_per_element / self.hw.hbm_bandwidth
-        embed = self.host_time(rows) + tokens * m.hidden_size * per_elem + self.allreduce_time(tokens)
-        head = tokens * m.hidden_size * per_elem + self.gemm_time(rows, m.hidden_size, m.vocab_size)
+        small = self.hw.kernel_floor_s + tokens * m.hidden_size * per_elem
+        embed = self.host_time(rows) + small + self.allreduce_time(tokens)
+        head = small + self.gemm_time(rows, m.hidden_size, m.vocab_size)
         return embed, head
 
     def _step_ops(self, tokens: float, attention_s: float, rows: int) -> list[float]:

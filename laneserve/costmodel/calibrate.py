@@ -13,12 +13,16 @@ Stages, each minimising the mean absolute percentage error (MAPE) with Nelder-Me
    read off the profile (times step every 64 KV tokens), not fitted.
 3. Prefill attention roofline (``attention_efficiency``): LLMServingSim's ``attn`` rows, >= 256
    tokens (the file has no KV > 0 rows).
-4. The rest of a layer (``elementwise_bytes_per_element``, ``layer_overhead_s``): LLMServingSim
-   whole-model prefill totals (LM head on the last token only; GPU time, no host cost).
-5. All-reduce per GPU count (``latency``, ``bandwidth``): Vidur's H100 and A100 DGX all-reduce
-   profiles, one node (``devices_per_node == num_workers``); each hardware on its own file, and
-   the H100 fit is also scored on the A100 file (cross-hardware, not fitted).
-6. Host overhead per iteration (``base_s``, ``per_seq_s``, ``tp_s``): Vidur's A100 CPU overheads
+4. Small kernels (``kernel_floor_s``, ``elementwise_bytes_per_element``): Vidur's Llama-2-7B
+   norm / rotary / activation / residual-add operators (H100, tp 1; fused vLLM kernels, each
+   ``floor + elements * bytes / bw``); the Llama-2-70B files are the held-out check.
+5. What the eager engine adds (``eager_bytes_per_element``, ``layer_overhead_s``): LLMServingSim
+   whole-model prefill totals (an HF-eager profile whose unfused norms and rotary cost 17-27 us a kernel
+   group; LM head on the last token only; GPU time, no host cost), the other terms fixed.
+6. All-reduce per GPU count (``floor``, ``latency``, ``bandwidth``): Vidur's H100 and A100 DGX
+   all-reduce profiles, one node (``devices_per_node == num_workers``); each hardware on its own
+   file, and the H100 fit is also scored on the A100 file (cross-hardware, not fitted).
+7. Host overhead per iteration (``base_s``, ``per_seq_s``, ``tp_s``): Vidur's A100 CPU overheads
    (schedule + sampler + prepare inputs + process outputs medians, + Ray messaging mean), fitted
    on Llama-2-7B (tp 1) and Llama-2-70B (tp 4); the other four models are held out.
 
@@ -60,9 +64,11 @@ HOST_COLUMNS = ("schedule_median", "sampler_e2e_median", "prepare_inputs_e2e_med
 #: vidur operator -> our operator
 VIDUR_LINEAR = {"attn_pre_proj": "qkv_proj", "attn_post_proj": "o_proj",
                 "mlp_up_proj": "gate_up", "mlp_down_proj": "down"}
+#: Vidur's small (element-wise) operators of one layer
+VIDUR_SMALL = ("input_layernorm", "attn_rope", "post_attention_layernorm", "mlp_act", "add")
 CALIBRATED_FIELDS = ("gemm_efficiency_max", "gemm_half_tokens", "memory_efficiency",
                      "attention_efficiency", "elementwise_bytes_per_element", "gemm_overhead_s",
-                     "layer_overhead_s")
+                     "kernel_floor_s", "eager_bytes_per_element", "layer_overhead_s")
 ATTENTION_FIELDS = ("attn_key_s", "attn_block_s", "attn_shared_factor", "attn_floor_s")
 
 
@@ -169,18 +175,21 @@ def load_allreduce(path: Path) -> dict[int, list[tuple[int, float]]]:
 
 
 def fit_allreduce_link(samples: Sequence[tuple[int, float]]) -> LinkSpec:
-    """``latency + bytes / bandwidth`` minimising MAPE (started from the least-squares fit)."""
+    """``max(floor, latency + bytes / bandwidth)`` minimising MAPE (started from the least-squares
+    line and the median time of the messages up to 1 MB)."""
     data = np.asarray(samples, float)
     x, y = data[:, 0], data[:, 1]
     start = fit_link(samples)
+    small = y[x <= 2**20]
+    floor0 = float(np.median(small)) if len(small) else start.latency
 
     def loss(v: np.ndarray) -> float:
-        lat, bw = np.exp(v)
-        return float(np.mean(np.abs(lat + x / bw - y) / y))
+        floor, lat, bw = np.exp(v)
+        return float(np.mean(np.abs(np.maximum(floor, lat + x / bw) - y) / y))
 
-    best = nelder_mead(loss, np.log([max(start.latency, 1e-6), start.bandwidth]), iters=600)
-    lat, bw = np.exp(best)
-    return LinkSpec(bandwidth=float(bw), latency=float(lat))
+    best = nelder_mead(loss, np.log([floor0, max(start.latency, 1e-6), start.bandwidth]), iters=2000)
+    floor, lat, bw = np.exp(best)
+    return LinkSpec(bandwidth=float(bw), latency=float(lat), floor=float(floor))
 
 
 def allreduce_mape(table: dict[int, LinkSpec], data: dict[int, list[tuple[int, float]]]) -> dict[int, float]:
@@ -249,13 +258,37 @@ def calibrate(profiles: Path | None = None, hw: HardwareSpec = H100_SXM) -> Hard
         [t for _, t in long_rows],
         [AnalyticCostModel(l31, c).prefill_attention_time([(n, 0)]) for n, _ in long_rows]))
 
+    small = small_op_pairs(load_vidur_mlp(profiles / VIDUR_FILE), MODELS["llama-2-7b"], tp=1)
+    hw = _fit(replace(hw, kernel_floor_s=hw.kernel_floor_s or 2e-6),
+              ("kernel_floor_s", "elementwise_bytes_per_element"), lambda c: small_op_mape(c, small))
+
     lm_last = llmss[1]["lm_head"]
     totals = [(n, llmss_prefill_seconds(ops, l31.num_layers, lm_head_seconds=lm_last))
               for n, ops in list(llmss.items())[::4]]
-    hw = _fit(hw, ("elementwise_bytes_per_element", "layer_overhead_s"), lambda c: mape(
+    hw = _fit(replace(hw, eager_bytes_per_element=hw.eager_bytes_per_element or 10.0),
+              ("eager_bytes_per_element", "layer_overhead_s"), lambda c: mape(
         [t for _, t in totals],
         [AnalyticCostModel(l31, c, host_overhead=False).prefill_time([(n, 0)]) for n, _ in totals]))
     return hw
+
+
+def small_op_pairs(rows, model, tp: int) -> list[tuple[int, float]]:
+    """``(elements, measured seconds)`` of the five small operators of one layer together
+    (:data:`VIDUR_SMALL`), per Vidur row at degree ``tp``: the norms and the residual add touch
+    ``hidden`` elements a token, rotary the local q + k heads, the activation the local
+    intermediate width. Summed per layer because single ones sit at the profile's 1 us
+    resolution, and a step pays their sum."""
+    kv_local = max(model.num_kv_heads // tp, 1) * model.head_dim
+    width = 3 * model.hidden_size + model.q_dim // tp + kv_local + model.intermediate_size // tp
+    return [(r.num_tokens * width, sum(r.op_seconds[op] for op in VIDUR_SMALL))
+            for r in rows if r.tp == tp]
+
+
+def small_op_mape(hw: HardwareSpec, pairs: Sequence[tuple[int, float]]) -> float:
+    """MAPE of the five small kernels of a layer: ``5 * kernel_floor_s + elements * bytes / bw``."""
+    per_elem = hw.elementwise_bytes_per_element / hw.hbm_bandwidth
+    return mape([t for _, t in pairs],
+                [len(VIDUR_SMALL) * hw.kernel_floor_s + n * per_elem for n, _ in pairs])
 
 
 def linear_70b_mape(hw: HardwareSpec, path: Path) -> dict[int, float]:
@@ -293,6 +326,12 @@ def calibrate_all(profiles: Path | None = None) -> dict:
     report_mape = {
         "linear_llama2_70b_h100 (held out)": linear_70b_mape(h100, profiles / VIDUR_70B_FILES["h100"]),
         "linear_llama2_70b_a100 (held out)": linear_70b_mape(a100, profiles / VIDUR_70B_FILES["a100"]),
+        "small_ops_llama2_7b_h100 (fitted, tp 1)": small_op_mape(
+            h100, small_op_pairs(load_vidur_mlp(profiles / VIDUR_FILE), MODELS["llama-2-7b"], 1)),
+        **{f"small_ops_llama2_70b_{name} (held out)": {
+            tp: small_op_mape(hw, small_op_pairs(load_vidur_mlp(profiles / VIDUR_70B_FILES[name]),
+                                                 MODELS["llama-2-70b"], tp)) for tp in (1, 2, 4, 8)}
+           for name, hw in (("h100", h100), ("a100", a100))},
         "allreduce_h100 (fitted)": allreduce_mape(allreduce["h100"], ar_data["h100"]),
         "allreduce_a100 (fitted)": allreduce_mape(allreduce["a100"], ar_data["a100"]),
         "allreduce_a100_with_h100_fit (held out)": allreduce_mape(allreduce["h100"], ar_data["a100"]),
@@ -307,7 +346,8 @@ def calibrate_all(profiles: Path | None = None) -> dict:
             "H100_CALIBRATION": {k: float(getattr(h100, k)) for k in CALIBRATED_FIELDS},
             "H100_ATTENTION": {**{k: float(getattr(h100, k)) for k in ATTENTION_FIELDS},
                                "attn_tile_keys": h100.attn_tile_keys},
-            "ALLREDUCE": {hw: {n: [link.latency, link.bandwidth] for n, link in sorted(t.items())}
+            "ALLREDUCE": {hw: {n: [link.latency, link.bandwidth, link.floor]
+                               for n, link in sorted(t.items())}
                           for hw, t in allreduce.items()},
             "HOST_OVERHEAD": asdict(host),
             "links_send_recv_h100": {name: [link.latency, link.bandwidth] for name, link in
@@ -331,9 +371,9 @@ def constants_module(report: dict) -> str:
         lines.append(f"{name} = {{")
         lines += [f"    {k!r}: {fmt(v)}," for k, v in c[name].items()]
         lines.append("}")
-    lines.append("ALLREDUCE = {  # gpus: [latency s, bandwidth B/s]")
+    lines.append("ALLREDUCE = {  # gpus: [latency s, bandwidth B/s, floor s]")
     for hw, table in c["ALLREDUCE"].items():
-        inner = ", ".join(f"{n}: [{fmt(lat)}, {fmt(bw)}]" for n, (lat, bw) in table.items())
+        inner = ", ".join(f"{n}: [{fmt(lat)}, {fmt(bw)}, {fmt(fl)}]" for n, (lat, bw, fl) in table.items())
         lines.append(f"    {hw!r}: {{{inner}}},")
     lines.append("}")
     inner = ", ".join(f"{k!r}: {fmt(v)}" for k, v in c["HOST_OVERHEAD"].items())

@@ -2,23 +2,25 @@
 --write-constants` from the shared profiles; do not edit by hand (re-run the command)."""
 
 H100_CALIBRATION = {
-    'gemm_efficiency_max': 0.8278,
-    'gemm_half_tokens': 140.2,
-    'memory_efficiency': 0.8874,
+    'gemm_efficiency_max': 0.8277,
+    'gemm_half_tokens': 139.9,
+    'memory_efficiency': 0.8876,
     'attention_efficiency': 0.1608,
-    'elementwise_bytes_per_element': 21.89,
-    'gemm_overhead_s': 5.453e-06,
-    'layer_overhead_s': 8.831e-05,
+    'elementwise_bytes_per_element': 8.622,
+    'gemm_overhead_s': 5.45e-06,
+    'kernel_floor_s': 2.255e-06,
+    'eager_bytes_per_element': 10.53,
+    'layer_overhead_s': 7.709e-05,
 }
 H100_ATTENTION = {
     'attn_key_s': 2.665e-08,
-    'attn_block_s': 1.664e-06,
+    'attn_block_s': 1.666e-06,
     'attn_shared_factor': 0.8052,
-    'attn_floor_s': 2.214e-06,
+    'attn_floor_s': 2.211e-06,
     'attn_tile_keys': 64,
 }
-ALLREDUCE = {  # gpus: [latency s, bandwidth B/s]
-    'h100': {2: [1.815e-05, 2.93e+11], 4: [2.697e-05, 2.405e+11], 8: [2.959e-05, 1.976e+11]},
-    'a100': {2: [4.334e-05, 1.699e+11], 4: [4.376e-05, 1.16e+11], 8: [4.857e-05, 8.831e+10]},
+ALLREDUCE = {  # gpus: [latency s, bandwidth B/s, floor s]
+    'h100': {2: [1.724e-05, 2.908e+11, 2.7e-05], 4: [2.248e-05, 2.289e+11, 4.1e-05], 8: [2.959e-05, 1.977e+11, 2.481e-05]},
+    'a100': {2: [4.327e-05, 1.699e+11, 4.507e-05], 4: [4.375e-05, 1.16e+11, 3.052e-05], 8: [4.858e-05, 8.831e+10, 4.302e-05]},
 }
 HOST_OVERHEAD = {'base_s': 0.001001, 'per_seq_s': 4.779e-05, 'tp_s': 0.006891}

@@ -119,13 +119,15 @@ class ModelSpec:
 
 @dataclass(frozen=True, slots=True)
 class LinkSpec:
-    """A point-to-point link: time(bytes) = latency + bytes / bandwidth."""
+    """A link or collective: time(bytes) = max(floor, latency + bytes / bandwidth). ``floor`` is the
+    least time any message takes (an all-reduce's protocol floor; 0 for the point-to-point links)."""
 
     bandwidth: float    # bytes/s
     latency: float      # s
+    floor: float = 0.0  # s
 
     def transfer_time(self, nbytes: float) -> float:
-        return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
+        return max(self.floor, self.latency + nbytes / self.bandwidth) if nbytes > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +157,11 @@ class HardwareSpec:
     streaming weights or KV; ``attention_efficiency`` the fraction of peak reached by prefill
     attention; ``elementwise_bytes_per_element`` the effective HBM traffic of the norm / rotary /
     activation kernels per element; ``gemm_overhead_s`` a fixed cost per GEMM kernel;
-    ``layer_overhead_s`` the remaining fixed cost of one layer (launches of the small kernels).
+    ``kernel_floor_s`` the least time of one small (norm / rotary / activation / residual-add)
+    kernel, fitted on Vidur's fused vLLM kernels; what an eager engine adds (the HF-eager
+    LLMServingSim profile): ``eager_bytes_per_element`` of extra small-kernel traffic (unfused
+    norms and rotary) and ``layer_overhead_s`` of fixed cost a layer (launches), the latter dropped
+    under CUDA-graph replay.
 
     FlashAttention kernel terms (``attn_*``, see :meth:`AnalyticCostModel.attention_kernel_time`):
     a thread block handles 128 query rows of one head and walks the keys one tile
@@ -177,6 +183,8 @@ class HardwareSpec:
     elementwise_bytes_per_element: float
     gemm_overhead_s: float
     layer_overhead_s: float
+    kernel_floor_s: float = 0.0
+    eager_bytes_per_element: float = 0.0
     num_sms: int = 132
     attn_key_s: float = 0.0
     attn_block_s: float = 0.0
@@ -244,7 +252,8 @@ _H100_LINKS = {"nvlink": H100_NVLINK, "infiniband": H100_INFINIBAND, "pcie": PCI
 
 
 def _links(table: dict[str, list[float]]) -> dict[int, LinkSpec]:
-    return {int(n): LinkSpec(bandwidth=bw, latency=lat) for n, (lat, bw) in table.items()}
+    return {int(n): LinkSpec(bandwidth=bw, latency=lat, floor=floor)
+            for n, (lat, bw, floor) in table.items()}
 
 
 #: CPU cost of an iteration: Vidur's profile is of an A100 host; the same host cost is assumed on
