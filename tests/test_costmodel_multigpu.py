@@ -8,6 +8,7 @@ import json
 import pytest
 
 from laneserve.costmodel import AnalyticCostModel, get_hardware_spec, get_model_spec, make_cost_model
+from laneserve.costmodel.analytic import DECODE_KERNELS
 from laneserve.costmodel.calibrate import (attention_sample_model, attention_split,
                                            constants_module, fit_allreduce_link, fit_host_overhead,
                                            load_attention_sample, mape, predict_attention_row)
@@ -88,7 +89,9 @@ def test_per_token_time_falls_slower_than_one_over_tp():
 
 
 def test_batch1_long_context_decode_is_bound_by_one_block_walk():
-    cm = make_cost_model(model="llama-3.1-70b", tp=4)
+    # the kernel the LLMServingSim sample measured: a block per query head (16 a request at tp 4)
+    cm = AnalyticCostModel(get_model_spec("llama-3.1-70b"), get_hardware_spec("h100"), tp=4,
+                           decode_kernel="per_query_head")
     one = cm.decode_attention_time([65536])
     assert one == pytest.approx(1.75e-3, rel=0.1)                           # FlashAttention measures 1.75 ms
     # the same KV split over 8 requests runs 8x the blocks side by side
@@ -147,3 +150,27 @@ def test_calibrate_cli_reports_per_file_mape(tmp_path):
     assert all(v < 0.15 for v in mapes["allreduce_h100 (fitted)"].values())
     assert all(v < 0.15 for v in mapes["linear_llama2_70b_a100 (held out)"].values())
     assert all(v < 0.15 for v in mapes["small_ops_llama2_70b_h100 (held out)"].values())
+
+
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+@pytest.mark.parametrize("lens", [[1], [65536], [1024] * 32, [4096] * 128, [100] * 7 + [30000]])
+def test_decode_attention_never_beats_its_kv_bytes(kernel, lens):
+    cm = AnalyticCostModel(get_model_spec("llama-3-8b"), get_hardware_spec("h100"), decode_kernel=kernel)
+    kv_bytes = sum(lens) * cm.kv_bytes_per_token / cm.num_layers
+    assert cm.decode_attention_time(lens) >= kv_bytes / cm.hw.hbm_bandwidth + cm.hw.attn_floor_s
+
+
+def test_packed_gqa_decode_runs_a_block_per_kv_head():
+    h100, spec = get_hardware_spec("h100"), get_model_spec("llama-3-8b")     # 32 query, 8 KV heads
+    packed = AnalyticCostModel(spec, h100)
+    per_head = AnalyticCostModel(spec, h100, decode_kernel="per_query_head")
+    big = [1024] * 128
+    kv_bound = sum(big) * spec.kv_bytes_per_token / spec.num_layers / h100.hbm_bandwidth
+    # saturated, the packed kernel streams the KV about once; a block per query head re-walks it 4x
+    assert packed.decode_attention_time(big) < 1.3 * kv_bound
+    assert per_head.decode_attention_time(big) > 3.5 * packed.decode_attention_time(big)
+    # one request: the longest walk bounds both grids alike
+    assert packed.decode_attention_time([4096]) == per_head.decode_attention_time([4096])
+    # 8 blocks a request: a second wave starts at 17 requests (136 > 132 SMs), not at 5
+    assert packed.decode_attention_time([4096] * 17) > 1.3 * packed.decode_attention_time([4096] * 16)
+    assert packed.decode_attention_time([4096] * 5) == packed.decode_attention_time([4096] * 4)

@@ -10,11 +10,16 @@ Each layer is the five operators of :data:`LAYER_OPERATORS`. An operator's time 
   ``elements * elementwise_bytes_per_element / bw`` (fitted on Vidur's fused vLLM kernels);
 * plus, for ``attention``, one FlashAttention kernel for the prefill chunks and one for the
   decodes (:meth:`AnalyticCostModel.attention_kernel_time`): the larger of the roofline (prefill
-  FLOPs ``4 * heads * head_dim * new * (cached + new/2)`` at ``attention_efficiency``; KV bytes at
-  HBM bandwidth) and the thread-block schedule (one block per 128 query rows and head walks its
-  keys serially, so batch-1 decode over a long context is bound by one block's walk — no split-KV),
-  plus a per-kernel floor. ``ragged`` (varlen) gives each request its own keys; ``padded`` pads
-  every request to the longest (``batch * max(ctx)``);
+  FLOPs ``4 * heads * head_dim * new * (cached + new/2)`` at ``attention_efficiency``; the KV bytes
+  read once per KV head at HBM bandwidth, a lower bound that always holds) and the thread-block
+  schedule (blocks walk their keys serially one tile at a time, in waves over the SMs, so batch-1
+  decode over a long context is bound by one block's walk — no split-KV), plus a per-kernel floor.
+  Prefill launches a block per 128 query rows and query head. Decode launches, per request, a block
+  per *KV head* that serves the query heads of its group together (``decode_kernel="gqa_packed"``,
+  the default: FlashInfer's decode, FlashAttention's packed-GQA decode path) or a block per *query
+  head* (``"per_query_head"``: the kernel LLMServingSim profiled, see
+  :mod:`laneserve.costmodel.calibrate`). ``ragged`` (varlen) gives each request its own keys;
+  ``padded`` pads every request to the longest (``batch * max(ctx)``);
 * plus, with tensor parallelism, an all-reduce after ``o_proj`` and after ``down`` (2 per layer,
   Megatron-style) and one for the vocab-parallel embedding, each
   ``max(floor, latency + bytes / bandwidth)`` as fitted to the DGX all-reduce profile for that
@@ -46,6 +51,16 @@ from .base import LAYER_OPERATORS, PrefillBatch
 from .specs import HardwareSpec, ModelSpec
 
 ATTENTION_KINDS = ("ragged", "padded")
+#: Decode-attention kernels, by the thread blocks one request launches per layer.
+#: ``gqa_packed``: one per KV head, its block loading each KV tile once for all the query heads of
+#: the group. *Assumption* (the default): no profile we have measured such a kernel; a block's cost
+#: per key tile is taken to be the fitted one of a one-query-head block (the tile's HBM load
+#: dominates; a few more query rows on the tensor cores are nearly free), so packing only cuts the
+#: block count by the group size and, saturated, the kernel streams the KV at about HBM bandwidth.
+#: ``per_query_head``: one per query head, each re-reading its group's KV (vLLM's paged-attention
+#: kernel has this grid; the LLMServingSim sample's kernel too: its time steps up every
+#: 132 / 16 = 8.25 requests at 16 query heads per GPU, not every 66 as 2 KV heads would give).
+DECODE_KERNELS = ("gqa_packed", "per_query_head")
 #: query rows per FlashAttention thread block
 ATTN_BLOCK_ROWS = 128
 
@@ -54,18 +69,25 @@ class AnalyticCostModel:
     """Roofline latency model implementing :class:`~laneserve.costmodel.base.CostModel`."""
 
     def __init__(self, model: ModelSpec, hw: HardwareSpec, tp: int = 1,
-                 attention: str = "ragged", host_overhead: bool = False) -> None:
+                 attention: str = "ragged", host_overhead: bool = False,
+                 decode_kernel: str = "gqa_packed") -> None:
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {decode_kernel!r}")
         if tp < 1 or model.num_heads % tp:
             raise ValueError(f"tp={tp} must be >= 1 and divide num_heads={model.num_heads}")
         self.model, self.hw, self.tp, self.attention = model, hw, tp, attention
-        self.name = f"analytic:{model.name}@{hw.name}" + (f"-tp{tp}" if tp > 1 else "")
+        self.decode_kernel = decode_kernel
+        self.name = (f"analytic:{model.name}@{hw.name}" + (f"-tp{tp}" if tp > 1 else "")
+                     + ("" if decode_kernel == "gqa_packed" else f"-{decode_kernel}"))
         self.num_layers = model.num_layers
         self.kv_bytes_per_token = model.kv_bytes_per_token
         self._q_local = model.q_dim // tp
         self._kv_local = max(model.num_kv_heads // tp, 1) * model.head_dim
         self._heads_local = model.num_heads // tp
+        self._decode_blocks = (self._heads_local if decode_kernel == "per_query_head"
+                               else max(model.num_kv_heads // tp, 1))
         self._op_overhead = hw.layer_overhead_s / len(LAYER_OPERATORS)
         self._host = hw.host if host_overhead else None
         self._allreduce = hw.allreduce_link(tp) if tp > 1 else None
@@ -120,8 +142,9 @@ class AnalyticCostModel:
                 "down": 2 * floor + tokens * (m.intermediate_size // self.tp + m.hidden_size) * per_elem}
 
     def attention_kernel_time(self, blocks: int, max_keys: float, mean_keys: float) -> float:
-        """Thread-block schedule of one FlashAttention kernel: ``blocks`` blocks (128 query rows of
-        one head each) walk their keys one tile at a time. Up to ``num_sms`` blocks run side by
+        """Thread-block schedule of one FlashAttention kernel: ``blocks`` blocks (prefill: 128
+        query rows of one head; decode: one request's KV head or query head, see
+        :data:`DECODE_KERNELS`) walk their keys one tile at a time. Up to ``num_sms`` blocks run side by
         side, so the kernel lasts as long as its longest walk (``max_keys``); more blocks queue up
         in ``ceil(blocks / num_sms)`` waves of the average walk (``mean_keys``), blocks sharing an
         SM at ``attn_shared_factor`` of their serial cost. Without split-KV a batch-1 decode over a
@@ -162,8 +185,9 @@ class AnalyticCostModel:
         return max(roofline, kernel) + hw.attn_floor_s
 
     def decode_attention_time(self, context_lens: Sequence[int]) -> float:
-        """One query per request over its whole KV: memory-bound on the KV bytes or bound by the
-        thread-block schedule (one block per request and head, no split-KV)."""
+        """One query per request over its whole KV: the larger of the KV bytes at HBM bandwidth
+        (read once per KV head) and the thread-block schedule (per request a block per KV head or
+        per query head, by ``decode_kernel``; no split-KV), plus the kernel floor."""
         if not context_lens:
             return 0.0
         batch, longest = len(context_lens), max(context_lens)
@@ -174,7 +198,7 @@ class AnalyticCostModel:
         flops = 4.0 * self._q_local * kv_tokens
         roofline = max(flops / (hw.peak_flops * hw.attention_efficiency),
                        nbytes / (hw.hbm_bandwidth * hw.memory_efficiency))
-        kernel = self.attention_kernel_time(batch * self._heads_local, longest, kv_tokens / batch)
+        kernel = self.attention_kernel_time(batch * self._decode_blocks, longest, kv_tokens / batch)
         return max(roofline, kernel) + hw.attn_floor_s
 
     def allreduce_time(self, tokens: float) -> float:
@@ -283,4 +307,5 @@ class AnalyticCostModel:
 
     def __repr__(self) -> str:
         return (f"AnalyticCostModel({self.model.name!r}, {self.hw.name!r}, tp={self.tp}, "
-                f"attention={self.attention!r}, host_overhead={self._host is not None})")
+                f"attention={self.attention!r}, host_overhead={self._host is not None}, "
+                f"decode_kernel={self.decode_kernel!r})")
