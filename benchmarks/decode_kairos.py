@@ -122,21 +122,26 @@ def main() -> None:
     # (continuous batching's median TPOT within the SLO); every rate is in the table
     loaded = {r["rate"] for r in rows if r["attention"] == "padded" and r["policy"] == "continuous"
               and r["median_tpot_ms"] <= 50.0}
-    head = max((x for x in g if x["rate"] in loaded), key=lambda x: x["tpot_gain"])
+    eligible = [x for x in g if x["rate"] in loaded]
+    # no rate where the baseline meets its TPOT SLO: the headline is "not met", not a crash
+    head = max(eligible, key=lambda x: x["tpot_gain"]) if eligible else None
     lit = {x["rate"]: x for x in gains(rows, "padded", "kairos-literal")}
     rg = gains(rows, "ragged", "kairos")
     unpaced = next(r for r in rows if r["attention"] == "padded" and r["policy"] == "kairos"
                    and r["rate"] == PACED_RATE)
     metrics = {
-        "tpot_attainment_gain": head["tpot_gain"],
-        "decode_throughput_gain": head["tput_gain"],
-        "headline_rate": head["rate"],
+        "headline_selection": (f"max over rates {sorted(loaded)}" if head else
+                               "not met: continuous batching's median TPOT exceeds the 50 ms SLO "
+                               "at every rate, so no rate qualifies"),
+        "tpot_attainment_gain": head["tpot_gain"] if head else None,
+        "decode_throughput_gain": head["tput_gain"] if head else None,
+        "headline_rate": head["rate"] if head else None,
         "baseline_not_overloaded_rates": sorted(loaded),
         "tpot_attainment_gain_mean": sum(x["tpot_gain"] for x in g) / len(g),
         "tpot_attainment_gain_max_all_rates": max(x["tpot_gain"] for x in g),
         "decode_throughput_gain_min": min(x["tput_gain"] for x in g),
-        "literal_tpot_attainment_gain": lit[head["rate"]]["tpot_gain"],
-        "literal_decode_throughput_gain": lit[head["rate"]]["tput_gain"],
+        "literal_tpot_attainment_gain": lit[head["rate"]]["tpot_gain"] if head else None,
+        "literal_decode_throughput_gain": lit[head["rate"]]["tput_gain"] if head else None,
         "literal_tpot_attainment_gain_max": max(x["tpot_gain"] for x in lit.values()),
         "ragged_tpot_attainment_gain_worst": min(x["tpot_gain"] for x in rg),
         "ragged_decode_throughput_gain_worst": min(x["tput_gain"] for x in rg),

@@ -1,5 +1,5 @@
 """Cost models: one latency interface (:class:`CostModel`) with analytic (roofline, calibrated on
-measured H100 profiles) and fitted (engine profile, FlowPrefill / Kairos / LAPS predictors)
+measured H100/A100 profiles by ``laneserve calibrate``) and fitted (engine profile, FlowPrefill / Kairos / LAPS predictors)
 implementations (DESIGN.md, "Cost models"). Pure Python + numpy; never imports torch.
 
     >>> cm = make_cost_model("analytic", model="llama-3-8b", hardware="h100")
@@ -17,11 +17,12 @@ from .fitted import FittedCostModel, PolynomialTTFT, StepTimeLUT
 from .laps_fit import LapsPrefillModel
 from .linear import LinearCostModel
 from .profile import Profile, load_profile, save_profile, synthesize_profile
-from .specs import HARDWARE, MODELS, HardwareSpec, LinkSpec, ModelSpec
+from .specs import HARDWARE, MODELS, HardwareSpec, HostOverhead, LinkSpec, ModelSpec
 
 __all__ = [
     "CostModel", "PrefillBatch", "LAYER_OPERATORS", "AnalyticCostModel", "FittedCostModel",
     "PolynomialTTFT", "StepTimeLUT", "LapsPrefillModel", "ModelSpec", "HardwareSpec", "LinkSpec",
+    "HostOverhead",
     "MODELS", "HARDWARE", "Profile", "load_profile", "save_profile", "synthesize_profile",
     "make_cost_model", "available_models", "available_hardware", "available_kinds",
     "get_model_spec", "get_hardware_spec",
@@ -52,20 +53,20 @@ def get_hardware_spec(name: str) -> HardwareSpec:
 
 
 def _make_analytic(*, model: str, hardware: str, tp: int, attention: str,
-                   profile: str | None) -> CostModel:
+                   profile: str | None, host_overhead: bool) -> CostModel:
     return AnalyticCostModel(get_model_spec(model), get_hardware_spec(hardware), tp=tp,
-                             attention=attention.lower())
+                             attention=attention.lower(), host_overhead=host_overhead)
 
 
 def _make_fitted(*, model: str, hardware: str, tp: int, attention: str,
-                 profile: str | None) -> CostModel:
+                 profile: str | None, host_overhead: bool) -> CostModel:
     if profile is None:
         raise ValueError("kind='fitted' needs profile=<path to an engine profile JSON>")
     return FittedCostModel(load_profile(profile), links=dict(get_hardware_spec(hardware).links))
 
 
 def _make_linear(*, model: str, hardware: str, tp: int, attention: str,
-                 profile: str | None) -> CostModel:
+                 profile: str | None, host_overhead: bool) -> CostModel:
     return LinearCostModel(attention=attention.lower())
 
 
@@ -78,9 +79,12 @@ def available_kinds() -> list[str]:
 
 
 def make_cost_model(kind: str = "analytic", *, model: str = "llama-3-8b", hardware: str = "h100",
-                    tp: int = 1, attention: str = "ragged", profile: str | None = None) -> CostModel:
+                    tp: int = 1, attention: str = "ragged", profile: str | None = None,
+                    host_overhead: bool = False) -> CostModel:
     """Build a cost model by name. ``analytic``: roofline of ``model`` on ``hardware`` with tensor
-    parallelism ``tp``; ``fitted``: fitted from the engine profile at ``profile`` (its own
-    attention kind; ``hardware`` supplies the links the profile did not measure)."""
+    parallelism ``tp`` (``host_overhead=True`` adds the per-iteration CPU cost; default: GPU time
+    only); ``fitted``: fitted from the engine profile at ``profile`` (its own attention kind and
+    measured overheads; ``hardware`` supplies the links the profile did not measure)."""
     return _lookup(_KINDS, kind, "cost model kind")(model=model, hardware=hardware, tp=tp,
-                                                     attention=attention, profile=profile)
+                                                     attention=attention, profile=profile,
+                                                     host_overhead=host_overhead)

@@ -6,45 +6,91 @@ Each layer is the five operators of :data:`LAYER_OPERATORS`. An operator's time 
 * its GEMM: ``max(flops / (peak * eff(tokens)), bytes / (bw * mem_eff)) + gemm_overhead`` where the
   weights are read once per step and ``eff`` ramps with the number of rows;
 * plus its small kernels (norm and rotary in ``qkv_proj``, the second norm in ``gate_up``, the
-  activation in ``down``) as HBM traffic, ``elements * elementwise_bytes_per_element / bw``;
-* plus, for ``attention``, the causal attention of the prefill chunks (FLOPs
-  ``4 * heads * head_dim * new * (cached + new/2)``, KV of cached + new tokens read) and the decode
-  attention (KV of every context read; ``ragged`` pays ``sum(ctx)``, ``padded`` pays
-  ``batch * max(ctx)``);
-* plus, with tensor parallelism, an all-reduce after ``o_proj`` and after ``down``;
-* plus ``layer_overhead_s / 5`` of fixed launch cost.
+  activation and residual add in ``down``), each ``kernel_floor_s`` plus its HBM traffic,
+  ``elements * elementwise_bytes_per_element / bw`` (fitted on Vidur's fused vLLM kernels);
+* plus, for ``attention``, one FlashAttention kernel for the prefill chunks and one for the
+  decodes (:meth:`AnalyticCostModel.attention_kernel_time`): the larger of the roofline (prefill
+  FLOPs ``4 * heads * head_dim * new * (cached + new/2)`` at ``attention_efficiency``; the KV bytes
+  read once per KV head at HBM bandwidth, a lower bound that always holds) and the thread-block
+  schedule (blocks walk their keys serially one tile at a time, in waves over the SMs, so batch-1
+  decode over a long context is bound by one block's walk — no split-KV), plus a per-kernel floor.
+  Prefill launches a block per 128 query rows and query head. Decode launches, per request, a block
+  per *KV head* that serves the query heads of its group together (``decode_kernel="gqa_packed"``,
+  the default: FlashInfer's decode, FlashAttention's packed-GQA decode path) or a block per *query
+  head* (``"per_query_head"``: the kernel LLMServingSim profiled, see
+  :mod:`laneserve.costmodel.calibrate`). ``ragged`` (varlen) gives each request its own keys;
+  ``padded`` pads every request to the longest (``batch * max(ctx)``);
+* plus, with tensor parallelism, an all-reduce after ``o_proj`` and after ``down`` (2 per layer,
+  Megatron-style) and one for the vocab-parallel embedding, each
+  ``max(floor, latency + bytes / bandwidth)`` as fitted to the DGX all-reduce profile for that
+  number of GPUs;
+* plus what an eager engine adds (fitted on LLMServingSim's HF-eager profile): the extra traffic of
+  its unfused small kernels (``eager_bytes_per_element``) and ``layer_overhead_s / 5`` of fixed
+  launch cost (dropped under CUDA-graph replay); ``layer_time(..., launch=False)`` is the
+  fused-kernel GPU time alone, as Vidur's per-operator profiles measure it.
 
-The embedding is folded into the first operator, the final norm and the LM head (last token of each
-prefill request, every decode request) into the last. The efficiency terms are the calibrated ones
-recorded in :mod:`laneserve.costmodel.specs` (rerun :mod:`laneserve.costmodel.calibrate`).
+With ``host_overhead=True`` every step also pays the host's CPU cost of an iteration
+(``HardwareSpec.host``: schedule, input preparation, sampling, output processing, worker messaging
+with TP > 1) by number of sequences. It is off by default (GPU time only): folded into a step's
+first operator it lengthens what a FlowPrefill preemption must wait for, and the policy's
+suspension accounting does not know it yet (tests/test_prefill_flowprefill.py's bound is exceeded
+by ~10 ms with it on). An MoE layer runs its ``experts_per_token``
+routed experts per token and reads the weights of every expert the batch touches.
+
+The embedding and the host cost are folded into the first operator, the final norm and the LM head
+(last token of each prefill request, every decode request) into the last. The constants are the
+calibrated ones in :mod:`laneserve.costmodel.fitted_constants` (re-run ``laneserve calibrate``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from .base import LAYER_OPERATORS, PrefillBatch
 from .specs import HardwareSpec, ModelSpec
 
 ATTENTION_KINDS = ("ragged", "padded")
+#: Decode-attention kernels, by the thread blocks one request launches per layer.
+#: ``gqa_packed``: one per KV head, its block loading each KV tile once for all the query heads of
+#: the group. *Assumption* (the default): no profile we have measured such a kernel; a block's cost
+#: per key tile is taken to be the fitted one of a one-query-head block (the tile's HBM load
+#: dominates; a few more query rows on the tensor cores are nearly free), so packing only cuts the
+#: block count by the group size and, saturated, the kernel streams the KV at about HBM bandwidth.
+#: ``per_query_head``: one per query head, each re-reading its group's KV (vLLM's paged-attention
+#: kernel has this grid; the LLMServingSim sample's kernel too: its time steps up every
+#: 132 / 16 = 8.25 requests at 16 query heads per GPU, not every 66 as 2 KV heads would give).
+DECODE_KERNELS = ("gqa_packed", "per_query_head")
+#: query rows per FlashAttention thread block
+ATTN_BLOCK_ROWS = 128
 
 
 class AnalyticCostModel:
     """Roofline latency model implementing :class:`~laneserve.costmodel.base.CostModel`."""
 
     def __init__(self, model: ModelSpec, hw: HardwareSpec, tp: int = 1,
-                 attention: str = "ragged") -> None:
+                 attention: str = "ragged", host_overhead: bool = False,
+                 decode_kernel: str = "gqa_packed") -> None:
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {decode_kernel!r}")
         if tp < 1 or model.num_heads % tp:
             raise ValueError(f"tp={tp} must be >= 1 and divide num_heads={model.num_heads}")
         self.model, self.hw, self.tp, self.attention = model, hw, tp, attention
-        self.name = f"analytic:{model.name}@{hw.name}" + (f"-tp{tp}" if tp > 1 else "")
+        self.decode_kernel = decode_kernel
+        self.name = (f"analytic:{model.name}@{hw.name}" + (f"-tp{tp}" if tp > 1 else "")
+                     + ("" if decode_kernel == "gqa_packed" else f"-{decode_kernel}"))
         self.num_layers = model.num_layers
         self.kv_bytes_per_token = model.kv_bytes_per_token
         self._q_local = model.q_dim // tp
         self._kv_local = max(model.num_kv_heads // tp, 1) * model.head_dim
+        self._heads_local = model.num_heads // tp
+        self._decode_blocks = (self._heads_local if decode_kernel == "per_query_head"
+                               else max(model.num_kv_heads // tp, 1))
         self._op_overhead = hw.layer_overhead_s / len(LAYER_OPERATORS)
+        self._host = hw.host if host_overhead else None
+        self._allreduce = hw.allreduce_link(tp) if tp > 1 else None
         self._fixed_cache: dict[tuple[float, int], float] = {}
 
     # --- building blocks (per layer, seconds) ----------------------------------------------------
@@ -62,21 +108,58 @@ class AnalyticCostModel:
         memory = nbytes / (hw.hbm_bandwidth * hw.memory_efficiency)
         return max(compute, memory) + hw.gemm_overhead_s
 
+    def expert_gemm_time(self, tokens: float, d_in: int, d_out: int, *, split_out: bool = True) -> float:
+        """An MoE expert GEMM over ``tokens`` tokens: ``experts_per_token`` rows per token spread
+        over the experts they touch (expected distinct experts of uniform routing), each expert's
+        weights read once; a dense model has one expert that every token uses."""
+        m = self.model
+        if not m.is_moe or tokens <= 0:
+            return self.gemm_time(tokens, d_in, d_out, split_out=split_out)
+        e, k = m.num_experts, m.experts_per_token
+        active = e * (1.0 - (1.0 - k / e) ** tokens)
+        return active * self.gemm_time(tokens * k / active, d_in, d_out, split_out=split_out)
+
     def linear_op_times(self, tokens: float) -> dict[str, float]:
         """The GEMM part of each linear operator of one layer."""
         m = self.model
         return {"qkv_proj": self.gemm_time(tokens, m.hidden_size, m.q_dim + 2 * m.kv_dim),
                 "o_proj": self.gemm_time(tokens, m.q_dim, m.hidden_size, split_out=False),
-                "gate_up": self.gemm_time(tokens, m.hidden_size, m.gate_up_params // m.hidden_size),
-                "down": self.gemm_time(tokens, m.intermediate_size, m.hidden_size, split_out=False)}
+                "gate_up": self.expert_gemm_time(tokens, m.hidden_size, m.gate_up_params // m.hidden_size),
+                "down": self.expert_gemm_time(tokens, m.intermediate_size, m.hidden_size,
+                                              split_out=False)}
 
-    def elementwise_times(self, tokens: float) -> dict[str, float]:
-        """Norms, rotary and activation of one layer, keyed by the operator they are folded in."""
-        m, per_elem = self.model, self.hw.elementwise_bytes_per_element / self.hw.hbm_bandwidth
+    def elementwise_times(self, tokens: float, *, eager: bool = True) -> dict[str, float]:
+        """The small kernels of one layer, keyed by the operator they are folded in: input norm and
+        rotary in ``qkv_proj``, the second norm in ``gate_up``, activation and residual add in
+        ``down``; each ``kernel_floor_s`` plus its HBM traffic, with ``eager`` also the extra
+        traffic of an eager engine's unfused kernels (``eager_bytes_per_element``)."""
+        m, hw = self.model, self.hw
+        nbytes = hw.elementwise_bytes_per_element + (hw.eager_bytes_per_element if eager else 0.0)
+        per_elem, floor = nbytes / hw.hbm_bandwidth, hw.kernel_floor_s
         rope = (self._q_local + self._kv_local) if m.rope else 0
-        return {"qkv_proj": tokens * (m.hidden_size + rope) * per_elem,
-                "gate_up": tokens * m.hidden_size * per_elem,
-                "down": tokens * (m.intermediate_size // self.tp) * per_elem}
+        return {"qkv_proj": (2 if m.rope else 1) * floor + tokens * (m.hidden_size + rope) * per_elem,
+                "gate_up": floor + tokens * m.hidden_size * per_elem,
+                "down": 2 * floor + tokens * (m.intermediate_size // self.tp + m.hidden_size) * per_elem}
+
+    def attention_kernel_time(self, blocks: int, max_keys: float, mean_keys: float) -> float:
+        """Thread-block schedule of one FlashAttention kernel: ``blocks`` blocks (prefill: 128
+        query rows of one head; decode: one request's KV head or query head, see
+        :data:`DECODE_KERNELS`) walk their keys one tile at a time. Up to ``num_sms`` blocks run side by
+        side, so the kernel lasts as long as its longest walk (``max_keys``); more blocks queue up
+        in ``ceil(blocks / num_sms)`` waves of the average walk (``mean_keys``), blocks sharing an
+        SM at ``attn_shared_factor`` of their serial cost. Without split-KV a batch-1 decode over a
+        long context is one block per head walking the whole KV: far slower than its bytes."""
+        hw = self.hw
+        tile = hw.attn_tile_keys
+
+        def walk(keys: float) -> float:
+            return hw.attn_block_s + hw.attn_key_s * tile * math.ceil(keys / tile)
+
+        longest = walk(max_keys)
+        if blocks <= hw.num_sms:
+            return longest
+        waves = math.ceil(blocks / hw.num_sms)
+        return max(longest, hw.attn_shared_factor * waves * walk(mean_keys))
 
     def prefill_attention_time(self, batch: PrefillBatch) -> float:
         """Causal attention of prefill chunks in one layer (new tokens attend to cached + new)."""
@@ -92,44 +175,67 @@ class AnalyticCostModel:
         kv_read = sum(n + c for n, c in pairs) * 2 * self._kv_local
         q_o = sum(n for n, _ in pairs) * (2 * self._q_local + 2 * self._kv_local)
         nbytes = dtype * (kv_read + q_o)
-        return max(flops / (hw.peak_flops * hw.attention_efficiency),
-                   nbytes / (hw.hbm_bandwidth * hw.memory_efficiency))
+        roofline = max(flops / (hw.peak_flops * hw.attention_efficiency),
+                       nbytes / (hw.hbm_bandwidth * hw.memory_efficiency))
+        # a request's query blocks walk cached + (half of, on average) its new keys
+        row_blocks = [math.ceil(n / ATTN_BLOCK_ROWS) for n, _ in pairs]
+        blocks = sum(row_blocks) * self._heads_local
+        walked = sum(b * (c + n / 2) for b, (n, c) in zip(row_blocks, pairs)) * self._heads_local
+        kernel = self.attention_kernel_time(blocks, max(n + c for n, c in pairs), walked / blocks)
+        return max(roofline, kernel) + hw.attn_floor_s
 
     def decode_attention_time(self, context_lens: Sequence[int]) -> float:
-        """One query per request over its whole KV; memory-bound on the KV bytes."""
+        """One query per request over its whole KV: the larger of the KV bytes at HBM bandwidth
+        (read once per KV head) and the thread-block schedule (per request a block per KV head or
+        per query head, by ``decode_kernel``; no split-KV), plus the kernel floor."""
         if not context_lens:
             return 0.0
-        kv_tokens = (len(context_lens) * max(context_lens) if self.attention == "padded"
-                     else sum(context_lens))
+        batch, longest = len(context_lens), max(context_lens)
+        kv_tokens = batch * longest if self.attention == "padded" else sum(context_lens)
         dtype, hw = self.model.dtype_bytes, self.hw
         nbytes = dtype * (kv_tokens * 2 * self._kv_local
-                          + len(context_lens) * 2 * (self._q_local + self._kv_local))
+                          + batch * 2 * (self._q_local + self._kv_local))
         flops = 4.0 * self._q_local * kv_tokens
-        return max(flops / (hw.peak_flops * hw.attention_efficiency),
-                   nbytes / (hw.hbm_bandwidth * hw.memory_efficiency))
+        roofline = max(flops / (hw.peak_flops * hw.attention_efficiency),
+                       nbytes / (hw.hbm_bandwidth * hw.memory_efficiency))
+        kernel = self.attention_kernel_time(batch * self._decode_blocks, longest, kv_tokens / batch)
+        return max(roofline, kernel) + hw.attn_floor_s
 
     def allreduce_time(self, tokens: float) -> float:
-        if self.tp == 1 or tokens <= 0:
+        """One all-reduce of the hidden states of ``tokens`` tokens among the ``tp`` GPUs."""
+        if self._allreduce is None or tokens <= 0:
             return 0.0
-        link = self.hw.link("nvlink")
-        nbytes = tokens * self.model.hidden_size * self.model.dtype_bytes
-        return link.latency + 2 * (self.tp - 1) / self.tp * nbytes / link.bandwidth
+        return self._allreduce.transfer_time(tokens * self.model.hidden_size * self.model.dtype_bytes)
 
-    def _layer_ops(self, tokens: float, attention_s: float) -> list[float]:
-        lin, elem, ar = self.linear_op_times(tokens), self.elementwise_times(tokens), self.allreduce_time(tokens)
-        ov = self._op_overhead
+    def host_time(self, seqs: int) -> float:
+        """CPU cost of one iteration over ``seqs`` sequences (0 with ``host_overhead=False``)."""
+        return self._host.time(seqs, self.tp) if self._host is not None else 0.0
+
+    def _layer_ops(self, tokens: float, attention_s: float, launch: bool = True) -> list[float]:
+        lin, ar = self.linear_op_times(tokens), self.allreduce_time(tokens)
+        elem = self.elementwise_times(tokens, eager=launch)
+        ov = self._op_overhead if launch else 0.0
         return [lin["qkv_proj"] + elem["qkv_proj"] + ov,
                 attention_s + ov,
                 lin["o_proj"] + ar + ov,
                 lin["gate_up"] + elem["gate_up"] + ov,
                 lin["down"] + elem["down"] + ar + ov]
 
+    def layer_time(self, tokens: float, attention_s: float, *, launch: bool = True) -> float:
+        """One transformer layer over ``tokens`` tokens whose attention takes ``attention_s``
+        (the five operators with their all-reduces). ``launch=False`` leaves out what the eager
+        engine adds (its per-layer launch cost ``layer_overhead_s`` and its unfused kernels'
+        extra traffic): the fused-kernel GPU time alone."""
+        return sum(self._layer_ops(tokens, attention_s, launch)) if tokens > 0 else 0.0
+
     def _head_times(self, tokens: float, rows: int) -> tuple[float, float]:
-        """(embedding, final norm + LM head) for a step of ``tokens`` tokens and ``rows`` logits."""
+        """(host cost + embedding and its all-reduce, final norm + LM head) for a step of
+        ``tokens`` tokens and ``rows`` logits (one per sequence)."""
         m = self.model
         per_elem = self.hw.elementwise_bytes_per_element / self.hw.hbm_bandwidth
-        embed = tokens * m.hidden_size * per_elem
-        head = tokens * m.hidden_size * per_elem + self.gemm_time(rows, m.hidden_size, m.vocab_size)
+        small = self.hw.kernel_floor_s + tokens * m.hidden_size * per_elem
+        embed = self.host_time(rows) + small + self.allreduce_time(tokens)
+        head = small + self.gemm_time(rows, m.hidden_size, m.vocab_size)
         return embed, head
 
     def _step_ops(self, tokens: float, attention_s: float, rows: int) -> list[float]:
@@ -165,7 +271,8 @@ class AnalyticCostModel:
 
     def graphed_prefill_time(self, batch: PrefillBatch) -> float:
         """A prefill step replayed from a captured CUDA graph: the per-layer launch cost of the
-        small kernels (``layer_overhead_s``) disappears; GEMM, attention and element-wise work
+        small kernels (``layer_overhead_s``) disappears; GEMM, attention, element-wise work,
+        collectives and the host's per-iteration CPU cost (scheduling, sampling: not launches)
         stay. This assumes the calibrated layer overhead is CPU launch time, as its definition
         says (HF-eager-like profile); a fused engine would gain less."""
         t = self.prefill_time(batch)
@@ -199,4 +306,6 @@ class AnalyticCostModel:
         return int(free // self.kv_bytes_per_token)
 
     def __repr__(self) -> str:
-        return f"AnalyticCostModel({self.model.name!r}, {self.hw.name!r}, tp={self.tp}, attention={self.attention!r})"
+        return (f"AnalyticCostModel({self.model.name!r}, {self.hw.name!r}, tp={self.tp}, "
+                f"attention={self.attention!r}, host_overhead={self._host is not None}, "
+                f"decode_kernel={self.decode_kernel!r})")
