@@ -33,6 +33,9 @@ class FlowPrefillReference(FlowPrefillScheduler):
     def _batch_closed(self, tokens: int, limit: int, t_remain: float) -> bool:
         return False
 
+    def _candidates(self, walk, head_key, bound):
+        return (r for _, r in walk)
+
 
 class KairosPrefillReference(KairosPrefill):
     """Kairos prefill with the Python FCFS walk and a full sort of the scores per decision."""
