@@ -22,7 +22,8 @@ from laneserve.costmodel import make_cost_model
 from laneserve.policies import registry
 from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
 from laneserve.policies.prefill.kairos import KairosPrefill
-from laneserve.policies.prefill.reference import FlowPrefillReference, KairosPrefillReference
+from laneserve.policies.prefill.laps import LapsPrefill
+from laneserve.policies.prefill.reference import FlowPrefillReference, KairosPrefillReference, LapsPrefillReference
 from laneserve.sim.executor import SimExecutor
 
 COST = make_cost_model(model="llama-3-8b", hardware="h100")
@@ -153,6 +154,17 @@ def test_kairos_matches_reference(opts):
         return cls(KVCacheManager(1, 16), **opts)
     for seed in range(6):
         assert lockstep(make, seed) > 20
+
+
+@pytest.mark.parametrize("opts", [{}, {"shape_buckets": False}, {"awd": False}, {"preempt": "operator"},
+                                  {"deadline_free": True, "long_chunk": 8192}, {"order": "edf", "short_budget": 512},
+                                  {"prefix_caching": True}],
+                         ids=["laps", "nobuckets", "noawd", "preempt", "offline", "edf", "prefix"])
+def test_laps_matches_reference(opts):
+    def make(reference: bool):
+        return (LapsPrefillReference if reference else LapsPrefill)(KVCacheManager(1, 16), **opts)
+    for seed in range(6):
+        assert lockstep(make, seed, n=240) > 20
 
 
 def test_kairos_out_of_order_arrival_and_large_queue():
