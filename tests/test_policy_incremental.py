@@ -23,7 +23,9 @@ from laneserve.policies import registry
 from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
 from laneserve.policies.prefill.kairos import KairosPrefill
 from laneserve.policies.prefill.laps import LapsPrefill
-from laneserve.policies.prefill.reference import FlowPrefillReference, KairosPrefillReference, LapsPrefillReference
+from laneserve.policies.prefill.fcfs import FCFSPrefill
+from laneserve.policies.prefill.reference import (FCFSPrefillReference, FlowPrefillReference, KairosPrefillReference,
+                                                LapsPrefillReference)
 from laneserve.sim.executor import SimExecutor
 
 COST = make_cost_model(model="llama-3-8b", hardware="h100")
@@ -165,6 +167,14 @@ def test_laps_matches_reference(opts):
         return (LapsPrefillReference if reference else LapsPrefill)(KVCacheManager(1, 16), **opts)
     for seed in range(6):
         assert lockstep(make, seed, n=240) > 20
+
+
+@pytest.mark.parametrize("opts", [{}, {"token_budget": 2048, "max_batch_size": 3}], ids=["fcfs", "small"])
+def test_fcfs_matches_reference(opts):
+    def make(reference: bool):
+        return (FCFSPrefillReference if reference else FCFSPrefill)(KVCacheManager(1, 16), **opts)
+    for seed in range(6):
+        assert lockstep(make, seed) > 20
 
 
 def test_kairos_out_of_order_arrival_and_large_queue():

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from laneserve.core.plan import StepPlan
 from laneserve.core.request import Request
 from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
+from laneserve.policies.prefill.base import PrefillScheduler
+from laneserve.policies.prefill.fcfs import FCFSPrefill
 from laneserve.policies.prefill.kairos import KairosPrefill
 from laneserve.policies.prefill.laps import LapsPrefill
 from laneserve.policies.prefill.laps_lanes import Lane
@@ -82,3 +84,9 @@ class LapsPrefillReference(LapsPrefill):
     def __init__(self, kv, **opts) -> None:
         super().__init__(kv, **opts)
         self.lanes = {name: ScanLane(name, lane.order) for name, lane in self.lanes.items()}
+
+
+class FCFSPrefillReference(FCFSPrefill):
+    """FCFS whose removals search the whole queue."""
+
+    _remove = PrefillScheduler._remove
