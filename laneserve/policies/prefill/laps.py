@@ -252,7 +252,10 @@ class LapsPrefill(PrefillScheduler):
         if head_bucket is None:                      # no captured shape: unpadded, by tokens
             tokens = self.new_tokens(head)
             floor = self._fewest_new_tokens(counts)
-            for r in reqs:
+            # only the length buckets whose shortest member still fits the budget
+            edge = self._bucket_floor
+            walk = self.lanes[SHORT].walk_classes(lambda b: tokens + edge(b) <= budget)
+            for r in reqs if walk is None else walk:
                 if len(chosen) >= cap or tokens + floor > budget:
                     break
                 n = self.new_tokens(r)
@@ -292,12 +295,14 @@ class LapsPrefill(PrefillScheduler):
         smallest length bucket present (counted lane), else 1."""
         if counts is None:
             return 1
+        return min((self._bucket_floor(b) for b, n in counts.items() if n > 0), default=1)
+
+    def _bucket_floor(self, bucket: int | None) -> int:
+        """The fewest new tokens a request of length bucket ``bucket`` has (None: above all)."""
         lengths = self.grid.lengths
-        present = [b for b, n in counts.items() if n > 0]
-        if not present or None in present and len(present) == 1:
-            return lengths[-1] + 1 if present else 1
-        least = min(b for b in present if b is not None)
-        i = lengths.index(least)
+        if bucket is None:
+            return lengths[-1] + 1
+        i = lengths.index(bucket)
         return lengths[i - 1] + 1 if i else 1
 
     def _long_plan(self, now: float, token_budget: int | None) -> StepPlan | None:

@@ -70,6 +70,7 @@ class Lane:
     #: optional size class of a request (static while it waits): members are counted per class
     size_class: Callable[[Request], Any] | None = None
     class_counts: Counter = field(default_factory=Counter)
+    _by_class: dict[Any, list[Request]] = field(default_factory=dict)   # static order: per class
     _members: set[int] = field(default_factory=set)
     _deadlines: list[tuple[float, int]] = field(default_factory=list)
     _arrivals: list[tuple[float, int]] = field(default_factory=list)
@@ -81,7 +82,10 @@ class Lane:
             insort(self.items, req, key=lambda r: self.order.key(r, now))
         self._members.add(req.request_id)
         if self.size_class is not None:
-            self.class_counts[self.size_class(req)] += 1
+            c = self.size_class(req)
+            self.class_counts[c] += 1
+            if not self.order.dynamic:
+                insort(self._by_class.setdefault(c, []), req, key=lambda r: self.order.key(r, now))
         heappush(self._deadlines, (req.ttft_deadline, req.request_id))
         heappush(self._arrivals, (req.arrival_time, req.request_id))
 
@@ -97,13 +101,42 @@ class Lane:
             items.remove(req)
         self._members.discard(req.request_id)
         if self.size_class is not None:
-            self.class_counts[self.size_class(req)] -= 1
+            c = self.size_class(req)
+            self.class_counts[c] -= 1
+            if not self.order.dynamic:
+                members = self._by_class[c]
+                del members[bisect_left(members, self.order.key(req, 0.0), key=lambda r: self.order.key(r, 0.0))]
         if len(self._deadlines) > 2 * len(items) + 64:
             self._deadlines = [(r.ttft_deadline, r.request_id) for r in items]
             self._arrivals = [(r.arrival_time, r.request_id) for r in items]
             heapify(self._deadlines)
             heapify(self._arrivals)
         return True
+
+    def walk_classes(self, eligible: Callable[[Any], bool]) -> Iterator[Request] | None:
+        """The members of the size classes ``eligible`` accepts, in lane order, lazily
+        (``eligible`` is asked again before each member; a class it rejects is dropped). None
+        when the lane cannot do it (no size classes, or a dynamic order). No removals during
+        the walk."""
+        if self.size_class is None or self.order.dynamic:
+            return None
+        return self._walk_classes(eligible)
+
+    def _walk_classes(self, eligible: Callable[[Any], bool]) -> Iterator[Request]:
+        key, lists = self.order.key, self._by_class
+        frontier = [(key(m[0], 0.0), i, c) for i, (c, m) in enumerate(lists.items()) if m]
+        heapify(frontier)
+        index = dict.fromkeys(lists, 0)
+        while frontier:
+            _, i, c = heappop(frontier)
+            if not eligible(c):
+                continue
+            members, k = lists[c], index[c]
+            yield members[k]
+            k += 1
+            index[c] = k
+            if k < len(members):
+                heappush(frontier, (key(members[k], 0.0), i, c))
 
     def min_deadline(self) -> float:
         """The earliest TTFT deadline in the lane (the lane must not be empty)."""
