@@ -35,7 +35,7 @@ Choices where the paper is silent or inconsistent (say so in reports):
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -128,7 +128,10 @@ class KairosPrefill(PrefillScheduler):
         self._enqueue_slot(req)
 
     def _remove(self, req: Request) -> None:
-        super()._remove(req)
+        queue = self.queue                      # sorted by arrival: find it by bisection
+        i = bisect_left(queue, _arrival_key(req), key=_arrival_key)
+        if i < len(queue) and queue[i] is req:
+            del queue[i]
         self._drop_slot(req)
 
     # ---- the incremental columns (kairos_slots) ----------------------------------------------

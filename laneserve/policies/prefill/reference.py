@@ -53,6 +53,9 @@ class KairosPrefillReference(KairosPrefill):
     def _touch(self, req: Request) -> None:
         pass
 
+    def _remove(self, req: Request) -> None:
+        PrefillScheduler._remove(self, req)
+
     def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
         if not self.queue:
             return None
