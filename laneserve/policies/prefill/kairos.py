@@ -137,14 +137,11 @@ class KairosPrefill(PrefillScheduler):
     # ---- the incremental columns (kairos_slots) ----------------------------------------------
     def _enqueue_slot(self, req: Request) -> None:
         slots = self._slots
-        if not slots.fits_after(req):           # out of arrival order (never in a loop): re-file all
-            slots.clear()
-            for r in self.queue:
-                slots.append(r)
-            self._dirty.update(r.request_id for r in self.queue)
-        else:
+        if slots.fits_after(req):
             slots.append(req)
-            self._dirty.add(req.request_id)
+        else:                                   # out of arrival order: filed at its place
+            slots.insert(req)
+        self._dirty.add(req.request_id)
 
     def _drop_slot(self, req: Request) -> None:
         self._slots.drop(req)
