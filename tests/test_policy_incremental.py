@@ -19,9 +19,13 @@ from laneserve.core.plan import StepResult
 from laneserve.core.request import Request
 from laneserve.core.slo import SLO
 from laneserve.costmodel import make_cost_model
+from laneserve.policies import registry
 from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
 from laneserve.policies.prefill.kairos import KairosPrefill
-from laneserve.policies.prefill.reference import FlowPrefillReference, KairosPrefillReference
+from laneserve.policies.prefill.laps import LapsPrefill
+from laneserve.policies.prefill.fcfs import FCFSPrefill
+from laneserve.policies.prefill.reference import (FCFSPrefillReference, FlowPrefillReference, KairosPrefillReference,
+                                                LapsPrefillReference)
 from laneserve.sim.executor import SimExecutor
 
 COST = make_cost_model(model="llama-3-8b", hardware="h100")
@@ -110,7 +114,7 @@ def lockstep(make, seed: int, *, n: int = 160, kv_tokens: int = 60_000, bind: bo
         for s, o in zip(pair, outcomes):
             for r in o.prefilled:
                 s.release(r.request_id)
-        assert pair[0].queued_tokens == pair[1].queued_tokens
+        assert pair[0].queued_tokens == pair[1].queued_tokens == pending_tokens(pair[0])
     return steps
 
 
@@ -154,6 +158,25 @@ def test_kairos_matches_reference(opts):
         assert lockstep(make, seed) > 20
 
 
+@pytest.mark.parametrize("opts", [{}, {"shape_buckets": False}, {"awd": False}, {"preempt": "operator"},
+                                  {"deadline_free": True, "long_chunk": 8192}, {"order": "edf", "short_budget": 512},
+                                  {"prefix_caching": True}],
+                         ids=["laps", "nobuckets", "noawd", "preempt", "offline", "edf", "prefix"])
+def test_laps_matches_reference(opts):
+    def make(reference: bool):
+        return (LapsPrefillReference if reference else LapsPrefill)(KVCacheManager(1, 16), **opts)
+    for seed in range(6):
+        assert lockstep(make, seed, n=240) > 20
+
+
+@pytest.mark.parametrize("opts", [{}, {"token_budget": 2048, "max_batch_size": 3}], ids=["fcfs", "small"])
+def test_fcfs_matches_reference(opts):
+    def make(reference: bool):
+        return (FCFSPrefillReference if reference else FCFSPrefill)(KVCacheManager(1, 16), **opts)
+    for seed in range(6):
+        assert lockstep(make, seed) > 20
+
+
 def test_kairos_out_of_order_arrival_and_large_queue():
     """Arrivals out of arrival order re-file the columns; a queue longer than the first partial
     sort's 128 makes the ranking widen."""
@@ -176,3 +199,59 @@ def test_kairos_out_of_order_arrival_and_large_queue():
         for s, p in zip(pair, plans):
             s.update(p, StepResult(duration=0.05), now + 0.05)
         now += 0.05
+
+
+def pending_tokens(s) -> int:
+    return sum(s.requests[i].remaining_prefill for i in s.pending)
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix", "prefix-caching"])
+@pytest.mark.parametrize("spec", registry.available("prefill"))
+def test_queued_tokens_is_the_pending_sum(spec, prefix):
+    """The running ``queued_tokens`` equals the sum over the pending requests after every event:
+    arrivals, (partial, preempted) steps, prefix hits at admission, aborts, releases."""
+    rng = random.Random(3)
+    s = registry.make("prefill", spec, KVCacheManager(blocks_for(40_000, 16), 16), prefix_caching=prefix)
+    if hasattr(s, "bind_cost_model"):
+        s.bind_cost_model(COST)
+    executor = SimExecutor(COST)
+    specs = random_requests(rng, 120)
+    now, nxt, checked, last_wake = 0.0, 0, 0, None
+    while nxt < len(specs) or s.has_work:
+        assert s.queued_tokens == pending_tokens(s)
+        checked += 1
+        plan = s.schedule(now)
+        if plan is None:
+            wake = s.next_wakeup()
+            if wake == last_wake:               # asked already: the simulator waits for an event
+                wake = None
+            last_wake = wake
+            if nxt >= len(specs) and wake is None:
+                break
+            if wake is not None and (nxt >= len(specs) or wake < specs[nxt][1]):
+                now = max(now, wake)
+                continue
+            now = max(now, specs[nxt][1])
+            req = make_request(specs[nxt])
+            req.prefix_len = rng.randint(0, req.prompt_len // 2)
+            s.add_request(req, now)
+            nxt += 1
+            continue
+        result = executor.execute(plan)
+        if plan.preemptible and rng.random() < 0.2:
+            result = StepResult(duration=result.duration / 2, completed=False)
+        now += result.duration
+        while nxt < len(specs) and specs[nxt][1] <= now:
+            req = make_request(specs[nxt])
+            req.prefix_len = rng.randint(0, req.prompt_len // 2)
+            s.add_request(req, specs[nxt][1])
+            nxt += 1
+        if rng.random() < 0.1:
+            running = {c.request.request_id for c in plan.prefills}
+            idle = sorted(set(s.pending) - running)
+            if idle:
+                s.abort(rng.choice(idle), now)
+                assert s.queued_tokens == pending_tokens(s)
+        for r in s.update(plan, result, now).prefilled:
+            s.release(r.request_id)
+    assert checked > 50 and s.queued_tokens == pending_tokens(s)

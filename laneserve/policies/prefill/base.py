@@ -37,11 +37,24 @@ class PrefillScheduler(InstanceScheduler):
         self.prefix_caching = prefix_caching
         self.prefix_cache: PrefixCache | None = None
         self.pending: set[int] = set()      # ids whose prompt is not finished yet
+        self._counted: dict[int, int] = {}  # remaining prefill of each pending id, as last seen
+        self._queued_tokens = 0             # their sum (a running total: routers ask per arrival)
 
     def _enqueue(self, req: Request, now: float) -> None:
         req.phase = Phase.WAITING
         self.pending.add(req.request_id)
+        self._recount(req)
         self._push(req, now)
+
+    def _recount(self, req: Request) -> None:
+        """Bring the running ``queued_tokens`` up to date after ``req``'s counters changed."""
+        n = req.remaining_prefill
+        self._queued_tokens += n - self._counted.get(req.request_id, 0)
+        self._counted[req.request_id] = n
+
+    def _unpend(self, request_id: int) -> None:
+        self.pending.discard(request_id)
+        self._queued_tokens -= self._counted.pop(request_id, 0)
 
     def _push(self, req: Request, now: float) -> None:
         raise NotImplementedError
@@ -64,8 +77,8 @@ class PrefillScheduler(InstanceScheduler):
 
     @property
     def queued_tokens(self) -> int:
-        reqs = self.requests
-        return sum(reqs[i].remaining_prefill for i in self.pending)
+        """Remaining prompt tokens of the pending requests (kept per event, O(1) to read)."""
+        return self._queued_tokens
 
     def bind_prefix_cache(self, cache: PrefixCache | None) -> None:
         """Give this instance its own prefix cache (used only with ``prefix_caching``)."""
@@ -106,6 +119,7 @@ class PrefillScheduler(InstanceScheduler):
             cached = self.cached_prefix(req, touch=True)
             if cached > 0:
                 req.num_computed_tokens = req.num_cached_tokens = cached
+                self._recount(req)
         req.phase = Phase.PREFILLING
         return True
 
@@ -113,10 +127,15 @@ class PrefillScheduler(InstanceScheduler):
         n = req.remaining_prefill
         return PrefillChunk(req, req.num_computed_tokens, n if n <= max_tokens else max_tokens)
 
+    def _advance_prefill(self, chunk: PrefillChunk, sampled, stop_hit, now: float, outcome: StepOutcome) -> None:
+        super()._advance_prefill(chunk, sampled, stop_hit, now, outcome)
+        if chunk.request.request_id in self.pending:
+            self._recount(chunk.request)
+
     def _after_update(self, plan, outcome: StepOutcome, now: float) -> None:
         for chunk in plan.prefills:
             if chunk.request.prefill_done:
-                self.pending.discard(chunk.request.request_id)
+                self._unpend(chunk.request.request_id)
                 self._remove(chunk.request)
                 if self.prefix_cache is not None and self.prefix_caching:
                     self.prefix_cache.insert(prefix_blocks(chunk.request))
@@ -124,5 +143,5 @@ class PrefillScheduler(InstanceScheduler):
             self.release(req.request_id)
 
     def abort(self, request_id: int, now: float, reason: str = "abort") -> Request | None:
-        self.pending.discard(request_id)
+        self._unpend(request_id)
         return super().abort(request_id, now, reason)

@@ -23,6 +23,10 @@ class FCFSPrefill(PrefillScheduler):
     def _push(self, req: Request, now: float) -> None:
         self.queue.append(req)
 
+    def _remove(self, req: Request) -> None:
+        if req.times.prefill_start is None:      # admitted requests left the queue when they started
+            super()._remove(req)
+
     def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
         budget = self.token_budget if token_budget is None else token_budget
         queue = self.queue

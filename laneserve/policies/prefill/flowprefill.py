@@ -36,7 +36,7 @@ the plan is listed in :attr:`dropped_plans` (an engine loop should ``executor.di
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,7 +228,7 @@ class FlowPrefillScheduler(PrefillScheduler):
             if parked is not None and parked[0] < key:
                 return self._resume(parked[1], now, forced=False)
             if self.admit(req, now):
-                return self._submit(req, (r for _, r in walk), now, budget)
+                return self._submit(req, key, walk, now, budget)
         if parked is not None:
             return self._resume(parked[1], now, forced=False)
         return None        # nothing fits in KV memory now; a completion will free some
@@ -244,8 +244,31 @@ class FlowPrefillScheduler(PrefillScheduler):
         self.running = task
         return task.plan
 
-    def _submit(self, head: Request, candidates: Iterable[Request], now: float, budget: int) -> StepPlan:
-        """Algorithm 1 (SLO-aware batching) for head ``H`` over ``candidates`` in priority order."""
+    def _candidates(self, walk: Iterator[tuple[PriorityKey, Request]], head_key: PriorityKey,
+                    bound: Callable[[], int]) -> Iterable[Request]:
+        """Algorithm 1's candidates after the head, in priority order; those whose remaining
+        tokens are at or above ``bound()`` (which Algorithm 1 would reject) may be left out."""
+        return self._queue.ordered_below(head_key, bound)
+
+    def _fit_cutoff(self, tokens: int, limit: int, t_remain: float) -> int:
+        """A batch size (tokens) that Algorithm 1 rejects, and every larger one too: ``limit``, or
+        less when the predictor cannot decrease — the first size predicted to take ``t_remain``
+        or more (binary search; the margin absorbs the rounding of the float evaluation)."""
+        if not self._monotone(limit):
+            return limit
+        margin = t_remain + 1e-9 * (abs(t_remain) + 1.0)
+        lo, hi = tokens + 1, limit            # invariant: hi == limit or predict(hi) >= margin
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.predict(mid) >= margin:
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
+
+    def _submit(self, head: Request, head_key: PriorityKey, walk: Iterator[tuple[PriorityKey, Request]],
+                now: float, budget: int) -> StepPlan:
+        """Algorithm 1 (SLO-aware batching) for head ``H`` over the waiting requests ranked after it."""
         cap = self.chunk_size if self.preemption == "chunk" else None
         n_head = head.remaining_prefill if cap is None else min(head.remaining_prefill, cap)
         plan = StepPlan(label=self.name, preemptible=self.preemption != "none",
@@ -256,7 +279,8 @@ class FlowPrefillScheduler(PrefillScheduler):
         if self.batching:
             t_remain = head.ttft_deadline - now
             limit = budget if cap is None else min(budget, cap + 1)
-            for r in candidates:
+            cutoff = self._fit_cutoff(tokens, limit, t_remain)
+            for r in self._candidates(walk, head_key, lambda: cutoff - tokens):
                 if len(plan.prefills) >= self.max_batch_size or self._batch_closed(tokens, limit, t_remain):
                     break
                 n = tokens + r.remaining_prefill

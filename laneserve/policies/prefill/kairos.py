@@ -35,7 +35,7 @@ Choices where the paper is silent or inconsistent (say so in reports):
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -128,20 +128,20 @@ class KairosPrefill(PrefillScheduler):
         self._enqueue_slot(req)
 
     def _remove(self, req: Request) -> None:
-        super()._remove(req)
+        queue = self.queue                      # sorted by arrival: find it by bisection
+        i = bisect_left(queue, _arrival_key(req), key=_arrival_key)
+        if i < len(queue) and queue[i] is req:
+            del queue[i]
         self._drop_slot(req)
 
     # ---- the incremental columns (kairos_slots) ----------------------------------------------
     def _enqueue_slot(self, req: Request) -> None:
         slots = self._slots
-        if not slots.fits_after(req):           # out of arrival order (never in a loop): re-file all
-            slots.clear()
-            for r in self.queue:
-                slots.append(r)
-            self._dirty.update(r.request_id for r in self.queue)
-        else:
+        if slots.fits_after(req):
             slots.append(req)
-            self._dirty.add(req.request_id)
+        else:                                   # out of arrival order: filed at its place
+            slots.insert(req)
+        self._dirty.add(req.request_id)
 
     def _drop_slot(self, req: Request) -> None:
         self._slots.drop(req)

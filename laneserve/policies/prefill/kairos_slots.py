@@ -59,8 +59,32 @@ class ArrivalSlots:
             self._resize(2 * len(self.rem))
         i = self.n
         self.n += 1
-        self.live += 1
         self.reqs.append(req)
+        self._file(i, req)
+        self._last = (req.arrival_time, req.request_id)
+
+    def insert(self, req: Request) -> None:
+        """File ``req`` at its place in arrival order (it arrived out of order): the slots after
+        it move up one (a late arrival lands near the end, so few slots move)."""
+        n = self.n
+        if n == len(self.rem):
+            self._resize(2 * len(self.rem))
+        t, rid = req.arrival_time, req.request_id
+        i = int(np.searchsorted(self.arr[:n], t, side="left"))   # emptied slots keep their arrival
+        while i < n and self.arr[i] == t and self.rid[i] < rid:
+            i += 1
+        for col in self._columns():
+            col[i + 1:n + 1] = col[i:n].copy()
+        self.reqs.insert(i, req)
+        self.n = n + 1
+        for j in range(i + 1, n + 1):
+            moved = self.reqs[j]
+            if moved is not None:
+                self.slot[moved.request_id] = j
+        self._file(i, req)
+
+    def _file(self, i: int, req: Request) -> None:
+        self.live += 1
         self.slot[req.request_id] = i
         slo = req.slo.ttft
         self.arr[i] = req.arrival_time
@@ -70,9 +94,9 @@ class ArrivalSlots:
         self.alive[i] = True
         self.rid[i] = req.request_id
         self.rem[i] = req.remaining_prefill
+        self.dur[i] = 0.0
         if req.arrival_time > self.max_arrival:
             self.max_arrival = req.arrival_time
-        self._last = (req.arrival_time, req.request_id)
 
     def set_work(self, req: Request, duration: float) -> None:
         i = self.slot.get(req.request_id)
@@ -98,6 +122,3 @@ class ArrivalSlots:
         self.n = self.live = len(reqs)
         self.reqs = reqs
         self.slot = {r.request_id: i for i, r in enumerate(reqs)}
-
-    def clear(self) -> None:
-        self.__init__()

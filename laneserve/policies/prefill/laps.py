@@ -83,8 +83,11 @@ class LapsPrefill(PrefillScheduler):
         self.mode = mode
         self.classifier = Classifier(boundary)
         lane_ord = self._lane_order(order)
-        self.lanes = {SHORT: Lane(SHORT, lane_ord), LONG: Lane(LONG, lane_ord)}
         self.grid = ShapeGrid()
+        # without prefix caching a waiting short request's new tokens are fixed: count the short
+        # lane per length bucket so that the batch walks stop once a bucket is exhausted
+        size_class = None if self.prefix_caching else lambda r: self.grid.length_bucket(r.remaining_prefill)
+        self.lanes = {SHORT: Lane(SHORT, lane_ord, size_class=size_class), LONG: Lane(LONG, lane_ord)}
         self.shape_buckets = shape_buckets
         self.awd_on = awd
         self.long_chunk, self.long_batch, self.short_budget = long_chunk, long_batch, short_budget
@@ -207,9 +210,9 @@ class LapsPrefill(PrefillScheduler):
         reqs = self.lanes[SHORT].ordered(now)
         if not self.awd_on:
             return True, "immediate"
-        min_deadline = min(r.ttft_deadline for r in reqs)
+        lane = self.lanes[SHORT]
         tokens = sum(self.new_tokens(r) for r in reqs[: self.awd.depth_cap])
-        d = self.awd.decide(now, len(reqs), min_deadline, min(r.arrival_time for r in reqs), tokens)
+        d = self.awd.decide(now, len(reqs), lane.min_deadline(), lane.min_arrival(), tokens)
         if not d.dispatch:
             self._wakeup = d.wake_at
             return False, ""
@@ -229,7 +232,7 @@ class LapsPrefill(PrefillScheduler):
         return self._cost_model.prefill_time([(c.num_new_tokens, c.start) for c in chunks]) if chunks else 0.0
 
     def _squeezed_by(self, now: float, long_seconds: float) -> bool:
-        min_deadline = min(r.ttft_deadline for r in self.lanes[SHORT])
+        min_deadline = self.lanes[SHORT].min_deadline()
         return min_deadline - (now + long_seconds + self.awd.service) <= self.awd.config.sigma
 
     def _short_plan(self, now: float, token_budget: int | None) -> StepPlan | None:
@@ -245,10 +248,15 @@ class LapsPrefill(PrefillScheduler):
         else:
             return None
         chosen = [head]
+        counts = self.lanes[SHORT].class_counts if self.lanes[SHORT].size_class is not None else None
         if head_bucket is None:                      # no captured shape: unpadded, by tokens
             tokens = self.new_tokens(head)
-            for r in reqs:
-                if len(chosen) >= cap:
+            floor = self._fewest_new_tokens(counts)
+            # only the length buckets whose shortest member still fits the budget
+            edge = self._bucket_floor
+            walk = self.lanes[SHORT].walk_classes(lambda b: tokens + edge(b) <= budget)
+            for r in reqs if walk is None else walk:
+                if len(chosen) >= cap or tokens + floor > budget:
                     break
                 n = self.new_tokens(r)
                 if r is head or tokens + n > budget or not self.admit(r, now):
@@ -258,22 +266,44 @@ class LapsPrefill(PrefillScheduler):
             return self._emit(chosen, None, SHORT)
         bucket_of = self.grid.length_bucket
         depth_cap = min(cap, max(1, budget // head_bucket))
+        # members of the head's bucket not visited yet (a walk stops when none is left)
+        left = counts[head_bucket] - 1 if counts is not None else math.inf
         for r in reqs:                               # same bucket first
-            if len(chosen) >= depth_cap:
+            if len(chosen) >= depth_cap or left <= 0:
                 break
-            if r is not head and bucket_of(self.new_tokens(r)) == head_bucket and self.admit(r, now):
-                chosen.append(r)
+            if r is not head and bucket_of(self.new_tokens(r)) == head_bucket:
+                left -= 1
+                if self.admit(r, now):
+                    chosen.append(r)
         batch = self.grid.batch_bucket(len(chosen)) or len(chosen)
         if batch * head_bucket > budget:
             batch = len(chosen)
+        left = sum(n for b, n in counts.items() if b is not None and b < head_bucket) \
+            if counts is not None else math.inf
         for r in reqs:                               # free padding rows: smaller buckets
-            if len(chosen) >= batch:
+            if len(chosen) >= batch or left <= 0:
                 break
-            if r not in chosen and (bucket_of(self.new_tokens(r)) or math.inf) < head_bucket \
-                    and self.admit(r, now):
-                chosen.append(r)
+            if r not in chosen and (bucket_of(self.new_tokens(r)) or math.inf) < head_bucket:
+                left -= 1
+                if self.admit(r, now):
+                    chosen.append(r)
         shape = self.grid.shape(head_bucket, len(chosen))
         return self._emit(chosen, shape, SHORT)
+
+    def _fewest_new_tokens(self, counts) -> int:
+        """A lower bound on the new tokens of any short-lane request: the lower edge of the
+        smallest length bucket present (counted lane), else 1."""
+        if counts is None:
+            return 1
+        return min((self._bucket_floor(b) for b, n in counts.items() if n > 0), default=1)
+
+    def _bucket_floor(self, bucket: int | None) -> int:
+        """The fewest new tokens a request of length bucket ``bucket`` has (None: above all)."""
+        lengths = self.grid.lengths
+        if bucket is None:
+            return lengths[-1] + 1
+        i = lengths.index(bucket)
+        return lengths[i - 1] + 1 if i else 1
 
     def _long_plan(self, now: float, token_budget: int | None) -> StepPlan | None:
         if self._parked_long is not None:            # resume the preempted chunk first

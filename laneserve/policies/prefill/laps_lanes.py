@@ -14,9 +14,12 @@ on ``now``) is re-sorted at each scheduling call; a static one is kept sorted on
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_left, insort
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
+from heapq import heapify, heappop, heappush
 
 from laneserve.core.request import Request
 from laneserve.costmodel.laps_fit import LapsPrefillModel
@@ -57,24 +60,96 @@ def lane_order(name: str) -> LaneOrder:
 
 @dataclass(slots=True)
 class Lane:
-    """One lane's queue of not-yet-finished prefills, in the lane order."""
+    """One lane's queue of not-yet-finished prefills, in the lane order. A static order keeps the
+    list sorted (insertion and removal find their place by bisection); the earliest TTFT deadline
+    and arrival are kept in heaps with lazy deletion (AWD asks for them at every decision)."""
 
     name: str
     order: LaneOrder
     items: list[Request] = field(default_factory=list)
+    #: optional size class of a request (static while it waits): members are counted per class
+    size_class: Callable[[Request], Any] | None = None
+    class_counts: Counter = field(default_factory=Counter)
+    _by_class: dict[Any, list[Request]] = field(default_factory=dict)   # static order: per class
+    _members: set[int] = field(default_factory=set)
+    _deadlines: list[tuple[float, int]] = field(default_factory=list)
+    _arrivals: list[tuple[float, int]] = field(default_factory=list)
 
     def push(self, req: Request, now: float) -> None:
         if self.order.dynamic:
             self.items.append(req)
         else:
             insort(self.items, req, key=lambda r: self.order.key(r, now))
+        self._members.add(req.request_id)
+        if self.size_class is not None:
+            c = self.size_class(req)
+            self.class_counts[c] += 1
+            if not self.order.dynamic:
+                insort(self._by_class.setdefault(c, []), req, key=lambda r: self.order.key(r, now))
+        heappush(self._deadlines, (req.ttft_deadline, req.request_id))
+        heappush(self._arrivals, (req.arrival_time, req.request_id))
 
     def remove(self, req: Request) -> bool:
-        try:
-            self.items.remove(req)
-            return True
-        except ValueError:
+        if req.request_id not in self._members:
             return False
+        items = self.items
+        i = 0 if self.order.dynamic else bisect_left(items, self.order.key(req, 0.0),
+                                                     key=lambda r: self.order.key(r, 0.0))
+        if i < len(items) and items[i] is req:
+            del items[i]
+        else:
+            items.remove(req)
+        self._members.discard(req.request_id)
+        if self.size_class is not None:
+            c = self.size_class(req)
+            self.class_counts[c] -= 1
+            if not self.order.dynamic:
+                members = self._by_class[c]
+                del members[bisect_left(members, self.order.key(req, 0.0), key=lambda r: self.order.key(r, 0.0))]
+        if len(self._deadlines) > 2 * len(items) + 64:
+            self._deadlines = [(r.ttft_deadline, r.request_id) for r in items]
+            self._arrivals = [(r.arrival_time, r.request_id) for r in items]
+            heapify(self._deadlines)
+            heapify(self._arrivals)
+        return True
+
+    def walk_classes(self, eligible: Callable[[Any], bool]) -> Iterator[Request] | None:
+        """The members of the size classes ``eligible`` accepts, in lane order, lazily
+        (``eligible`` is asked again before each member; a class it rejects is dropped). None
+        when the lane cannot do it (no size classes, or a dynamic order). No removals during
+        the walk."""
+        if self.size_class is None or self.order.dynamic:
+            return None
+        return self._walk_classes(eligible)
+
+    def _walk_classes(self, eligible: Callable[[Any], bool]) -> Iterator[Request]:
+        key, lists = self.order.key, self._by_class
+        frontier = [(key(m[0], 0.0), i, c) for i, (c, m) in enumerate(lists.items()) if m]
+        heapify(frontier)
+        index = dict.fromkeys(lists, 0)
+        while frontier:
+            _, i, c = heappop(frontier)
+            if not eligible(c):
+                continue
+            members, k = lists[c], index[c]
+            yield members[k]
+            k += 1
+            index[c] = k
+            if k < len(members):
+                heappush(frontier, (key(members[k], 0.0), i, c))
+
+    def min_deadline(self) -> float:
+        """The earliest TTFT deadline in the lane (the lane must not be empty)."""
+        return self._live_top(self._deadlines)
+
+    def min_arrival(self) -> float:
+        """The earliest arrival in the lane (the lane must not be empty)."""
+        return self._live_top(self._arrivals)
+
+    def _live_top(self, heap: list[tuple[float, int]]) -> float:
+        while heap[0][1] not in self._members:
+            heappop(heap)
+        return heap[0][0]
 
     def ordered(self, now: float) -> list[Request]:
         if self.order.dynamic:

@@ -10,7 +10,11 @@ from collections.abc import Iterator
 from laneserve.core.plan import StepPlan
 from laneserve.core.request import Request
 from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
+from laneserve.policies.prefill.base import PrefillScheduler
+from laneserve.policies.prefill.fcfs import FCFSPrefill
 from laneserve.policies.prefill.kairos import KairosPrefill
+from laneserve.policies.prefill.laps import LapsPrefill
+from laneserve.policies.prefill.laps_lanes import Lane
 from laneserve.policies.prefill.priority import PriorityKey
 
 
@@ -33,6 +37,9 @@ class FlowPrefillReference(FlowPrefillScheduler):
     def _batch_closed(self, tokens: int, limit: int, t_remain: float) -> bool:
         return False
 
+    def _candidates(self, walk, head_key, bound):
+        return (r for _, r in walk)
+
 
 class KairosPrefillReference(KairosPrefill):
     """Kairos prefill with the Python FCFS walk and a full sort of the scores per decision."""
@@ -46,7 +53,43 @@ class KairosPrefillReference(KairosPrefill):
     def _touch(self, req: Request) -> None:
         pass
 
+    def _remove(self, req: Request) -> None:
+        PrefillScheduler._remove(self, req)
+
     def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
         if not self.queue:
             return None
         return self._fill((req for _, req in self._sorted_scores(now)), now, token_budget)
+
+
+class ScanLane(Lane):
+    """A LAPS lane that scans its list for every minimum and removal."""
+
+    __slots__ = ()
+
+    def remove(self, req: Request) -> bool:
+        try:
+            self.items.remove(req)
+            return True
+        except ValueError:
+            return False
+
+    def min_deadline(self) -> float:
+        return min(r.ttft_deadline for r in self.items)
+
+    def min_arrival(self) -> float:
+        return min(r.arrival_time for r in self.items)
+
+
+class LapsPrefillReference(LapsPrefill):
+    """LAPS with scanning lanes and uncounted length buckets (every batch walk goes to the end)."""
+
+    def __init__(self, kv, **opts) -> None:
+        super().__init__(kv, **opts)
+        self.lanes = {name: ScanLane(name, lane.order) for name, lane in self.lanes.items()}
+
+
+class FCFSPrefillReference(FCFSPrefill):
+    """FCFS whose removals search the whole queue."""
+
+    _remove = PrefillScheduler._remove

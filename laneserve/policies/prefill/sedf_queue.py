@@ -19,6 +19,11 @@ D-EDF), and that sign flips once, from + to −, when ``now`` passes ``deadline 
 ``ordered`` walks the heap array best-first (a second, small heap of frontier indices), so the
 first ``k`` requests cost O(k log k) and the heap is not modified: requests may be removed during
 the walk. EDF and FCFS keys never change and only use the first heap.
+
+Every entry is also filed in a heap of its *size class* (remaining prompt tokens // ``BUCKET``):
+:meth:`ordered_below` merges only the classes that can hold a request shorter than a bound that
+shrinks as Algorithm 1's batch grows, so the long prompts ahead of the short ones are not walked
+one by one when none of them can fit any more.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from laneserve.core.request import Request
 from laneserve.policies.prefill.priority import INF, ORDERINGS, PriorityKey
 
 _FLIPPING = ("sedf", "dedf")
+BUCKET = 128                 # tokens per size class of :meth:`SignedDeadlineQueue.ordered_below`
 
 
 class SignedDeadlineQueue:
@@ -44,6 +50,8 @@ class SignedDeadlineQueue:
         self._key: dict[int, PriorityKey] = {}        # live key of every member
         self._p: dict[int, float] = {}                 # predicted seconds (flipping orderings)
         self._heap: list[tuple[PriorityKey, Request]] = []
+        self._classes: dict[int, list[tuple[PriorityKey, Request]]] = {}   # size class -> heap
+        self._class_of: dict[int, int] = {}            # size class of each member
         self._flips: list[tuple[float, int, int]] = []  # (check time, seq, id) of positive members
         self._flip_seq: dict[int, int] = {}            # live flip check of each positive member
         self._seq = 0
@@ -63,6 +71,7 @@ class SignedDeadlineQueue:
         if rid in self._reqs:
             self.discard(rid)
         self._reqs[rid] = req
+        self._class_of[rid] = req.remaining_prefill // BUCKET
         heapq.heappush(self._rem, (req.remaining_prefill, rid))
         if self.ordering not in _FLIPPING:
             self._set_key(req, ORDERINGS[self.ordering](req, 0.0, 0.0))
@@ -81,13 +90,21 @@ class SignedDeadlineQueue:
     def discard(self, request_id: int) -> None:
         if self._reqs.pop(request_id, None) is not None:
             del self._key[request_id]
+            del self._class_of[request_id]
             self._p.pop(request_id, None)
             self._flip_seq.pop(request_id, None)
             self._compact()
 
     def _set_key(self, req: Request, key: PriorityKey) -> None:
         self._key[req.request_id] = key
-        heapq.heappush(self._heap, (key, req))
+        entry = (key, req)
+        heapq.heappush(self._heap, entry)
+        c = self._class_of[req.request_id]
+        heap = self._classes.get(c)
+        if heap is None:
+            self._classes[c] = [entry]
+        else:
+            heapq.heappush(heap, entry)
 
     def _compact(self) -> None:
         """Drop dead entries once they outnumber the live ones (amortised O(1) per removal)."""
@@ -96,6 +113,12 @@ class SignedDeadlineQueue:
             keys = self._key
             self._heap = [e for e in self._heap if keys.get(e[1].request_id) is e[0]]
             heapq.heapify(self._heap)
+            classes: dict[int, list[tuple[PriorityKey, Request]]] = {}
+            for e in self._heap:
+                classes.setdefault(self._class_of[e[1].request_id], []).append(e)
+            for heap in classes.values():
+                heapq.heapify(heap)
+            self._classes = classes
         if len(self._rem) > 2 * live + 64:
             self._rem = [e for e in self._rem if e[1] in self._reqs]
             heapq.heapify(self._rem)
@@ -137,7 +160,7 @@ class SignedDeadlineQueue:
 
     def _rebuild(self) -> None:
         members = list(self._reqs.values())
-        self._reqs, self._key, self._p = {}, {}, {}
+        self._reqs, self._key, self._p, self._class_of, self._classes = {}, {}, {}, {}, {}
         self._heap, self._flips, self._rem, self._flip_seq = [], [], [], {}
         self._now = -INF
         for req in members:
@@ -167,6 +190,37 @@ class SignedDeadlineQueue:
             for j in (2 * i + 1, 2 * i + 2):
                 if j < size:
                     heapq.heappush(frontier, (heap[j][0], j))
+
+    def ordered_below(self, after: PriorityKey, bound: Callable[[], int]) -> Iterator[Request]:
+        """Members ranked after ``after`` whose remaining prompt tokens may be below ``bound()``,
+        best first, lazily: ``bound`` is re-read at every step and may only shrink; a size class
+        whose every member is at or above it is no longer walked (members of the boundary class
+        may still be yielded: the caller checks each). Removals during the walk are fine."""
+        keys = self._key
+        limit = bound()
+        heaps = {}
+        for c, h in self._classes.items():
+            if c * BUCKET < limit:
+                while h and keys.get(h[0][1].request_id) is not h[0][0]:
+                    heapq.heappop(h)           # dead entries ahead of the class's best live one
+                if h:
+                    heaps[c] = h
+        frontier = [(h[0][0], c, 0) for c, h in heaps.items()]
+        heapq.heapify(frontier)
+        pop, push = heapq.heappop, heapq.heappush
+        while frontier:
+            key, c, i = pop(frontier)
+            if c * BUCKET >= limit:
+                continue                         # the class cannot fit any more: drop its subtree
+            heap = heaps[c]
+            req = heap[i][1]
+            if key > after and keys.get(req.request_id) is key:
+                yield req
+                limit = bound()
+            size = len(heap)
+            for j in (2 * i + 1, 2 * i + 2):
+                if j < size:
+                    push(frontier, (heap[j][0], c, j))
 
     def min_remaining(self) -> int | None:
         """The fewest remaining prompt tokens of any member."""
