@@ -24,6 +24,8 @@ from laneserve.server.schema import ChatCompletionResponse, CompletionResponse  
 MODEL = "smoke-llama"
 PROMPT = "serve the model token serve the model token prefill decode serve"
 N = 12
+# a prompt whose greedy continuation (byte-level smoke tokenizer) every penalty below changes
+PENALTY_PROMPT = "hello the world hello the world"
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +71,8 @@ class _OutputPenalty:
         return scores - self.frequency * counts - self.presence * (counts > 0)
 
 
-def _ids(client, **kw) -> tuple[list[int], list[int]]:
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0,
+def _ids(client, prompt: str = PROMPT, **kw) -> tuple[list[int], list[int]]:
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=0,
                                     extra_body={"ignore_eos": True, "return_token_ids": True, **kw})
     choice = out.model_dump()["choices"][0]
     return choice["prompt_token_ids"], choice["token_ids"]
@@ -79,13 +81,13 @@ def _ids(client, **kw) -> tuple[list[int], list[int]]:
 def test_penalties_match_transformers_across_the_handoff(server):
     from transformers import RepetitionPenaltyLogitsProcessor
     client = server.client()
-    prompt, plain = _ids(client)
+    prompt, plain = _ids(client, PENALTY_PROMPT)
     assert plain == _hf_greedy(prompt, N, [])
     changed = 0
     for kw, proc in (({"repetition_penalty": 1.8}, RepetitionPenaltyLogitsProcessor(1.8)),
                      ({"presence_penalty": 2.0}, _OutputPenalty(len(prompt), 2.0, 0.0)),
                      ({"frequency_penalty": 1.5, "presence_penalty": -0.5}, _OutputPenalty(len(prompt), -0.5, 1.5))):
-        _, got = _ids(client, **kw)
+        _, got = _ids(client, PENALTY_PROMPT, **kw)
         assert got == _hf_greedy(prompt, N, [proc]), kw
         changed += got != plain
     assert changed >= 2, "penalties did not change the greedy output: the comparison proves nothing"
@@ -131,12 +133,11 @@ def test_max_completion_tokens_and_stop_lists(server):
     assert chat.usage.completion_tokens == 7 and chat.choices[0].finish_reason == "length"
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
-    words = full.split()
-    stop_word = words[len(words) // 2]
+    stop = full[len(full) // 2:len(full) // 2 + 2]          # the smoke model's text is noise without spaces
     cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0,
-                                    stop=["never-in-the-vocabulary", " " + stop_word], extra_body={"ignore_eos": True})
+                                    stop=["never-in-the-vocabulary", stop], extra_body={"ignore_eos": True})
     assert cut.choices[0].finish_reason == "stop"
-    assert cut.choices[0].text == full[:full.index(" " + stop_word)]
+    assert cut.choices[0].text == full[:full.index(stop)]
 
 
 def test_logprobs_on_every_path(server):
