@@ -20,8 +20,8 @@ def _run(poison: int | None) -> tuple[dict, EngineInstance]:
     poisoned_params = reqs[poison].sampling if poison is not None else None
 
     class Poisoned:                          # the real sampler, with one request's row failing
-        def sample(self, logits, params, output_index, histories=None):
-            tokens, lps = real.sample(logits, params, output_index, histories)
+        def sample(self, logits, params, output_index, histories=None, states=None):
+            tokens, lps = real.sample(logits, params, output_index, histories, states)
             rows = {row: "injected NaN row" for row, p in enumerate(params) if p is poisoned_params}
             if rows:
                 for row in rows:

@@ -65,18 +65,18 @@ def test_bfloat16_runs():
 
 
 def test_smoke_model_is_built_offline_and_labelled(tmp_path, monkeypatch):
-    from laneserve.engine.smoke import is_smoke_model, smoke_model_path
+    from laneserve.engine.smoke import SMOKE_VERSION, is_smoke_model, smoke_model_path
 
     monkeypatch.setenv("LANESERVE_CACHE", str(tmp_path))
     path = smoke_model_path()
-    assert path == tmp_path / "smoke-llama" and is_smoke_model(path) and "noise" in (path / "README.md").read_text()
+    assert path == tmp_path / f"v{SMOKE_VERSION}" / "smoke-llama" and is_smoke_model(path) and "noise" in (path / "README.md").read_text()
     assert smoke_model_path() == path   # cached
     ex = EngineExecutor.from_pretrained(path, EngineConfig(num_kv_blocks=32))
     tok = ex.model.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "hello how are you ?"}], add_generation_prompt=True,
                                   tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    assert tok.decode(ids).endswith("<|assistant|>")
+    assert tok.decode(ids) == "<|user|> hello how are you ? <|end|> <|assistant|> "   # byte-level: exact text
     req = make_request(0, ids, 5)
     out = Driver(ex).run([req])[0]
     assert len(out) == 5 and isinstance(tok.decode(out), str)

@@ -482,3 +482,82 @@ def test_bad_fields_are_rejected_before_tokenization():
             parse(body, tokenizer=tok, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB, kv_tokens=MAX_MODEL_LEN,
                   headers={}, defaults=DEFAULTS)
     assert Counting.calls == 0
+
+
+# ---- structured output (issue 14, item 3) ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    from laneserve.engine.structured.tiny_tokenizer import byte_level_tokenizer
+    tok = byte_level_tokenizer(1024)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tok
+
+
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def _structured_chat(fields, tokenizer):
+    return parse_chat({**CHAT, **fields}, tokenizer=tokenizer, max_model_len=MAX_MODEL_LEN, vocab_size=1024,
+                      kv_tokens=MAX_MODEL_LEN, headers={}, defaults=DEFAULTS)
+
+
+_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+BAD_STRUCTURED = [
+    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", "grammar"),
+    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "grammar"),
+    ({"guided_regex": "a(b"}, "guided_regex", "cannot compile|regex"),
+    ({"guided_regex": "x" * 5000}, "guided_regex", "longer than"),
+    ({"guided_json": [1, 2]}, "guided_json", "JSON schema"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format", "schema object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+     "response_format", "schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "unknown response_format"),
+    ({"response_format": "json"}, "response_format", "must be an object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,500}"} for i in range(400)}}}}},
+     "response_format", "too large|schema|cannot"),
+    ({"guided_choice": []}, "guided_choice", "non-empty"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format", "only one"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+      "function": {"name": "g"}}}, "tool_choice", "not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "non-empty tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}], "tool_choice": "required"},
+     "tools", "not valid JSON|schema object"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "stream": True},
+     "stream", "streaming tool calls"),
+]
+
+
+@pytest.mark.parametrize("fields,param,message", BAD_STRUCTURED,
+                         ids=[f"{p}-{i}" for i, (_, p, _) in enumerate(BAD_STRUCTURED)])
+def test_bad_structured_specs_are_400_naming_the_field(fields, param, message, byte_tokenizer):
+    with pytest.raises(BadRequest, match=message) as e:
+        _structured_chat(fields, byte_tokenizer)
+    assert e.value.param == param
+
+
+def test_structured_specs_need_a_tokenizer_and_are_usable(byte_tokenizer):
+    with pytest.raises(BadRequest, match="needs a tokenizer") as e:
+        completion({"model": "m", "prompt": [1], "guided_regex": "a+"})
+    assert e.value.param == "guided_regex"
+    for fields in ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": _SCHEMA}}},
+                   {"guided_choice": ["yes", "no"]}, {"structured_outputs": {"regex": "[0-9]{3}"}},
+                   {"tools": [{"type": "function", "function": {"name": "f", "parameters": _SCHEMA}}],
+                    "tool_choice": "required", "parallel_tool_calls": False}):
+        gi = _structured_chat(fields, byte_tokenizer)
+        assert gi.sampling.structured is not None
+        sp = sampling_from_dict(unpack(pack(request_fields(1, gi.prompt_ids, gi.sampling, 0.0, SLO())))["sp"])
+        assert sp == gi.sampling                    # the spec crosses the wire unchanged
+    deep = {"response_format": {"type": "json_schema", "json_schema": {"schema": _nested_schema(12)}}}
+    assert _structured_chat(deep, byte_tokenizer).sampling.structured.kind == "json_schema"
+    too_deep = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": _nested_schema(40)}}}
+    with pytest.raises(BadRequest, match="nests deeper"):
+        parse_body(json.dumps(too_deep).encode())
+    assert _structured_chat({"response_format": {"type": "text"}, "tool_choice": "auto"},
+                            byte_tokenizer).sampling.structured is None

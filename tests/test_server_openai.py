@@ -25,6 +25,8 @@ from laneserve.server.schema import ChatCompletionResponse, CompletionResponse  
 MODEL = "smoke-llama"
 PROMPT = "serve the model token serve the model token prefill decode serve"
 N = 12
+# a prompt whose greedy continuation (byte-level smoke tokenizer) every penalty below changes
+PENALTY_PROMPT = "hello the world hello the world"
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +60,8 @@ def _hf_greedy(prompt_ids: list[int], n: int, processors: list) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-def _ids(client, **kw) -> tuple[list[int], list[int]]:
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0,
+def _ids(client, prompt: str = PROMPT, **kw) -> tuple[list[int], list[int]]:
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=0,
                                     extra_body={"ignore_eos": True, "return_token_ids": True, **kw})
     choice = out.model_dump()["choices"][0]
     return choice["prompt_token_ids"], choice["token_ids"]
@@ -68,13 +70,13 @@ def _ids(client, **kw) -> tuple[list[int], list[int]]:
 def test_penalties_match_transformers_across_the_handoff(server):
     from transformers import RepetitionPenaltyLogitsProcessor
     client = server.client()
-    prompt, plain = _ids(client)
+    prompt, plain = _ids(client, PENALTY_PROMPT)
     assert plain == _hf_greedy(prompt, N, [])
     changed = 0
     for kw, proc in (({"repetition_penalty": 1.8}, RepetitionPenaltyLogitsProcessor(1.8)),
                      ({"presence_penalty": 2.0}, OutputPenalty(len(prompt), 2.0, 0.0)),
                      ({"frequency_penalty": 1.5, "presence_penalty": -0.5}, OutputPenalty(len(prompt), -0.5, 1.5))):
-        _, got = _ids(client, **kw)
+        _, got = _ids(client, PENALTY_PROMPT, **kw)
         assert got == _hf_greedy(prompt, N, [proc]), kw
         changed += got != plain
     assert changed >= 2, "penalties did not change the greedy output: the comparison proves nothing"
@@ -120,12 +122,11 @@ def test_max_completion_tokens_and_stop_lists(server):
     assert chat.usage.completion_tokens == 7 and chat.choices[0].finish_reason == "length"
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
-    words = full.split()
-    stop_word = words[len(words) // 2]
+    stop = full[len(full) // 2:len(full) // 2 + 2]          # the smoke model's text is noise without spaces
     cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0,
-                                    stop=["never-in-the-vocabulary", " " + stop_word], extra_body={"ignore_eos": True})
+                                    stop=["never-in-the-vocabulary", stop], extra_body={"ignore_eos": True})
     assert cut.choices[0].finish_reason == "stop"
-    assert cut.choices[0].text == full[:full.index(" " + stop_word)]
+    assert cut.choices[0].text == full[:full.index(stop)]
 
 
 def test_logprobs_on_every_path(server):
@@ -217,3 +218,106 @@ def test_load_generator_over_httpx(server):
     result = asyncio.run(run_load(LoadConfig(base_url=server.url, progress=False), specs, rate=float("inf")))
     s = bench_summary(result)
     assert s["completed"] == 4 and s["failed"] == 0 and s["output_lens"] == [4, 4, 4, 4]
+
+
+# ---- structured output (issue 14, item 3): the prefill instance constrains the first token, the
+# decode instance replays it and continues; random weights, so only the constraint makes JSON
+_PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "mood": {"enum": ["calm", "busy", "odd"]},
+    "active": {"type": "boolean"}, "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+    "required": ["name", "mood", "active", "tags"], "additionalProperties": False}
+
+
+def _check(value, schema: dict) -> None:
+    """The subset of JSON Schema used above."""
+    if "enum" in schema:
+        assert value in schema["enum"]
+        return
+    kind = schema["type"]
+    if kind == "object":
+        assert isinstance(value, dict) and set(value) == set(schema["required"])
+        for k, v in value.items():
+            _check(v, schema["properties"][k])
+    elif kind == "array":
+        assert isinstance(value, list) and len(value) <= schema["maxItems"]
+        for v in value:
+            _check(v, schema["items"])
+    elif kind == "string":
+        assert isinstance(value, str) and len(value) <= schema["maxLength"]
+    elif kind == "boolean":
+        assert isinstance(value, bool)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_json_schema_output_parses_and_validates_every_time(server, seed):
+    import json
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=TIMEOUT)
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "a person please"}], temperature=1.0, seed=seed,
+        max_tokens=200, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": _PERSON}})
+    assert out.choices[0].finish_reason == "stop"
+    _check(json.loads(out.choices[0].message.content), _PERSON)
+
+
+def test_vllm_guided_fields_constrain_completions(server):
+    import re
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=TIMEOUT)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=7,
+                                    extra_body={"guided_regex": "[0-9]{3}-[a-c]{2}"})
+    assert re.fullmatch("[0-9]{3}-[a-c]{2}", out.choices[0].text)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=7,
+                                    extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert out.choices[0].text in ("left", "right")
+
+
+def test_named_and_required_tool_calls(server):
+    import json
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=TIMEOUT)
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "unit": {"enum": ["celsius", "fahrenheit"]}},
+              "required": ["city", "unit"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}},
+             {"type": "function", "function": {"name": "ping", "parameters": {
+                 "type": "object", "properties": {"n": {"type": "boolean"}}, "required": ["n"]}}}]
+    msgs = [{"role": "user", "content": "weather?"}]
+    out = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, temperature=1.0, seed=3,
+                                         max_tokens=120,
+                                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    msg = out.choices[0].message
+    assert msg.content is None and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    assert isinstance(args["city"], str) and len(args["city"]) <= 10
+    out = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, temperature=1.0, seed=5,
+                                         max_tokens=200, tool_choice="required", parallel_tool_calls=False)
+    assert out.choices[0].finish_reason == "tool_calls"
+    calls = out.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name in ("get_weather", "ping")
+    assert isinstance(json.loads(calls[0].function.arguments), dict)
+
+
+def test_unsupported_and_hostile_structured_specs_are_400_and_the_server_lives(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=TIMEOUT, max_retries=0)
+    msgs = [{"role": "user", "content": "hi"}]
+    deep: dict = {"type": "string"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    for kw, param in (({"extra_body": {"guided_grammar": "root ::= 'a'"}}, "guided_grammar"),
+                      ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex"),
+                      ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+                       "response_format"),
+                      ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": deep}}},
+                       None),
+                      ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                          "type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,500}"}
+                                                           for i in range(400)}}}}}, "response_format")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, **kw)
+        assert e.value.status_code == 400
+        if param is not None:
+            assert e.value.body["param"] == param
+    out = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8,
+                                         response_format={"type": "json_object"}, temperature=1.0, seed=1)
+    assert out.choices[0].message.content is not None       # the instances are alive and still constrain

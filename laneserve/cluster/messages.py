@@ -33,10 +33,11 @@ import msgpack
 from laneserve.core.request import Request
 from laneserve.core.sampling import INT64_MAX, INT64_MIN, SamplingParams, is_int, is_real
 from laneserve.core.slo import SLO
+from laneserve.core.structured import StructuredSpec
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
                     "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "logit_bias", "min_tokens")
+                    "logit_bias", "min_tokens", "structured")
 
 
 class EpochClock:
@@ -64,6 +65,7 @@ def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:
     d["stop_token_ids"] = list(p.stop_token_ids)
     d["stop"] = list(p.stop)
     d["logit_bias"] = [list(e) for e in p.logit_bias]
+    d["structured"] = None if p.structured is None else [p.structured.kind, p.structured.value]
     return d
 
 
@@ -82,6 +84,11 @@ def sampling_from_dict(d: Any) -> SamplingParams:
         if not isinstance(bias, (list, tuple)) or not all(isinstance(e, (list, tuple)) for e in bias):
             raise ValueError("sampling 'logit_bias' must be a list of [token id, bias] pairs")
         fields["logit_bias"] = tuple(tuple(e) for e in bias)
+    spec = fields.get("structured")
+    if spec is not None:
+        if not isinstance(spec, (list, tuple)) or len(spec) != 2:
+            raise ValueError("sampling 'structured' must be a [kind, value] pair")
+        fields["structured"] = StructuredSpec(*spec)     # UnsupportedSpec is a ValueError
     return SamplingParams(**fields)     # SamplingParams checks types, ranges and finiteness
 
 

@@ -9,6 +9,10 @@ the output (a seen token's positive logit is divided by it, a negative one multi
 count in the output) and ``presence_penalty`` (minus the penalty once the token occurs in the
 output).
 
+``structured`` (a :class:`~laneserve.core.structured.StructuredSpec`) constrains the output to a
+JSON schema, regex, choice or tool call: the engine masks every token the constraint forbids
+(``laneserve.engine.structured``), and EOS under a constraint always ends the request.
+
 Construction checks every field's type, range and finiteness (NaN passes ``< 0`` tests, so each
 float is checked with :func:`math.isfinite` first): a :class:`SamplingParams` that exists can be
 packed for the wire (every int fits int64) and sampled. The API validates requests before they get
@@ -20,6 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from numbers import Integral, Real
+
+from laneserve.core.structured import StructuredSpec
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by them overflows
@@ -62,6 +68,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs, ids unique
     min_tokens: int = 0
+    structured: StructuredSpec | None = None          # structured output: the text must satisfy this
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX:
@@ -102,6 +109,8 @@ class SamplingParams:
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            raise ValueError(f"structured must be a StructuredSpec, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -38,6 +38,7 @@ from laneserve.engine.kv_cache import KVPayload, PagedKVCache
 from laneserve.engine.models.llama import LlamaModel
 from laneserve.engine.runner import ModelRunner, SeqInput, plan_sequences
 from laneserve.engine.sampler import GREEDY, Sampler, TokenHistory, TokenLogprobs, UnsampleableRows, token_stops
+from laneserve.engine.structured import ConstraintState, ConstraintViolation, UnsupportedSpec, compile_constraint
 
 
 @dataclass(slots=True)
@@ -85,6 +86,8 @@ class EngineExecutor:
         # per-request token statistics for logit shaping (penalties, logit_bias, min_tokens): kept
         # while the request holds KV here, rebuilt from its tokens if it comes back without
         self._histories: dict[int, TokenHistory] = {}
+        # per-request structured-output states (request object, state), kept and dropped like histories
+        self._constraints: dict[int, tuple[object, ConstraintState]] = {}
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -175,14 +178,16 @@ class EngineExecutor:
         if not sampled_seqs:
             return {}, set(), {}, {}
         params = [s.request.sampling or GREEDY for s in sampled_seqs]
+        self._drop_departed()
         histories = self._token_histories(sampled_seqs, params, logits)
         failed: dict[int, str] = {}
+        states = self._constraint_states(sampled_seqs, params, failed)
         try:
             tokens, logprobs = self.sampler.sample(logits, params, [s.request.num_output_tokens for s in sampled_seqs],
-                                                   histories)
+                                                   histories, states)
         except UnsampleableRows as exc:          # the other rows' tokens are valid
             tokens, logprobs = exc.tokens, exc.logprobs
-            failed = {sampled_seqs[row].request.request_id: why for row, why in exc.rows.items()}
+            failed |= {sampled_seqs[row].request.request_id: why for row, why in exc.rows.items()}
         sampled: dict[int, int] = {}
         stop_hit: set[int] = set()
         lp_out: dict[int, TokenLogprobs] = {}
@@ -195,15 +200,51 @@ class EngineExecutor:
                 lp_out[rid] = lp
         return sampled, stop_hit, lp_out, failed
 
+    def _drop_departed(self) -> None:
+        """Drop the histories and constraint states of requests that no longer hold KV on this
+        instance (finished, aborted, handed off, preempted by recompute), so the maps never
+        outgrow the requests resident here."""
+        for per_request in (self._histories, self._constraints):
+            if per_request:
+                host = self.host_pool.tables if self.host_pool is not None else {}
+                for rid in [r for r in per_request if r not in self.kv.tables and r not in host]:
+                    del per_request[rid]
+
+    def _constraint_states(self, seqs: list[SeqInput], params: list, failed: dict[int, str]
+                           ) -> list[ConstraintState | None] | None:
+        """Each constrained row's :class:`ConstraintState`, synced with the request's output tokens
+        (on a decode instance the first sync replays the token the prefill instance sampled). A
+        spec that cannot be compiled or a state the tokens violate fails only that request."""
+        if not any(p.structured is not None for p in params):
+            return None
+        out: list[ConstraintState | None] = []
+        for s, p in zip(seqs, params):
+            req = s.request
+            if p.structured is None:
+                out.append(None)
+                continue
+            entry = self._constraints.get(req.request_id)
+            try:
+                if entry is None or entry[0] is not req:
+                    if self.model.tokenizer is None:
+                        raise UnsupportedSpec("structured output needs the model's tokenizer")
+                    state = compile_constraint(p.structured, self.model.tokenizer,
+                                               eos_token_ids=sorted(self.eos_token_ids)).new_state()
+                    entry = self._constraints[req.request_id] = (req, state)
+                out.append(entry[1].sync(req.output_token_ids or []))
+            except (UnsupportedSpec, ConstraintViolation) as exc:
+                self._constraints.pop(req.request_id, None)
+                failed[req.request_id] = f"structured output: {exc}"
+                out.append(None)
+        return out
+
+    @property
+    def num_constraint_states(self) -> int:
+        return len(self._constraints)
+
     def _token_histories(self, seqs: list[SeqInput], params: list, logits: torch.Tensor) -> list[TokenHistory | None]:
-        """Each shaped row's :class:`TokenHistory`, extended by its new output tokens. Histories of
-        requests that no longer hold KV on this instance (finished, aborted, handed off, preempted
-        by recompute) are dropped first, so the map never outgrows the requests resident here."""
+        """Each shaped row's :class:`TokenHistory`, extended by its new output tokens."""
         hist = self._histories
-        if hist:
-            host = self.host_pool.tables if self.host_pool is not None else {}
-            for rid in [r for r in hist if r not in self.kv.tables and r not in host]:
-                del hist[rid]
         out: list[TokenHistory | None] = []
         for s, p in zip(seqs, params):
             if not p.shapes_logits:

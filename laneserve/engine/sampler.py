@@ -23,6 +23,10 @@ cannot be sampled — it holds NaN or +inf, or no finite value — fails only it
 :meth:`Sampler.sample` finishes every other row and then raises :class:`UnsampleableRows`, which
 carries the full result (a placeholder token for the failed rows) and ``rows`` (row -> reason), so
 the caller can keep the good rows' tokens and fail the named rows' requests.
+
+Structured output: a row with a :class:`ConstraintState` has every token its constraint forbids
+set to ``-inf`` after the logit shaping and before greedy or random choice (logprobs stay those of
+the raw logits); a row whose constraint allows nothing fails as above ("no finite logit").
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from laneserve.core.sampling import SamplingParams
+from laneserve.engine.structured import ConstraintState, apply
 
 GREEDY = SamplingParams(temperature=0.0)
 _SEED_STRIDE = 1_000_003
@@ -85,7 +90,9 @@ class TokenHistory:
             self.bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=device)
             self.bias_values = torch.tensor([b for _, b in bias], dtype=torch.float32, device=device)
         if params.min_tokens:
-            stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+            # a constrained request may end whenever its constraint accepts: EOS is never banned
+            keep_eos = params.ignore_eos or params.structured is not None
+            stop = set(params.stop_token_ids) | (set() if keep_eos else set(eos_token_ids))
             self.stop_ids = torch.tensor(sorted(t for t in stop if t < vocab_size), dtype=torch.long, device=device)
 
     def extend(self, output_token_ids: Sequence[int]) -> None:
@@ -108,14 +115,21 @@ class Sampler:
         self._generator = torch.Generator().manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
-               histories: Sequence[TokenHistory | None] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+               histories: Sequence[TokenHistory | None] | None = None,
+               states: Sequence[ConstraintState | None] | None = None,
+               ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """``logits`` ``[S, vocab]`` (fp32); ``output_index[i]`` = how many output tokens row i's
         request already has (seeds the per-request draw, gates ``min_tokens``); ``histories[i]``
-        the row's :class:`TokenHistory`, needed where ``params[i].shapes_logits``. Returns token
+        the row's :class:`TokenHistory`, needed where ``params[i].shapes_logits``; ``states[i]`` the
+        row's structured-output state (None: unconstrained). Returns token
         ids and logprobs, or raises :class:`UnsampleableRows` (after sampling every other row) if
         some rows cannot be sampled."""
         raw = logits.float()
         logits = _shape(raw, params, output_index, histories)
+        if states is not None and any(st is not None for st in states):
+            if logits is raw:
+                logits = raw.clone()
+            apply(logits, states)
         bad = _unsampleable_rows(logits)
         tokens = logits.argmax(dim=-1).tolist()
         cpu_logits = None
@@ -214,10 +228,11 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -
 
 
 def token_stops(token: int, params: SamplingParams, eos_token_ids: Iterable[int]) -> bool:
-    """Whether ``token`` ends the request: EOS (unless ``ignore_eos``) or one of ``stop_token_ids``."""
+    """Whether ``token`` ends the request: EOS (unless ``ignore_eos``; under a structured-output
+    constraint always: the output is complete) or one of ``stop_token_ids``."""
     if token in params.stop_token_ids:
         return True
-    return not params.ignore_eos and token in eos_token_ids
+    return (not params.ignore_eos or params.structured is not None) and token in eos_token_ids
 
 
 class StopChecker:

@@ -42,6 +42,7 @@ from laneserve.server.protocol import (BadRequest, GenerateInput, ServerDefaults
                                       parse_completion)
 from laneserve.server.schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse)
+from laneserve.server.structured import openai_tool_calls
 
 
 @dataclass(slots=True)
@@ -361,6 +362,15 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
                                   "finish_reason": run.finish, "stop_reason": None}
         if gi.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
+            spec = gi.sampling.structured
+            if spec is not None and spec.kind in ("tool", "tools_required") and run.finish == "stop":
+                try:
+                    choice["message"] = {"role": "assistant", "content": None,
+                                         "tool_calls": openai_tool_calls(spec, text)}
+                    # OpenAI: a forced named function ends with "stop", "required" calls with "tool_calls"
+                    choice["finish_reason"] = "tool_calls" if spec.kind == "tools_required" else "stop"
+                except ValueError:          # not a complete call (cannot happen under the constraint)
+                    pass
             obj = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created,
                    "model": state.model_name, "choices": [choice], "usage": run.usage()}
         else:

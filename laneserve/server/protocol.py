@@ -21,6 +21,11 @@ unknown name is logged once (up to ``MAX_LOGGED_UNKNOWN`` names). OpenAI fields 
 implement are accepted only at their neutral value (``n=1``, ``echo=false`` ...) and rejected
 otherwise with "not supported".
 
+Structured output (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``, ``tools``
+with ``tool_choice``) becomes ``SamplingParams.structured``; the constraint is compiled here, over
+the served tokenizer (in the parse pool, off the event loop), so a spec that cannot be compiled
+(a grammar, a bad regex, an unsupported schema) is a 400 naming the field, never an instance error.
+
 SLO precedence: ``slo`` field > headers > the ``slo_class``'s launch default > the server default.
 A class not configured at launch is accepted as a label only when the request sets both targets
 itself (load generators replaying a workload's classes); otherwise it is a 400.
@@ -44,9 +49,11 @@ from pydantic import BaseModel, ValidationError
 
 from laneserve.core.sampling import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN, SamplingParams, is_real
 from laneserve.core.slo import SLO, SLOClass
+from laneserve.core.structured import StructuredSpec, UnsupportedSpec
 from laneserve.server.schema import (MAX_CHARS_PER_TOKEN, MAX_JSON_DEPTH, MAX_LABEL_CHARS, MAX_MESSAGES,
                                      MAX_NAME_CHARS, MAX_SLO_MS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                      ChatCompletionRequest, CompletionRequest)
+from laneserve.server.structured import spec_from_request
 
 __all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "MAX_JSON_DEPTH", "MAX_MESSAGES", "MAX_STOP_STRINGS",
            "MAX_STOP_TOKEN_IDS", "BadRequest", "GenerateInput", "ServerDefaults", "parse_body", "parse_chat",
@@ -57,6 +64,10 @@ COMPLETION_FIELDS = frozenset(CompletionRequest.model_fields)
 CHAT_FIELDS = frozenset(ChatCompletionRequest.model_fields)
 
 log = logging.getLogger("laneserve.server")
+# the fields that may ask for structured output (laneserve.server.structured reads them)
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs", "tools", "tool_choice", "parallel_tool_calls")
+MAX_CONSTRAINT_REGEX_CHARS = 1 << 17    # a schema whose regex is longer is refused (compile time grows with it)
 _M = TypeVar("_M", bound=BaseModel)
 MAX_LOGGED_UNKNOWN = 256       # unknown field names remembered (each logged once); later ones are not logged
 
@@ -204,6 +215,7 @@ _EXPECTS = {
     "stop_token_ids": "a list of integers (token ids)",
     "logit_bias": "an object of token id (a decimal string) -> number",
     "tool_choice": "a string or an object",
+    "guided_json": "a JSON schema (an object, or its JSON text)",
     "slo": 'an object like {"ttft_ms": 500, "tpot_ms": 50}',
     "stream_options": "an object with 'include_usage' and/or 'continuous_usage_stats'",
     "chat_template_kwargs values": f"null, a boolean, a finite number or a string of at most {MAX_NAME_CHARS} "
@@ -416,9 +428,48 @@ def _min_tokens_fit(min_tokens: int, max_tokens: int, max_tokens_key: str) -> No
         raise BadRequest(f"'min_tokens' ({min_tokens}) must be <= {max_tokens_key} ({max_tokens})", "min_tokens")
 
 
+def _structured(body: dict, req: CompletionRequest | ChatCompletionRequest, tokenizer) -> StructuredSpec | None:
+    """The request's structured-output constraint, compiled once over ``tokenizer`` to check it."""
+    fields = {k: body[k] for k in STRUCTURED_FIELDS if k in body and k in type(req).model_fields}
+    given = [k for k, v in fields.items() if v is not None]
+    try:
+        spec = spec_from_request(fields)
+    except UnsupportedSpec as exc:
+        field_name = _named(str(exc), given)
+        msg = str(exc) if field_name is None or field_name in str(exc) else f"'{field_name}': {exc}"
+        raise BadRequest(msg, field_name) from None
+    if spec is None:
+        return None
+    param = next((k for k in given if k not in ("tools", "parallel_tool_calls")), given[0])
+    if tokenizer is None:
+        raise BadRequest("structured output needs a tokenizer; this model has none", param)
+    if spec.kind in ("tool", "tools_required") and req.stream:
+        raise BadRequest("streaming tool calls are not supported: send stream: false", "stream")
+    from laneserve.engine.structured import compile_constraint     # torch: only when a request asks
+
+    try:
+        if len(spec.to_regex()) > MAX_CONSTRAINT_REGEX_CHARS:
+            raise UnsupportedSpec(f"the constraint is too large (its regular expression exceeds "
+                                  f"{MAX_CONSTRAINT_REGEX_CHARS} characters)")
+        compile_constraint(spec, tokenizer)
+    except UnsupportedSpec as exc:
+        raise BadRequest(str(exc), param) from None
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - outlines-core may panic (a BaseException) on odd input
+        raise BadRequest(f"the structured-output constraint cannot be compiled: {_show(str(exc), 200)}",
+                         param) from None
+    return spec
+
+
+def _named(message: str, given: list[str]) -> str | None:
+    """The field an UnsupportedSpec message is about (it names the field it was raised for)."""
+    return next((k for k in sorted(given, key=len, reverse=True) if k in message), given[0] if given else None)
+
+
 def _check_common(req: CompletionRequest | ChatCompletionRequest, vocab_size: int, headers: dict[str, str],
                   defaults: ServerDefaults, has_tokenizer: bool, logprobs: int | None, max_tokens: int | None,
-                  max_tokens_key: str) -> _Checked:
+                  max_tokens_key: str, structured: StructuredSpec | None = None) -> _Checked:
     """The checks of the fields shared by both endpoints that do not depend on the prompt;
     ``max_tokens`` is None when its default depends on the prompt (chat)."""
     _neutral(req.n, 1, "n", "only n=1")
@@ -446,7 +497,7 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest, vocab_size: in
                     logprobs=logprobs, presence_penalty=req.presence_penalty or 0.0,
                     frequency_penalty=req.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                    logit_bias=bias, min_tokens=min_tokens)
+                    logit_bias=bias, min_tokens=min_tokens, structured=structured)
     slo, slo_class, priority = _slo(req, headers, defaults)
     return _Checked(sampling, slo, slo_class, priority)
 
@@ -501,8 +552,9 @@ def parse_completion(body: Any, *, tokenizer, max_model_len: int, vocab_size: in
     _neutral(req.suffix, None, "suffix", "no suffix")
     _neutral(req.best_of, 1, "best_of", "only best_of=1")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens      # OpenAI's and vLLM's default
+    structured = _structured(body, req, tokenizer)
     checked = _check_common(req, vocab_size, headers, defaults, tokenizer is not None, req.logprobs, max_tokens,
-                            "max_tokens")
+                            "max_tokens", structured)
     if isinstance(prompt, str):
         text, ids = prompt, list(tokenizer.encode(prompt))
     else:
@@ -526,11 +578,6 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
     msgs = [{"role": m.role, "content": m.content if isinstance(m.content, str)
              else "\n".join(part.text for part in m.content)} for m in req.messages]
     _text_limit(sum(len(m["content"]) for m in msgs), max_model_len, "messages")
-    if req.tools:
-        raise BadRequest("'tools' is not supported by laneserve", "tools")
-    _neutral(req.tool_choice, "none", "tool_choice", "no tools")
-    if req.response_format is not None and req.response_format != {"type": "text"}:
-        raise BadRequest("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
     logprobs = None
     if req.logprobs:
         logprobs = req.top_logprobs or 0
@@ -540,7 +587,8 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
     max_tokens, key = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None and req.max_tokens is not None:
         max_tokens, key = req.max_tokens, "max_tokens"
-    checked = _check_common(req, vocab_size, headers, defaults, True, logprobs, max_tokens, key)
+    structured = _structured(body, req, tokenizer)
+    checked = _check_common(req, vocab_size, headers, defaults, True, logprobs, max_tokens, key, structured)
     try:
         text = tokenizer.apply_chat_template(msgs, tokenize=False,
                                              add_generation_prompt=req.add_generation_prompt is not False, **kwargs)

@@ -10,7 +10,7 @@ limit is a named constant below: each is far beyond what a legitimate client sen
 enough that no single request can make the server recurse, allocate, compute or echo without bound.
 
 Unknown fields are ignored (as vLLM, which logs them: ``protocol`` logs each name once). Fields of
-OpenAI's API that laneserve does not implement (``n`` > 1, ``echo``, ``tools`` ...) are typed here
+OpenAI's API that laneserve does not implement (``n`` > 1, ``echo`` ...) are typed here
 and refused by ``protocol`` unless neutral.
 
 The response models document the JSON bodies (``responses=`` of the routes) and let tests check a
@@ -46,6 +46,8 @@ MAX_METADATA = 16              # OpenAI's metadata limits: 16 pairs, keys <= 64 
 MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
 MAX_N = 128                    # n / best_of (typed for the docs; protocol serves n = 1)
 MAX_TOOLS = 128
+MAX_REGEX_CHARS = 4096         # guided_regex / structured_outputs.regex
+MAX_CHOICES = 256              # guided_choice options
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 # Token ids (prompt, stop_token_ids) are plain ints here: protocol checks them against the served
@@ -111,6 +113,17 @@ class _Request(BaseModel):
     skip_special_tokens: bool | None = None
     return_token_ids: bool | None = Field(None, description="token ids of the prompt and the output in each choice")
     priority: Int64 | None = Field(None, description="lower = served earlier by priority-aware policies")
+    # structured output (OpenAI's response_format; vLLM's guided_* and structured_outputs)
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}')
+    guided_json: dict[str, Any] | str | None = Field(None, description="a JSON schema the output must satisfy")
+    guided_regex: Annotated[str, StringConstraints(max_length=MAX_REGEX_CHARS)] | None = Field(
+        None, description="a regex the output must match in full")
+    guided_choice: Annotated[list[Name], Field(max_length=MAX_CHOICES)] | None = Field(
+        None, description="the output is exactly one of these")
+    guided_grammar: str | None = Field(None, description="not supported (context-free grammars)")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM: one of json, regex, choice, json_object (grammar is not supported)")
     # laneserve extensions
     slo: SLOTargets | None = None
     slo_class: str | None = Field(None, description="a --slo-class of the server, or a label when slo sets both "
@@ -149,10 +162,12 @@ class ChatCompletionRequest(_Request):
         None, description="output tokens at most; takes precedence over max_tokens")
     logprobs: bool | None = Field(None, description="logprobs of each output token")
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(None, description="needs logprobs")
-    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
-    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = Field(None, description="not supported")
-    tool_choice: str | dict[str, Any] | None = Field(None, description='only "none"')
-    parallel_tool_calls: bool | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="functions the model may call")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='"none", "auto" (no constraint), "required", or {"type": "function", "function": '
+                          '{"name": ...}}: the output is constrained to the call(s)')
+    parallel_tool_calls: bool | None = Field(None, description='with "required": false allows one call only')
     add_generation_prompt: bool | None = Field(None, description="true by default")
     chat_template_kwargs: Annotated[dict[str, _TEMPLATE_VALUE], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = Field(
         None, description="extra variables of the chat template (not its own arguments)")
@@ -210,16 +225,29 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="a JSON object")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = Field(None, description="with tool_choice naming a function or "
+                                                                   '"required"')
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort", "error"] | None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = Field(None, description="with return_token_ids")
     prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids")
