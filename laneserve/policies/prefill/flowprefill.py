@@ -107,7 +107,6 @@ class FlowPrefillScheduler(PrefillScheduler):
         self.num_preemptions = 0
         self.num_forced_resumes = 0
         self.suspensions: list[float] = []             # how long each resumed task was parked
-        self.dropped_plans: list[StepPlan] = []
         self._queue = SignedDeadlineQueue(ordering, self.predict, self._step_tokens)
         self._monotone_memo: tuple[Any, bool] = (None, False)
 

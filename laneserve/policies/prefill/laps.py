@@ -100,7 +100,6 @@ class LapsPrefill(PrefillScheduler):
         self._long_started = 0.0
         self._long_forced = False
         self._parked_long: StepPlan | None = None      # a preempted long plan, resumed next
-        self.dropped_plans: list[StepPlan] = []        # parked plans given up (a member aborted)
         self.preemptions = 0
         self._cost_model = None
         self._long_seconds = 0.0                     # last long step's observed time
