@@ -477,14 +477,10 @@ class ProcessCluster:
                     continue
                 if not h.process_alive():
                     self._instance_down(h)
-                elif h.ready and timeout > 0 and now - h.last_seen > timeout and not self._in_process:
+                elif h.ready and timeout > 0 and now - h.last_seen > timeout and not self.spec.in_process:
                     h.exit_reason = f"no heartbeat for {now - h.last_seen:.1f} s: hung, killed"
                     h.proc.kill()
                     self._instance_down(h)
-
-    @property
-    def _in_process(self) -> bool:
-        return self.spec.in_process
 
     def _instance_down(self, h: InstanceHandle) -> None:
         h.alive = False
@@ -538,12 +534,11 @@ class ProcessCluster:
                  for h in self.instances]
         try:
             self.admission(0)
-            status = "ok" if all(h.accepting for h in self.instances) else "degraded"
         except Overloaded:
-            status = "ok" if all(h.accepting for h in self.instances) else "degraded"
+            pass                              # busy is not unhealthy
         except Unavailable as exc:
             return {"status": "unavailable", "message": str(exc), "instances": insts}
-        return {"status": status, "instances": insts}
+        return {"status": "ok" if all(h.accepting for h in self.instances) else "degraded", "instances": insts}
 
     # ---- introspection -------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

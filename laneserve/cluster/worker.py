@@ -248,40 +248,43 @@ class InstanceWorker:
         for rid in rids:
             with contextlib.suppress(Exception):
                 self.instance.scheduler.abort(rid, now)
-            self.live.pop(rid, None)
-            self.sent.pop(rid, None)
         with contextlib.suppress(Exception):
             self.instance.executor.discard(plan)
         self.instance.plan = None
         print(f"laneserve: instance {self.spec.instance_id}: step failed ({type(exc).__name__}: {exc}); "
               f"failing request(s) {rids}", file=sys.stderr, flush=True)
         if rids:
-            self._send({"k": "err", "rids": rids, "msg": f"the engine step failed: {type(exc).__name__}: {exc}"})
+            self._fail(rids, f"the engine step failed: {type(exc).__name__}: {exc}")
 
     def _fail_rows(self, failed: dict[int, str]) -> None:
         """Requests whose logits row could not be sampled (the instance aborted them): tell the router."""
         for rid, why in failed.items():
-            self.live.pop(rid, None)
-            self.sent.pop(rid, None)
-            self._send({"k": "err", "rids": [rid], "msg": f"sampling failed: {why}"})
+            self._fail([rid], f"sampling failed: {why}")
 
-    def _abort(self, rid: int, now: float) -> None:
+    def _forget(self, rid: int) -> None:
+        """``rid`` is no longer this worker's to report (finished, handed off, failed or aborted)."""
         self.live.pop(rid, None)
         self.sent.pop(rid, None)
+
+    def _fail(self, rids: list[int], message: str) -> None:
+        """These requests failed here (their KV already freed): forget them and tell the router."""
+        for rid in rids:
+            self._forget(rid)
+        self._send({"k": "err", "rids": rids, "msg": message})
+
+    def _abort(self, rid: int, now: float) -> None:
+        self._forget(rid)
         _, desc = self.instance.abort(rid, now)
         if desc is not None:                    # its KV had not come in yet
             self.transport.discard(desc)
 
     def _take_transfers(self) -> None:
         def failed(req, exc: Exception) -> None:
-            self.live.pop(req.request_id, None)
-            self._send({"k": "err", "rids": [req.request_id], "msg": f"KV transfer failed: {exc}"})
+            self._fail([req.request_id], f"KV transfer failed: {exc}")
 
         def never_fits(req, desc) -> None:
             self.transport.discard(desc)
-            self.live.pop(req.request_id, None)
-            self._send({"k": "err", "rids": [req.request_id],
-                        "msg": "the request can never fit this decode instance's KV memory"})
+            self._fail([req.request_id], "the request can never fit this decode instance's KV memory")
         self.instance.take_kv(self.transport.get, on_error=failed, on_drop=never_fits)
 
     # ---- outputs -----------------------------------------------------------------------------
@@ -312,8 +315,7 @@ class InstanceWorker:
                 info = {"prefill_start": req.times.prefill_start, "preemptions": req.num_preemptions}
             items.append([rid, new, fin.finish_reason if fin is not None else None, lp, info])
             if fin is not None:
-                self.live.pop(rid, None)
-                self.sent.pop(rid, None)
+                self._forget(rid)
         if items:
             self._send({"k": "tok", "items": items})
         for req in handoffs:
@@ -327,7 +329,8 @@ class InstanceWorker:
             desc = self.transport.put(rid, payload)
         except Exception as exc:  # noqa: BLE001
             inst.scheduler.abort(rid, self.clock.now())
-            self._send({"k": "err", "rids": [rid], "msg": f"KV export failed: {exc}"})
+            self._fail([rid], f"KV export failed: {exc}")
+            return
         else:
             inst.scheduler.release(rid)
             t = req.times
@@ -336,8 +339,7 @@ class InstanceWorker:
                         "lp": _logprobs(lp) if req.sampling.logprobs is not None else None,
                         "info": {"prefill_start": t.prefill_start, "prefill_end": t.prefill_end,
                                  "preemptions": req.num_preemptions}})
-        self.live.pop(rid, None)
-        self.sent.pop(rid, None)
+        self._forget(rid)
 
     def _stats(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from laneserve.core.kv import HostKVPool, KVCacheManager, blocks_for
-from laneserve.core.plan import StepPlan, StepResult
+from laneserve.core.plan import StepResult
 from laneserve.core.prefix_cache import PrefixCache
 from laneserve.core.request import Phase, Request, RequestSpec
 from laneserve.costmodel.base import CostModel
