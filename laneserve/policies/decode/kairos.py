@@ -125,7 +125,7 @@ class KairosDecode(DecodeScheduler):
         if max_delay_steps < 1:
             raise ValueError("max_delay_steps must be >= 1")
         cost = cost_model
-        self._table_given = lut is not None or profile is not None
+        self._table_given = lut is not None or profile is not None or cost_model is not None
         self._length_key_given = length_key is not None
         self._late_binds_given = late_binds is not None
         self._learned = None                     # a LearnedCostModel the table follows (online)
@@ -159,8 +159,8 @@ class KairosDecode(DecodeScheduler):
     def bind_cost_model(self, cost_model: CostModel) -> None:
         """The step table from the run's cost model (oracle or profile: filled once) or a
         :class:`~laneserve.policies.predictors.LearnedCostModel` (online: cells no step has been
-        observed in follow the model at each of its refits), unless ``lut``/``profile`` was given.
-        ``length_key`` and ``late_binds``, unless given, follow the model's attention kind."""
+        observed in follow the model at each of its refits), unless the constructor was given a
+        ``lut``, ``profile`` or ``cost_model``. ``length_key`` and ``late_binds``, unless given, follow the model's attention kind."""
         if self._table_given:
             return
         learned = hasattr(cost_model, "decode_version")
