@@ -19,7 +19,7 @@ from laneserve.policies.predictors import PRIOR_PREFILL, LearnedTTFT
 from laneserve.policies.prefill.priority import priority_key, priority_value
 from laneserve.sim import ClusterConfig, Simulator
 
-COST = make_cost_model("analytic", model="llama-3-8b", hardware="h100")
+COST = make_cost_model("analytic", model="llama-3.1-8b", hardware="h100")   # Llama-3-8B shape, 128K context
 LINEAR = lambda n: 1e-3 * n      # noqa: E731  (1 ms per token: easy arithmetic)
 
 
