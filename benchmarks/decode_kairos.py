@@ -21,6 +21,10 @@ tokens/s) at that same rate. The mean and the all-rate maximum of the TPOT gain,
 throughput gain (lowest load), are reported beside them; every rate is in the table.
 
     python benchmarks/decode_kairos.py            # ~2-3 min, simulator only
+
+Predictors (issue 18): this reproduction pins ``predictor="oracle"`` (the policies read the cost
+model that charges the time, as before the honest-predictor default), so its figures stay
+comparable with the paper's and with earlier runs.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ ARMS = ("continuous", "kairos", "kairos-literal")
 
 def run(workload, cost, policy: str, rate: float, *, record: bool = False) -> dict:
     opts = {"cost_model": cost} if policy.startswith("kairos") else {}
-    cfg = ClusterConfig(num_prefill=4, num_decode=1, prefill_policy="fcfs", decode_policy=policy,
+    cfg = ClusterConfig(predictor="oracle", num_prefill=4, num_decode=1, prefill_policy="fcfs", decode_policy=policy,
                         decode_opts=opts, record_token_times=record)
     sim = Simulator(cfg, cost)
     res = sim.run(workload.with_rate(rate).specs)

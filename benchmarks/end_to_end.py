@@ -10,6 +10,10 @@ where the baseline still attains >= 20% (beyond that every policy is overloaded)
 the table and the plot. Target: metrics.e2e_attainment_gain >= 0.25.
 
     python benchmarks/end_to_end.py
+
+Predictors (issue 18): this reproduction pins ``predictor="oracle"`` (the policies read the cost
+model that charges the time, as before the honest-predictor default), so its figures stay
+comparable with the paper's and with earlier runs.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ ARMS = (BASELINE, "cp-edf-2k+continuous", "fcfs+kairos", "kairos+continuous", "s
 
 def run(workload, cost, arm: str, rate: float) -> dict:
     prefill, decode = arm.split("+")
-    cfg = ClusterConfig(num_prefill=NUM_PREFILL, num_decode=NUM_DECODE, prefill_policy=prefill,
+    cfg = ClusterConfig(predictor="oracle", num_prefill=NUM_PREFILL, num_decode=NUM_DECODE, prefill_policy=prefill,
                         decode_policy=decode, router="least-loaded",
                         decode_opts={"cost_model": cost} if decode.startswith("kairos") else {})
     res = Simulator(cfg, cost).run(workload.with_rate(rate).specs)

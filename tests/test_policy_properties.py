@@ -11,7 +11,8 @@ from laneserve.costmodel import make_cost_model
 from laneserve.policies import available
 from laneserve.sim import ClusterConfig, Simulator
 
-COST = make_cost_model(model="llama-3-8b", hardware="h100", attention="padded")
+# Llama-3-8B's shape with a 128K context: the workloads have prompts beyond 8K tokens
+COST = make_cost_model(model="llama-3.1-8b", hardware="h100", attention="padded")
 
 
 def workload(seed: int, n: int = 250) -> list[RequestSpec]:

@@ -15,10 +15,11 @@ from laneserve.core.request import Phase, Request
 from laneserve.costmodel import PolynomialTTFT, make_cost_model
 from laneserve.policies import make
 from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
-from laneserve.policies.prefill.priority import OnlineTTFT, priority_key, priority_value
+from laneserve.policies.predictors import PRIOR_PREFILL, LearnedTTFT
+from laneserve.policies.prefill.priority import priority_key, priority_value
 from laneserve.sim import ClusterConfig, Simulator
 
-COST = make_cost_model("analytic", model="llama-3-8b", hardware="h100")
+COST = make_cost_model("analytic", model="llama-3.1-8b", hardware="h100")   # Llama-3-8B shape, 128K context
 LINEAR = lambda n: 1e-3 * n      # noqa: E731  (1 ms per token: easy arithmetic)
 
 
@@ -68,8 +69,8 @@ def test_predictor_from_cost_model_and_online():
     s = make("prefill", "sedf", KVCacheManager(64, 16))
     s.bind_cost_model(COST)
     assert s.predict(4096) == pytest.approx(COST.prefill_time([(4096, 0)]), rel=0.1)
-    online = OnlineTTFT()
-    assert online(1000) == 0.0
+    online = LearnedTTFT()
+    assert online(1000) == pytest.approx(PRIOR_PREFILL[3] + 1000 * PRIOR_PREFILL[0])   # the prior
     for n in (100, 400, 1600, 3200):
         online.observe(n, 1e-4 * n + 1e-8 * n * n)
     assert online(800) == pytest.approx(1e-4 * 800 + 1e-8 * 800 ** 2, rel=0.05)

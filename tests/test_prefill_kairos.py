@@ -17,7 +17,7 @@ from laneserve.policies import make
 from laneserve.policies.prefill.kairos import fcfs_finish_times, urgency_score
 from laneserve.sim import ClusterConfig, Simulator
 
-COST = make_cost_model("analytic", model="llama-3-8b", hardware="h100")
+COST = make_cost_model("analytic", model="llama-3.1-8b", hardware="h100")   # Llama-3-8B shape, 128K context
 
 
 def req(rid, arrival, prompt, ttft, out=3):

@@ -411,7 +411,7 @@ def test_laps_lanes_compose_with_slack_aware_ordering():
     from laneserve.sim import ClusterConfig, Simulator
     from laneserve.workloads import make_workload
 
-    cost = make_cost_model(model="llama-3-8b", hardware="h100")
+    cost = make_cost_model(model="llama-3.1-8b", hardware="h100")
     wl = make_workload("flowprefill_mix", n=600, model="Llama3-8B", rate=16, seed=1)
     att = {}
     for policy in ("laps", "laps:order=sedf"):

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 ROW_KEYS = ("request_throughput", "output_throughput", "attainment_ttft", "attainment_tpot",
             "attainment_both", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
-            "p90_tpot_ms", "p99_tpot_ms", "mean_queue_ms", "completed", "failed")
+            "p90_tpot_ms", "p99_tpot_ms", "mean_queue_ms", "completed", "failed", "rejected")
 
 
 def policy_config(spec: str, base: ClusterConfig) -> ClusterConfig:

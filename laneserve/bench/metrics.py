@@ -11,8 +11,8 @@ Per request (seconds):
 - queueing time = ``prefill_start − arrival``
 
 Attainment: a completed request meets TTFT when ``ttft <= slo.ttft`` (no target ⇒ met), TPOT
-likewise, "both" when both hold. Aborted and unfinished requests count as misses in every
-attainment and are counted separately; latency statistics cover completed requests only.
+likewise, "both" when both hold. Aborted, unfinished and rejected requests (refused at admission:
+beyond the model's context) count as misses in every attainment and are counted separately; latency statistics cover completed requests only.
 
 :func:`summarize` makes one pass over the requests into numpy columns and derives everything
 vectorised, so 100K requests take a fraction of a second.
@@ -31,8 +31,8 @@ from laneserve.core.request import Phase, Request
 #: slack on SLO comparisons so that a latency equal to its target up to float rounding still meets it
 SLO_EPS = 1e-9
 
-COMPLETED, ABORTED, UNFINISHED = 0, 1, 2
-_STATUS_NAMES = ("completed", "aborted", "unfinished")
+COMPLETED, ABORTED, UNFINISHED, REJECTED = 0, 1, 2, 3
+_STATUS_NAMES = ("completed", "aborted", "unfinished", "rejected")
 _NAN = float("nan")
 
 
@@ -65,6 +65,8 @@ def _opt(x: float | None) -> float:
 def _status(req: Request) -> int:
     if req.phase is Phase.FINISHED and req.times.first_token is not None:
         return COMPLETED
+    if req.finish_reason == "rejected":
+        return REJECTED
     if req.phase is Phase.ABORTED:
         return ABORTED
     return UNFINISHED
@@ -219,6 +221,7 @@ def summarize(requests: Iterable[Request], *, duration: float | None = None,
     out: dict[str, Any] = {
         "num_requests": int(status.size), "completed": n_completed,
         "aborted": int((status == ABORTED).sum()), "unfinished": int((status == UNFINISHED).sum()),
+        "rejected": int((status == REJECTED).sum()),
         "failed": int(status.size - n_completed), "duration": duration,
         "total_input_tokens": int(n_in[comp].sum()), "total_output_tokens": int(n_out[comp].sum()),
     }

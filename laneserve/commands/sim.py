@@ -9,6 +9,7 @@ and a PNG plot into ``--output``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     w = p.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
-    src.add_argument("--trace", type=Path, help="Azure-format CSV or Mooncake-format JSONL (.gz ok)")
+    src.add_argument("--trace", type=Path, help="Azure-format CSV or Mooncake-format JSONL (.gz ok); its SLOs: "
+                     "TTFT = max(0.4 s, 4 x the request's idle prefill time), TPOT = max(50 ms, 4 x its "
+                     "idle decode step), on the run's cost model (--ttft-slo/--tpot-slo replace a rule)")
     src.add_argument("--workload", default="azure_conv",
                      help="named workload (default azure_conv); see --list")
     w.add_argument("--workload-opt", action="append", default=[], metavar="KEY=VALUE",
@@ -44,7 +47,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--decode", type=int, default=1, help="decode instances")
     c.add_argument("--router", default="round-robin", help="prefill router")
     c.add_argument("--decode-router", default="least-loaded", help="decode router")
-    c.add_argument("--host-kv-tokens", type=int, default=0, help="host KV pool per decode instance")
+    c.add_argument("--host-kv-tokens", type=int, default=0,
+                   help="host KV pool per decode instance (default 0: none, except AlignedServe, which "
+                        "gets 250 GB of host memory per GPU: 2 TB / 8 GPUs of a DGX H100)")
+    c.add_argument("--predictor", choices=("online", "oracle", "profile"), default="online",
+                   help="where SLO-aware policies get their latency predictions: online (default: "
+                        "learned from each instance's own step times), oracle (the cost model that "
+                        "charges the time) or profile (an offline fit with ~10%% noise)")
+    c.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="reject requests whose prompt + output exceed N tokens (default: the model's "
+                        "context; 0 = no limit); rejected requests count as misses")
     c.add_argument("--prefix-cache-tokens", type=int, default=None, metavar="N",
                    help="give each prefill instance its own LRU prefix cache of N tokens (0 = its KV "
                         "capacity) for policies run with prefix_caching=true; default: idealised "
@@ -103,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     from laneserve.bench.report import format_console_table, write_report
     from laneserve.costmodel import make_cost_model
     from laneserve.sim import ClusterConfig
+    from laneserve.workloads import IdleLatencySLO
 
     try:
         wl = load_workload(args, apply_slo_scale=False)
@@ -112,7 +125,12 @@ def run(args: argparse.Namespace) -> int:
         base = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.prefill,
                              router=args.router, decode_router=args.decode_router,
                              host_kv_tokens=args.host_kv_tokens, kv_link=args.kv_link,
-                             prefix_cache_tokens=args.prefix_cache_tokens)
+                             prefix_cache_tokens=args.prefix_cache_tokens, predictor=args.predictor,
+                             max_model_len=args.max_model_len)
+        slo_rule = None
+        if args.trace is not None:       # one rule for any trace file, on the run's cost model
+            wl = IdleLatencySLO().apply(wl, cost, ttft=args.ttft_slo, tpot=args.tpot_slo)
+            slo_rule = wl.meta["slo_rule"]
         policies = {spec: policy_config(spec, base) for spec in split_policy_sets(args.policies)}
         if not policies:
             raise ValueError("--policies names no policy set")
@@ -137,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     print(f"workload: {wl.name}, {len(wl)} requests, native rate {wl.mean_rate:.2f} req/s; "
-          f"cost model: {cost!r}", file=sys.stderr)
+          f"cost model: {cost!r}; predictor: {args.predictor}", file=sys.stderr)
     t0 = time.perf_counter()
     bar = progress_bar(total=len(policies) * len(rates), desc=f"simulating ({jobs if args.ray_address else f'{jobs} jobs'})",
                        enabled=False if args.no_progress else None)
@@ -160,18 +178,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"tightest SLO scale[{name}] at {rates[0]} req/s = "
                   f"{res.value if res.value is not None else 'not met'} ({res.evals} runs)", file=sys.stderr)
     cols = ["policy", "rate", "attainment_ttft", "attainment_tpot", "attainment_both", "p90_ttft_ms",
-            "p99_ttft_ms", "p90_tpot_ms", "output_throughput"]
+            "p99_ttft_ms", "p90_tpot_ms", "output_throughput", "rejected"]
     print(format_console_table(rows, cols))
+    if slo_rule is not None:
+        print(f"SLO rule (--trace): {slo_rule}")
     paths = write_report(args.output, args.name, rows, y_keys=("attainment_ttft", "attainment_both"),
                          title=f"{wl.name} on {cost!r}")
-    if goodputs or scales:
-        import json
-        data = json.loads(paths["json"].read_text())
-        if goodputs:
-            data["metrics"]["goodput"] = goodputs
-        if scales:
-            data["metrics"]["tightest_slo_scale"] = {"rate": rates[0], **scales}
-        paths["json"].write_text(json.dumps(data, indent=2) + "\n")
+    data = json.loads(paths["json"].read_text())
+    data["metrics"]["predictor"] = args.predictor
+    if slo_rule is not None:
+        data["metrics"]["slo_rule"] = slo_rule
+    if goodputs:
+        data["metrics"]["goodput"] = goodputs
+    if scales:
+        data["metrics"]["tightest_slo_scale"] = {"rate": rates[0], **scales}
+    paths["json"].write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {', '.join(str(p) for p in paths.values())} in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     return 0

@@ -24,7 +24,8 @@ from .laps_fit import LapsPrefillModel, nnls
 from .profile import Profile
 from .specs import H100_SXM, LinkSpec, fit_link
 
-__all__ = ["PolynomialTTFT", "StepTimeLUT", "LapsPrefillModel", "FittedCostModel", "nnls"]
+__all__ = ["PolynomialTTFT", "StepTimeLUT", "LapsPrefillModel", "LinearStepModel", "FittedCostModel",
+           "prefill_features", "decode_features", "nnls"]
 
 
 @dataclass(slots=True)
@@ -183,13 +184,58 @@ class StepTimeLUT:
         return lut
 
 
-class FittedCostModel:
+def prefill_features(batch: Sequence[tuple[int, int]], attention: str) -> list[float]:
+    """Features of a prefill step's time, linear in its coefficients: ``(sum new, attention
+    query-key pairs sum new*(cached+new/2), chunks, 1)``; a padded kernel pays every chunk as the
+    longest one."""
+    pairs = [(n, c) for n, c in batch if n > 0]
+    if attention == "padded" and pairs:
+        new, total = max(n for n, _ in pairs), max(n + c for n, c in pairs)
+        attn = len(pairs) * new * (total - new / 2)
+    else:
+        attn = sum(n * (c + n / 2) for n, c in pairs)
+    return [sum(n for n, _ in pairs), attn, len(pairs), 1.0]
+
+
+def decode_features(context_lens: Sequence[int], attention: str) -> list[float]:
+    """Features of a decode step's time: ``(batch, kv tokens, 1)`` with kv tokens ``sum(ctx)``
+    (ragged) or ``batch * max(ctx)`` (padded)."""
+    b = len(context_lens)
+    kv = b * max(context_lens) if attention == "padded" else sum(context_lens)
+    return [b, kv, 1.0]
+
+
+class LinearStepModel:
+    """Step times linear in :func:`prefill_features` / :func:`decode_features` with coefficients
+    ``prefill_coef`` / ``decode_coef``: the fitted engine twin and the online learner
+    (:class:`laneserve.policies.predictors.LearnedCostModel`). A mixed step is the prefill model over
+    the chunks plus one ``(1, ctx-1)`` chunk per decode, never below the pure decode step."""
+
+    attention: str
+    prefill_coef: np.ndarray
+    decode_coef: np.ndarray
+
+    def prefill_time(self, batch: PrefillBatch) -> float:
+        batch = list(batch)
+        if not any(n > 0 for n, _ in batch):
+            return 0.0
+        return float(np.dot(self.prefill_coef, prefill_features(batch, self.attention)))
+
+    def decode_step_time(self, context_lens: Sequence[int]) -> float:
+        if not context_lens:
+            return 0.0
+        return float(np.dot(self.decode_coef, decode_features(context_lens, self.attention)))
+
+    def mixed_step_time(self, prefill: PrefillBatch, context_lens: Sequence[int]) -> float:
+        chunks = list(prefill) + [(1, max(c - 1, 0)) for c in context_lens]
+        return max(self.prefill_time(chunks), self.decode_step_time(context_lens))
+
+
+class FittedCostModel(LinearStepModel):
     """:class:`CostModel` fitted from an engine profile.
 
-    prefill: non-negative weighted least squares of seconds over
-    ``(sum new, sum new*(cached+new/2), requests, 1)``; decode: over ``(batch, kv tokens, 1)`` with
-    kv tokens = ``sum(ctx)`` (ragged) or ``batch*max(ctx)`` (padded). A mixed step is the prefill
-    fit over the chunks plus one ``(1, ctx-1)`` chunk per decode, never below the pure decode step.
+    prefill: non-negative weighted least squares of seconds over :func:`prefill_features`;
+    decode: over :func:`decode_features`; mixed steps as :class:`LinearStepModel`.
     Operator times split the step by ``profile.op_fractions`` (evenly when absent). KV transfer
     fits ``profile.kv_copy`` for its link and uses ``links`` (H100 defaults) for the others.
     """
@@ -203,11 +249,11 @@ class FittedCostModel:
         self.num_layers = profile.num_layers
         self.kv_bytes_per_token = profile.kv_bytes_per_token
         self.prefill_coef = _fit_relative(
-            np.array([self._prefill_features(list(zip(s.new_tokens, s.cached_tokens)))
+            np.array([prefill_features(list(zip(s.new_tokens, s.cached_tokens)), self.attention)
                       for s in profile.prefill]),
             np.array([s.seconds for s in profile.prefill]))
         self.decode_coef = _fit_relative(
-            np.array([self._decode_features(d.context_lens) for d in profile.decode]),
+            np.array([decode_features(d.context_lens, self.attention) for d in profile.decode]),
             np.array([d.seconds for d in profile.decode]))
         fractions = np.asarray(profile.op_fractions or [1.0] * len(LAYER_OPERATORS), float)
         if len(fractions) != len(LAYER_OPERATORS) or (fractions < 0).any() or fractions.sum() <= 0:
@@ -218,37 +264,8 @@ class FittedCostModel:
             self.links[profile.kv_copy_link] = fit_link(
                 (s.tokens * self.kv_bytes_per_token, s.seconds) for s in profile.kv_copy)
 
-    def _prefill_features(self, batch: list[tuple[int, int]]) -> list[float]:
-        pairs = [(n, c) for n, c in batch if n > 0]
-        if self.attention == "padded" and pairs:
-            new, total = max(n for n, _ in pairs), max(n + c for n, c in pairs)
-            attn = len(pairs) * new * (total - new / 2)
-        else:
-            attn = sum(n * (c + n / 2) for n, c in pairs)
-        return [sum(n for n, _ in pairs), attn, len(pairs), 1.0]
-
-    def _decode_features(self, context_lens: Sequence[int]) -> list[float]:
-        b = len(context_lens)
-        kv = b * max(context_lens) if self.attention == "padded" else sum(context_lens)
-        return [b, kv, 1.0]
-
-    def prefill_time(self, batch: PrefillBatch) -> float:
-        batch = list(batch)
-        if not any(n > 0 for n, _ in batch):
-            return 0.0
-        return float(np.dot(self.prefill_coef, self._prefill_features(batch)))
-
     def prefill_op_times(self, batch: PrefillBatch) -> list[float]:
         return (self.prefill_time(batch) * self._op_share).tolist()
-
-    def decode_step_time(self, context_lens: Sequence[int]) -> float:
-        if not context_lens:
-            return 0.0
-        return float(np.dot(self.decode_coef, self._decode_features(context_lens)))
-
-    def mixed_step_time(self, prefill: PrefillBatch, context_lens: Sequence[int]) -> float:
-        chunks = list(prefill) + [(1, max(c - 1, 0)) for c in context_lens]
-        return max(self.prefill_time(chunks), self.decode_step_time(context_lens))
 
     def kv_transfer_time(self, tokens: int, link: str = "nvlink") -> float:
         key = {"rdma": "infiniband", "ib": "infiniband"}.get(link.lower(), link.lower())

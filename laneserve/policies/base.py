@@ -41,6 +41,7 @@ class InstanceScheduler(ABC):
     host_pool = None                      # the decode side's host KV pool, if any
     prefix_cache = None                   # the prefill side's prefix cache, if bound
     prefix_caching: bool = False          # the policy reuses cached prompt prefixes
+    needs_host_pool: bool = False         # refuses to run without a host KV pool (the simulator gives a default)
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
@@ -103,7 +104,8 @@ class InstanceScheduler(ABC):
         return None
 
     def bind_cost_model(self, cost_model) -> None:
-        """Give an online predictor the instance's cost model (simulator), when the policy has one."""
+        """The model the policy's predictors read, when it has any (:mod:`laneserve.policies.predictors`:
+        the run's own cost model, a profile fit, or a model the instance learns online)."""
 
     def bind_prefix_cache(self, cache) -> None:
         """Give the policy its instance's prefix cache (policies run with ``prefix_caching``)."""

@@ -110,6 +110,7 @@ class ColocatedScheduler(InstanceScheduler):
 
     def bind_cost_model(self, cost_model) -> None:
         self.prefill.bind_cost_model(cost_model)
+        self.decode.bind_cost_model(cost_model)
 
     def bind_prefix_cache(self, cache) -> None:
         self.prefill.bind_prefix_cache(cache)

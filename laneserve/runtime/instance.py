@@ -18,6 +18,10 @@ What a driver feeds in besides steps:
   fails (finish reason ``error``) one that can never fit this instance's memory.
 - ``abort(rid, now)``: drops the request wherever it is here (an offered transfer too).
 
+An instance may carry a ``learner`` (:class:`~laneserve.policies.predictors.LearnedCostModel`,
+the ``online`` predictor its policy was bound to): every completed step is fed to it, before the
+scheduler advances the counters.
+
 Counters are kept here once: steps, busy time, and preemptions — a step stopped at an operator
 boundary counts here, swaps and recomputes a policy makes between steps count in
 ``scheduler.policy_preemptions``; ``stats()`` adds the two. The router-facing load figures come
@@ -38,9 +42,10 @@ from laneserve.policies.routing import SchedulerLoad
 
 
 class Instance(SchedulerLoad):
-    def __init__(self, instance_id: int, scheduler: InstanceScheduler) -> None:
+    def __init__(self, instance_id: int, scheduler: InstanceScheduler, learner: Any = None) -> None:
         self.instance_id = instance_id
         self.scheduler = scheduler
+        self.learner = learner                          # online predictor fed with every step
         self.role = scheduler.role
         self.accepting = True
         self.plan: StepPlan | None = None               # the step running now
@@ -68,6 +73,8 @@ class Instance(SchedulerLoad):
         self.busy_time += duration
         if not result.completed:
             self.preemptions += 1
+        elif self.learner is not None:
+            self.learner.observe(plan, duration)
         return self.scheduler.update(plan, result, now)
 
     # ---- events ----------------------------------------------------------------------------

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from laneserve.policies.predictors import PREDICTORS
+
+#: host memory per GPU behind the default host KV pool: a DGX H100 has 2 TB of host memory for
+#: its 8 GPUs (NVIDIA DGX H100 user guide)
+HOST_BYTES_PER_GPU = 2 * 10**12 // 8
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
@@ -21,7 +27,9 @@ class ClusterConfig:
     #: KV capacity per instance in tokens; None derives it from the cost model's memory
     prefill_kv_tokens: int | None = None
     decode_kv_tokens: int | None = None
-    host_kv_tokens: int = 0              # host-memory pool per decode instance (swap, AlignedServe)
+    #: host-memory pool per decode instance (swap, AlignedServe); 0 = none, except for a policy
+    #: that needs one (AlignedServe), which gets :func:`default_host_kv_tokens`
+    host_kv_tokens: int = 0
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_link: str = "nvlink"              # prefill -> decode transfer link
@@ -34,6 +42,14 @@ class ClusterConfig:
     prefill_opts: dict[str, Any] = field(default_factory=dict)
     decode_opts: dict[str, Any] = field(default_factory=dict)
     record_token_times: bool = False
+    #: where the policies' predictors come from: "online" (learned from the instance's own step
+    #: times), "oracle" (the cost model that charges the time) or "profile" (a noisy offline fit);
+    #: see laneserve.policies.predictors
+    predictor: str = "online"
+    #: prompt + output tokens a request may need (the server's max_model_len): longer requests are
+    #: rejected at arrival (finish reason "rejected") and counted, not simulated. None: the cost
+    #: model's model spec's context (no limit when it has none); 0: no limit
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -47,6 +63,10 @@ class ClusterConfig:
             raise ValueError("block_size must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.predictor not in PREDICTORS:
+            raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)}, got {self.predictor!r}")
+        if self.max_model_len is not None and self.max_model_len < 0:
+            raise ValueError("max_model_len must be None or >= 0")
 
     def describe(self) -> str:
         if self.mode == "colocated":
@@ -62,3 +82,20 @@ def kv_capacity_tokens(cost_model: Any, utilization: float) -> int:
     if callable(fn):
         return int(fn(utilization))
     return 1 << 20
+
+
+def default_host_kv_tokens(cost_model: Any) -> int:
+    """The host KV pool of a decode instance whose policy needs one and was given none: the KV
+    tokens that fit :data:`HOST_BYTES_PER_GPU` per GPU of the instance (``tp`` GPUs)."""
+    per_token = getattr(cost_model, "kv_bytes_per_token", 0)
+    if not per_token:
+        return 1 << 22
+    return int(HOST_BYTES_PER_GPU * getattr(cost_model, "tp", 1) / per_token)
+
+
+def context_limit(config: ClusterConfig, cost_model: Any) -> int | None:
+    """The prompt + output tokens a request may need on this run (None: no limit)."""
+    if config.max_model_len is not None:
+        return config.max_model_len or None
+    spec = getattr(cost_model, "model", None)
+    return getattr(spec, "max_context", None)

@@ -1,6 +1,7 @@
 """Discrete-event simulation of a PD-disaggregated (or colocated) cluster.
 
-Events: request arrival, step finished (or stopped at an operator boundary), KV transfer done,
+Events: request arrival (rejected when prompt + output exceed the model's context, as the
+server does), step finished (or stopped at an operator boundary), KV transfer done,
 and policy wake-ups. Each instance is the shared runtime (:class:`~laneserve.runtime.Instance`:
 steps, arrivals, preemption questions, KV intake, counters) driven in virtual time: this module
 only turns its answers into future events. KV transfers queue per destination link; every
@@ -24,7 +25,8 @@ from laneserve.core.request import Phase, Request, RequestSpec
 from laneserve.costmodel.base import CostModel
 from laneserve.policies import registry
 from laneserve.runtime import Instance
-from laneserve.sim.config import ClusterConfig, kv_capacity_tokens
+from laneserve.policies.predictors import PredictorSource
+from laneserve.sim.config import ClusterConfig, context_limit, default_host_kv_tokens, kv_capacity_tokens
 from laneserve.sim.executor import SimExecutor
 
 _STEP, _TRANSFER, _WAKEUP = 0, 1, 2
@@ -35,8 +37,8 @@ class SimInstance(Instance):
     and start, a token that invalidates its end event when a preemption moves it, the operator
     count it will stop at, the pending wake-up and the incoming KV link's next free time."""
 
-    def __init__(self, instance_id: int, role: str, scheduler) -> None:
-        super().__init__(instance_id, scheduler)
+    def __init__(self, instance_id: int, role: str, scheduler, learner=None) -> None:
+        super().__init__(instance_id, scheduler, learner)
         self.role = role
         self.result: StepResult | None = None
         self.step_start = 0.0
@@ -72,29 +74,39 @@ class Simulator:
         cfg = self.config
         default_tokens = kv_capacity_tokens(self.cost, cfg.gpu_memory_utilization)
         bs = cfg.block_size
+        predictors = PredictorSource(cfg.predictor, self.cost)
 
         def kv(tokens: int | None) -> KVCacheManager:
             return KVCacheManager(blocks_for(tokens or default_tokens, bs), bs)
 
-        def host() -> HostKVPool | None:
-            return HostKVPool(blocks_for(cfg.host_kv_tokens, bs), bs) if cfg.host_kv_tokens else None
+        def host(kind: str, spec: str) -> HostKVPool | None:
+            tokens = cfg.host_kv_tokens
+            if not tokens and getattr(registry.resolve(kind, spec)[0], "needs_host_pool", False):
+                tokens = default_host_kv_tokens(self.cost)
+            return HostKVPool(blocks_for(tokens, bs), bs) if tokens else None
+
+        def instance(i: int, role: str, scheduler) -> SimInstance:
+            """Every instance's policy reads the run's predictors (online: a learner of its own)."""
+            model, learner = predictors.for_instance()
+            scheduler.bind_cost_model(model)
+            return SimInstance(i, role, scheduler, learner)
 
         if cfg.mode == "colocated":
-            front = [SimInstance(i, "colocated", registry.make(
-                "colocated", cfg.colocated_policy, kv(cfg.prefill_kv_tokens), host_pool=host(),
-                **cfg.prefill_opts)) for i in range(cfg.num_colocated)]
+            front = [instance(i, "colocated", registry.make(
+                "colocated", cfg.colocated_policy, kv(cfg.prefill_kv_tokens),
+                host_pool=host("colocated", cfg.colocated_policy), **cfg.prefill_opts))
+                for i in range(cfg.num_colocated)]
             return front, []
-        front = [SimInstance(i, "prefill", registry.make("prefill", cfg.prefill_policy,
-                                                         kv(cfg.prefill_kv_tokens), **cfg.prefill_opts))
+        front = [instance(i, "prefill", registry.make("prefill", cfg.prefill_policy,
+                                                      kv(cfg.prefill_kv_tokens), **cfg.prefill_opts))
                  for i in range(cfg.num_prefill)]
-        for inst in front:     # policies with an online predictor fit it to the instance's model
-            inst.scheduler.bind_cost_model(self.cost)
-            if cfg.prefix_cache_tokens is not None:
+        if cfg.prefix_cache_tokens is not None:
+            for inst in front:
                 inst.scheduler.bind_prefix_cache(
                     PrefixCache(cfg.prefix_cache_tokens or cfg.prefill_kv_tokens or default_tokens))
-        back = [SimInstance(cfg.num_prefill + j, "decode", registry.make(
-                    "decode", cfg.decode_policy, kv(cfg.decode_kv_tokens), host_pool=host(),
-                    **cfg.decode_opts))
+        back = [instance(cfg.num_prefill + j, "decode", registry.make(
+                    "decode", cfg.decode_policy, kv(cfg.decode_kv_tokens),
+                    host_pool=host("decode", cfg.decode_policy), **cfg.decode_opts))
                 for j in range(cfg.num_decode)]
         return front, back
 
@@ -111,6 +123,7 @@ class Simulator:
         router = registry.make("router", cfg.router)
         decode_router = registry.make("router", cfg.decode_router)
         executor, cost, link = self.executor, self.cost, cfg.kv_link
+        limit = context_limit(cfg, cost)
         heap: list[tuple] = []
         seq = 0
         push = heapq.heappush
@@ -181,6 +194,9 @@ class Simulator:
                 front[req.prefill_instance].scheduler.release(req.request_id)
 
         def arrive(req: Request, t: float) -> None:
+            if limit is not None and req.prompt_len + req.max_output_tokens > limit:
+                req.finish(t, "rejected")          # the server's 400: beyond the model's context
+                return
             i = router.route(req, front, t)
             inst = front[i]
             req.prefill_instance = i

@@ -18,7 +18,7 @@ from laneserve.workloads.slo_tables import (CHAT_SLO, FLOWPREFILL_CLASSES, FLOWP
                                             LONG_CONTEXT_SLO, flowprefill_model_key, flowprefill_slos)
 from laneserve.workloads.synthetic import (FLOWPREFILL_PROMPT_STATS, alignedserve_mix, flowprefill_mix,
                                            lmsys_multiturn, short_long_mix)
-from laneserve.workloads.traces import (AZURE_CONV_PATH, MOONCAKE_CONV_PATH, detect_format,
+from laneserve.workloads.traces import (AZURE_CONV_PATH, MOONCAKE_CONV_PATH, IdleLatencySLO, detect_format,
                                         load_azure_csv, load_mooncake_jsonl, load_trace)
 from laneserve.workloads.workload import Workload
 

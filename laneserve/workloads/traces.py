@@ -9,6 +9,11 @@
 
 Arrival times are re-based so the first request arrives at 0. Paths ending in ``.gz`` are read
 transparently. Copies of both traces ship in ``laneserve/workloads/data/`` (see NOTICE.md there).
+
+A trace file carries no SLOs. The loaders' ``slo`` defaults (chat for Azure, long-context for
+Mooncake) are the named workloads' tables; ``laneserve sim --trace`` replaces them with one rule
+for any file, :class:`IdleLatencySLO`: each request's targets are multiples of its own latency on
+an idle instance of the run's cost model, with floors.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from __future__ import annotations
 import gzip
 import io
 import json
+from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
 
 from laneserve.core.request import RequestSpec
 from laneserve.core.slo import SLO
+from laneserve.costmodel.base import CostModel
 from laneserve.workloads.slo_tables import CHAT_SLO, LONG_CONTEXT_SLO
 from laneserve.workloads.workload import Workload
 
@@ -169,3 +176,41 @@ def load_trace(path: str | Path, **opts) -> Workload:
     loader = load_azure_csv if fmt == "azure_csv" else load_mooncake_jsonl
     opts.setdefault("name", Path(path).name.split(".")[0])
     return loader(path, **opts)
+
+
+@dataclass(frozen=True, slots=True)
+class IdleLatencySLO:
+    """The SLO rule of ``laneserve sim --trace``: a request's TTFT target is ``ttft_multiple`` × its
+    whole prompt's prefill time alone on an idle instance, at least ``ttft_floor``; its TPOT target
+    is ``tpot_multiple`` × one decode step of it alone at its final context, at least
+    ``tpot_floor`` (both on the run's cost model). The floors are the chat table's targets
+    (0.4 s, 50 ms; :data:`~laneserve.workloads.slo_tables.CHAT_SLO`), so short prompts get the usual
+    chat SLO and long ones proportionally more. A target given explicitly replaces its rule."""
+
+    ttft_multiple: float = 4.0
+    ttft_floor: float = 0.4
+    tpot_multiple: float = 4.0
+    tpot_floor: float = 0.05
+
+    def describe(self, ttft: float | None = None, tpot: float | None = None) -> str:
+        t = (f"TTFT {ttft:g} s" if ttft is not None else
+             f"TTFT = max({self.ttft_floor:g} s, {self.ttft_multiple:g} x the request's idle prefill time)")
+        d = (f"TPOT {tpot * 1000:g} ms" if tpot is not None else
+             f"TPOT = max({self.tpot_floor * 1000:g} ms, {self.tpot_multiple:g} x its idle decode step "
+             f"at its final context)")
+        return f"{t}; {d}"
+
+    def slo(self, prompt_len: int, output_len: int, cost: CostModel, *, ttft: float | None = None,
+            tpot: float | None = None) -> SLO:
+        if ttft is None:
+            ttft = max(self.ttft_floor, self.ttft_multiple * cost.prefill_time([(prompt_len, 0)]))
+        if tpot is None:
+            tpot = max(self.tpot_floor, self.tpot_multiple * cost.decode_step_time([prompt_len + output_len]))
+        return SLO(ttft, tpot)
+
+    def apply(self, workload: Workload, cost: CostModel, *, ttft: float | None = None,
+              tpot: float | None = None) -> Workload:
+        """``workload`` with every request's SLO set by the rule (``ttft``/``tpot``: fixed targets)."""
+        specs = [replace(s, slo=self.slo(s.prompt_len, s.output_len, cost, ttft=ttft, tpot=tpot))
+                 for s in workload.specs]
+        return Workload(workload.name, tuple(specs), {**workload.meta, "slo_rule": self.describe(ttft, tpot)})

@@ -56,6 +56,7 @@ SINCE_TAG = "aligned_since"
 class AlignedServeDecode(DecodeScheduler):
     name = "alignedserve"
     kv_lands_in_host = True          # incoming KV transfers are written into the host pool
+    needs_host_pool = True
 
     def __init__(self, kv: KVCacheManager, *, host_pool: HostKVPool | None = None,
                  max_batch_size: int = 256, threshold: float = 0.4, n_min: int = 36,

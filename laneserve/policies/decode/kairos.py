@@ -24,7 +24,9 @@ table comes from (padded → max, ragged → mean). With ``"max"`` and candidate
 length, ``len_r`` is the batch's longest context in the test of line 12. The table starts from (in
 order of precedence) ``lut``, a ``profile`` file, ``cost_model`` (uniform batches at the grid
 points) or the analytic roofline of ``model``/``hardware``/``tp``/``attention`` (default
-Llama-3-8B, H100, padded), on a grid with two points per octave; after every pure decode step (no
+Llama-3-8B, H100, padded), on a grid with two points per octave; the simulator replaces it with
+the run's predictor (:meth:`KairosDecode.bind_cost_model`: the run's own cost model, a profile fit,
+or a learned model whose refits fill the cells not observed yet). After every pure decode step (no
 recompute prefills, no swaps) the observed duration is folded into its cell's running mean (§3.2,
 "updates the LUT at runtime").
 
@@ -123,6 +125,11 @@ class KairosDecode(DecodeScheduler):
         if max_delay_steps < 1:
             raise ValueError("max_delay_steps must be >= 1")
         cost = cost_model
+        self._table_given = lut is not None or profile is not None or cost_model is not None
+        self._length_key_given = length_key is not None
+        self._late_binds_given = late_binds is not None
+        self._learned = None                     # a LearnedCostModel the table follows (online)
+        self._learned_version = -1
         if lut is None:
             if profile is not None:
                 from laneserve.costmodel import load_profile
@@ -148,6 +155,32 @@ class KairosDecode(DecodeScheduler):
         self.max_delay_steps = max_delay_steps
         self.pacer = TokenPacer(enabled=pace, tpot=tpot_slo, force_tpot=pace_tpot)
         self.stats = KairosStats()
+
+    def bind_cost_model(self, cost_model: CostModel) -> None:
+        """The step table from the run's cost model (oracle or profile: filled once) or a
+        :class:`~laneserve.policies.predictors.LearnedCostModel` (online: cells no step has been
+        observed in follow the model at each of its refits), unless the constructor was given a
+        ``lut``, ``profile`` or ``cost_model``. ``length_key`` and ``late_binds``, unless given, follow the model's attention kind."""
+        if self._table_given:
+            return
+        learned = hasattr(cost_model, "decode_version")
+        self._learned = cost_model if learned else None
+        self.lut = default_lut(cost_model, self.max_batch_size, prior_count=0 if learned else 1)
+        self._learned_version = getattr(cost_model, "decode_version", -1)
+        if not self._length_key_given:
+            self.length_key = "mean" if getattr(cost_model, "attention", None) == "ragged" else "max"
+        if not self._late_binds_given:
+            self.late_binds = self.length_key == "mean"
+
+    def _follow_learned(self) -> None:
+        """Refresh the never-observed cells from the learned model after it refitted."""
+        model = self._learned
+        if model is None or model.decode_version == self._learned_version:
+            return
+        self._learned_version = model.decode_version
+        fresh = default_lut(model, self.max_batch_size, prior_count=0)
+        empty = self.lut.counts == 0
+        self.lut.means[empty] = fresh.means[empty]
 
     # ---- Algorithm 3 -----------------------------------------------------------------------
     def target(self, req: Request) -> float | None:
@@ -216,6 +249,7 @@ class KairosDecode(DecodeScheduler):
 
     # ---- the scheduler contract ------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan | None:
+        self._follow_learned()
         plan = self._prepare_step(now)
         plan.decodes = self.select(self.running, now)
         return None if plan.is_empty else plan

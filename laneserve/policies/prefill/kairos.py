@@ -104,6 +104,7 @@ class KairosPrefill(PrefillScheduler):
         self.order = order
         self.estimate = estimate
         self._cost_model: Any = None
+        self._model_version: int | None = None       # a learned model's refit count (estimate="cost")
         self.mu_ema = mu_ema
         self.name = f"kairos-{chunk}" + ("" if order == "descending" else "-asc")
         self.queue: list[Request] = []               # pending, in arrival order
@@ -117,7 +118,8 @@ class KairosPrefill(PrefillScheduler):
             self.bind_cost_model(cost_model)
 
     def bind_cost_model(self, cost_model: Any) -> None:
-        """Initial μ from the instance's cost model (a full chunk), unless given or observed."""
+        """Initial μ from the instance's cost model (a full chunk), unless given or observed; the
+        ``estimate="cost"`` durations read it too (a learned one re-read when it refits)."""
         self._cost_model = cost_model
         self._dirty.update(r.request_id for r in self.queue)
         if not self._prior_given and self._seconds_seen == 0.0:
@@ -160,6 +162,10 @@ class KairosPrefill(PrefillScheduler):
         slots = self._slots
         if self.estimate == "cost" and self._cost_model is None:
             raise RuntimeError("kairos estimate='cost' needs a cost model (bind_cost_model)")
+        version = getattr(self._cost_model, "prefill_version", None)
+        if self.estimate == "cost" and version != self._model_version:
+            self._model_version = version           # a learned model refitted: every duration is stale
+            self._dirty.update(r.request_id for r in self.queue)
         for rid in self._dirty:
             req = self.requests[rid]
             slots.set_work(req, self._duration(req) if self.estimate == "cost" else 0.0)

@@ -23,20 +23,21 @@ using exact comparisons instead of ``1/d`` floats. LAPS lanes (or any queue) can
 ``sorted(reqs, key=lambda r: priority_key("sedf", r, now, predictor(r.remaining_prefill)))``.
 
 The predictor is FlowPrefill's TTFT polynomial (§6.4, "fits a polynomial to offline prefill
-profiles"): :class:`~laneserve.costmodel.PolynomialTTFT`, fitted from the instance's cost model
-when one is known, else learned online from observed step durations (:class:`OnlineTTFT`).
+profiles"): :class:`~laneserve.costmodel.PolynomialTTFT` fitted to the cost model bound to the
+instance (oracle or profile, :mod:`laneserve.policies.predictors`), or the quadratic of a
+:class:`~laneserve.policies.predictors.LearnedCostModel` learned online from observed step times.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from laneserve.core.request import Request
 from laneserve.costmodel.fitted import PolynomialTTFT
+from laneserve.policies.predictors import LearnedCostModel, LearnedTTFT
 
 INF = float("inf")
 
@@ -120,65 +121,26 @@ class _Horner:
         return all(np.polyval(deriv, x) >= 0 for x in points) and np.polyval(deriv, (lo + hi) / 2) >= 0
 
 
-@dataclass(slots=True)
-class OnlineTTFT:
-    """A TTFT polynomial learned from the instance's own completed steps (the engine has no cost
-    model): (batch tokens, step seconds) samples; a linear tokens/throughput estimate until
-    ``degree + 1`` distinct sizes were seen, then a least-squares :class:`PolynomialTTFT` (refitted
-    on every sample at first, then every ``refit_every`` samples, over the last ``window``).
-    Predicts 0 before any sample; ``version`` counts the refits (queues that cache predictions
-    rebuild when it changes)."""
-
-    degree: int = 2
-    window: int = 256
-    refit_every: int = 16
-    samples: list[tuple[int, float]] = field(default_factory=list)
-    _fn: Callable[[float], float] | None = None
-    _since_fit: int = 0
-    version: int = 0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
-            return
-        self.samples.append((tokens, seconds))
-        if len(self.samples) > self.window:
-            del self.samples[0]
-        self._since_fit += 1
-        if len(self.samples) <= self.refit_every or self._since_fit >= self.refit_every:
-            self._refit()
-
-    def _refit(self) -> None:
-        self._since_fit = 0
-        self.version += 1
-        if len({n for n, _ in self.samples}) > self.degree:
-            self._fn = _Horner(PolynomialTTFT(self.degree).fit(self.samples).coefficients)
-        else:
-            rate = sum(n for n, _ in self.samples) / sum(s for _, s in self.samples)
-            self._fn = lambda tokens, rate=rate: tokens / rate
-
-    def __call__(self, tokens: float) -> float:
-        return self._fn(tokens) if self._fn is not None else 0.0
-
-
 def never_negative(predict: Callable[[float], float]) -> bool:
-    """True for the predictors built here, which clamp (polynomial) or cannot go below 0."""
-    return isinstance(predict, (_Horner, OnlineTTFT))
+    """True for the predictors built here, which clamp (polynomial) or have non-negative
+    coefficients (learned)."""
+    return isinstance(predict, (_Horner, LearnedTTFT))
 
 
 def nondecreasing(predict: Callable[[float], float], hi: float) -> bool:
     """True when ``predict`` (one of the predictors built here, in its current fit) cannot
     decrease on ``[0, hi]`` tokens; False when unknown."""
-    if isinstance(predict, OnlineTTFT):
-        predict = predict._fn
-        if predict is None or not isinstance(predict, _Horner):
-            return True                   # 0, or tokens / rate
+    if isinstance(predict, LearnedTTFT):
+        return True                       # a quadratic with non-negative coefficients
     return isinstance(predict, _Horner) and predict.nondecreasing(0.0, hi)
 
 
 def make_predictor(predictor: Any = None, cost_model: Any = None) -> tuple[Callable[[float], float], bool]:
     """``(predict(tokens) -> seconds, learns_online)`` from an explicit predictor (a fitted
-    :class:`PolynomialTTFT`, its ``to_dict()``, or any callable), else a polynomial fitted to
-    ``cost_model``'s prefill times, else an :class:`OnlineTTFT`."""
+    :class:`PolynomialTTFT`, its ``to_dict()``, or any callable), else read from ``cost_model``
+    (a :class:`LearnedCostModel` the instance feeds: a live view; any other: a polynomial fitted
+    to its prefill times), else a :class:`LearnedTTFT` of the policy's own that it must feed
+    (``learns_online`` True)."""
     if isinstance(predictor, dict):
         predictor = PolynomialTTFT.from_dict(predictor)
     if isinstance(predictor, PolynomialTTFT):
@@ -187,6 +149,8 @@ def make_predictor(predictor: Any = None, cost_model: Any = None) -> tuple[Calla
         return predictor, False
     if predictor is not None:
         raise ValueError(f"predictor must be a PolynomialTTFT, its dict or a callable, got {predictor!r}")
+    if isinstance(cost_model, LearnedCostModel):
+        return LearnedTTFT(cost_model), False
     if cost_model is not None:
         return _Horner(PolynomialTTFT.from_cost_model(cost_model).coefficients), False
-    return OnlineTTFT(), True
+    return LearnedTTFT(), True
