@@ -17,6 +17,9 @@ model without a tokenizer still shows its tokens; turn them off for other server
 Results become :class:`~laneserve.core.request.Request` objects with their timestamps, so
 :func:`laneserve.bench.metrics.summarize` computes vLLM's metric keys plus SLO attainment exactly
 as for a simulated run — which is what makes the side-by-side with the simulator meaningful.
+
+Multi-turn chat sessions (closed loop, each turn after the previous reply) are
+:mod:`laneserve.bench.sessions`; both modes stream through :func:`stream_request`.
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@ once for ``inf``); a session sends turn *k* only after turn *k-1*'s reply has fu
 a think time (exponential with mean ``think_time`` s, or exactly ``think_time`` with ``fixed``;
 drawn in the plan, deterministic by seed). Turn *k*'s ``messages`` are the system prompt, every
 earlier user message and the model's *actual* earlier reply, then the new user message, so on a
-real server each prompt extends the previous one and a prefix cache can reuse it. A failed turn
-ends its session (its reply is missing from the history); the turns not sent are counted.
+real server each prompt extends the previous one and a prefix cache can reuse it (in tokens, all
+but the previous prompt's last token or so: a BPE tokenizer may merge the end of the template's
+generation prompt with the reply's first bytes). A failed turn ends its session (its reply is
+missing from the history); the turns not sent are counted.
 
 Metrics: the whole run as ``laneserve bench`` reports it (vLLM's keys), plus per turn index (turn 0
 is a session's first request) and for first vs later turns: TTFT mean/median/p90/p99, prompt
@@ -43,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from laneserve.bench.loadgen import (LoadConfig, LoadResult, RequestOutcome, bench_summary, stream_request,
-                                     to_requests)
+from laneserve.bench.loadgen import (LoadConfig, LoadResult, RequestOutcome, _model_info, bench_summary,
+                                     stream_request, to_requests)
 from laneserve.core.request import RequestSpec
 from laneserve.core.slo import SLO
 from laneserve.workloads.workload import Workload
@@ -193,7 +195,6 @@ async def run_sessions(cfg: LoadConfig, plans: Sequence[SessionPlan], *, slo: SL
     session closed-loop (see the module docstring); every request is bounded by ``cfg.timeout``."""
     import httpx
 
-    from laneserve.bench.loadgen import _model_info
     from laneserve.bench.progress import progress_bar
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     outcomes: list[RequestOutcome] = []
@@ -206,9 +207,12 @@ async def run_sessions(cfg: LoadConfig, plans: Sequence[SessionPlan], *, slo: SL
         bar = progress_bar(total=sum(len(p.conversation.turns) for p in plans), desc="turns", enabled=cfg.progress)
         t0 = time.perf_counter()
 
-        async def send(messages: list[dict[str, str]], spec_args: dict, turn: ChatTurn) -> RequestOutcome:
-            spec = RequestSpec(request_id=len(outcomes), arrival_time=time.perf_counter() - t0, slo=slo,
-                               slo_class=slo_class, output_len=turn.max_tokens, **spec_args)
+        async def send(plan: SessionPlan, k: int, messages: list[dict[str, str]], context: int) -> RequestOutcome:
+            """Turn ``k`` of ``plan``; ``context``: the history's estimated tokens (the spec's prefix)."""
+            turn = plan.conversation.turns[k]
+            spec = RequestSpec(request_id=len(outcomes), arrival_time=time.perf_counter() - t0,
+                               prompt_len=context + turn.user_tokens, output_len=turn.max_tokens, slo=slo,
+                               slo_class=slo_class, prefix_len=context, session_id=plan.session_id, turn=k)
             out = RequestOutcome(spec)
             outcomes.append(out)
             sent.append(messages)
@@ -229,13 +233,12 @@ async def run_sessions(cfg: LoadConfig, plans: Sequence[SessionPlan], *, slo: SL
             conv = plan.conversation
             await asyncio.sleep(max(0.0, plan.start - (time.perf_counter() - t0)))
             history = [{"role": "system", "content": conv.system}] if conv.system else []
-            context = conv.system_tokens      # estimated tokens so far (replies: as the server counted)
+            context = conv.system_tokens      # estimated history tokens (replies: as the server counted)
             for k, turn in enumerate(conv.turns):
                 if k:
                     await asyncio.sleep(plan.think_times[k - 1])
                 messages = [*history, {"role": "user", "content": turn.user}]
-                out = await send(messages, {"prompt_len": context + turn.user_tokens, "prefix_len": context,
-                                            "session_id": plan.session_id, "turn": k}, turn)
+                out = await send(plan, k, messages, context)
                 if not out.success:
                     unsent += len(conv.turns) - k - 1
                     bar.update(len(conv.turns) - k - 1)

@@ -165,6 +165,8 @@ def _run_sessions(args: argparse.Namespace, cfg, plans) -> tuple[dict, list]:
     slo = _session_slo(args)
     result = asyncio.run(run_sessions(cfg, plans, slo=slo))
     summary = session_summary(result)
+    summary.update(think_time=args.think_time, think_time_dist=args.think_time_dist, max_turns=args.max_turns,
+                   session_max_tokens=args.session_max_tokens, max_context=args.max_context)
     print(format_serving_block(summary, title="Multi-turn Serving Benchmark Result"))
     print(format_session_block(summary))
     return summary, list(observed_workload(result, slo=slo).specs)
