@@ -138,10 +138,11 @@ class InstanceWorker:
     # ---- set-up --------------------------------------------------------------------------
     def build(self) -> None:
         from laneserve.cluster.transport import make_transport
-        from laneserve.core.kv import HostKVPool, KVCacheManager
+        from laneserve.core.kv import HostKVPool
         from laneserve.engine.config import EngineConfig
         from laneserve.engine.executor import EngineExecutor
         from laneserve.engine.instance import EngineInstance
+        from laneserve.engine.kv_cache import make_kv_manager
         from laneserve.engine.models.loader import load_model
         from laneserve.engine.sampler import StopChecker
         from laneserve.policies import registry
@@ -150,7 +151,7 @@ class InstanceWorker:
         config = EngineConfig(**{"device": spec.device, **spec.engine})
         model = load_model(spec.model, config.device, config.dtype)
         blocks = max(1, spec.kv_tokens // config.block_size)
-        kv = KVCacheManager(blocks, config.block_size)
+        kv = make_kv_manager(blocks, config, role=spec.role, model_id=spec.model)
         host = HostKVPool(config.num_host_blocks, config.block_size) if config.num_host_blocks else None
         opts = dict(spec.policy_opts)
         if spec.role == "colocated":
