@@ -313,7 +313,8 @@ class InstanceWorker:
             lp = _logprobs(lps.get(rid)) if new and req.sampling.logprobs is not None else None
             info = None
             if fin is not None or sent == 0:
-                info = {"prefill_start": req.times.prefill_start, "preemptions": req.num_preemptions}
+                info = {"prefill_start": req.times.prefill_start, "preemptions": req.num_preemptions,
+                        "cached": req.num_cached_tokens}
             items.append([rid, new, fin.finish_reason if fin is not None else None, lp, info])
             if fin is not None:
                 self._forget(rid)
@@ -339,7 +340,7 @@ class InstanceWorker:
                         "computed": req.num_computed_tokens, "kv": desc, "t_first": t.first_token,
                         "lp": _logprobs(lp) if req.sampling.logprobs is not None else None,
                         "info": {"prefill_start": t.prefill_start, "prefill_end": t.prefill_end,
-                                 "preemptions": req.num_preemptions}})
+                                 "preemptions": req.num_preemptions, "cached": req.num_cached_tokens}})
         self._forget(rid)
 
     def _stats(self, force: bool = False) -> None:
@@ -356,6 +357,7 @@ class InstanceWorker:
                     "host_free": host.num_free_blocks if host is not None else None,
                     "host_total": host.num_blocks if host is not None else None,
                     "preemptions": inst.total_preemptions,
+                    "prefix_queries": kv.query_tokens, "prefix_hits": kv.hit_tokens,
                     "steps": inst.steps, "busy": inst.busy_time, "live": len(self.live),
                     "incoming": len(inst.pending), "kv_held": self.transport.held()})
         self._last_stats = now
