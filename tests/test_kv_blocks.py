@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -279,3 +279,53 @@ class KVSessions(RuleBasedStateMachine):
 TestKVSessions = KVSessions.TestCase
 TestKVSessions.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                    suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- the simulator's prefix cache on the same pool -----------------------------------------------
+class _LRUReference:
+    """The simulator's prefix cache before it moved onto BlockPool (an OrderedDict LRU over token
+    capacity): the pool-backed PrefixCache must hold the same blocks in the same order."""
+
+    def __init__(self, capacity: int) -> None:
+        from collections import OrderedDict
+        self.capacity, self.held, self.used, self.evicted = capacity, OrderedDict(), 0, 0
+
+    def match(self, blocks, touch=False):
+        k = 0
+        while k < len(blocks) and blocks[k][0] in self.held:
+            k += 1
+        if touch:
+            for name, _ in reversed(blocks[:k]):
+                self.held.move_to_end(name)
+        return sum(n for _, n in blocks[:k])
+
+    def insert(self, blocks):
+        for name, n in reversed(blocks):
+            if name in self.held:
+                self.held.move_to_end(name)
+            else:
+                self.held[name] = n
+                self.used += n
+        while self.used > self.capacity and self.held:
+            _, n = self.held.popitem(last=False)
+            self.used -= n
+            self.evicted += n
+
+
+@settings(max_examples=200, deadline=None)
+@given(capacity=st.integers(0, 12), ops=st.lists(st.tuples(st.sampled_from(["insert", "match", "touch"]),
+                                                           st.integers(0, 3), st.integers(0, 8)), max_size=40))
+def test_prefix_cache_on_the_pool_is_the_lru_it_replaced(capacity, ops):
+    from laneserve.core.prefix_cache import PrefixCache
+    bt = 64
+    cache, ref = PrefixCache(capacity * bt), _LRUReference(capacity * bt)
+    for op, session, length in ops:            # chains of a few sessions, prefixes of each other
+        chain = tuple(((session, i), bt) for i in range(length))
+        if op == "insert":
+            cache.insert(chain)
+            ref.insert(chain)
+        else:
+            assert cache.match(chain, touch=op == "touch") == ref.match(chain, touch=op == "touch")
+        assert cache.used_tokens == ref.used and cache.evicted_tokens == ref.evicted
+        assert [cache._pool.name_of(b) for b in cache._pool.cached_blocks()] == list(ref.held)
+        cache._pool.check()

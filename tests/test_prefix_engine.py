@@ -131,3 +131,41 @@ def test_engine_instance_needs_a_caching_kv_manager_for_prefix_caching():
         EngineInstance(make("prefill", "fcfs", KVCacheManager(64, 16), prefix_caching=True), executor=None)
     caching = KVCacheManager(64, 16, prefix_caching=True)
     assert EngineInstance(make("colocated", "colocated", caching), executor=None).scheduler.prefix_caching
+
+
+# ---- policies classify and predict by new tokens ---------------------------------------------------
+def _kv_holding(tokens: list[int], num_blocks: int = 512) -> KVCacheManager:
+    """A caching KV manager whose cache holds ``tokens``' full blocks (a finished request's)."""
+    kv = KVCacheManager(num_blocks, 16, prefix_caching=True)
+    done = Request(10**6, 0.0, len(tokens), 1, SLO(), prompt_token_ids=list(tokens))
+    kv.allocate(done.request_id, len(tokens))
+    done.num_computed_tokens = len(tokens)
+    kv.register(done)
+    kv.free(done.request_id)
+    return kv
+
+
+def _waiting(rid: int, tokens: list[int], ttft: float = 1.0) -> Request:
+    return Request(rid, 0.0, len(tokens), 4, SLO(ttft, 0.1), prompt_token_ids=list(tokens))
+
+
+def test_prefill_policies_see_new_tokens_after_the_cache_hit():
+    from laneserve.policies.prefill.laps_lanes import LONG, SHORT
+    history = list(range(1, 1001))
+    kv = _kv_holding(history)
+    turn = _waiting(1, history + [7] * 40)             # 1040 tokens, 992 cached: 48 new
+    fresh = _waiting(2, list(range(2000, 3040)))
+    laps = make("prefill", "laps", kv)
+    assert laps.prefix_caching and laps.new_tokens(turn) == 48 and laps.new_tokens(fresh) == 1040
+    assert laps.lane_of(turn) == SHORT and laps.lane_of(fresh) == LONG
+    sedf = make("prefill", "sedf", kv)
+    assert sedf._step_tokens(turn) == 48 and sedf._step_tokens(fresh) == 1040
+    kairos = make("prefill", "kairos", kv, throughput=1000.0)
+    for req in (turn, fresh):
+        kairos.add_request(req, 0.0)
+    (s_turn, _), (s_fresh, _) = sorted(kairos.scores(0.0), key=lambda item: item[1].request_id)
+    # FCFS finish estimates: 48 new tokens, then 1040 more, at 1000 tokens/s
+    assert s_turn == pytest.approx(((1.0 - 0.048) / 1.0) / 1040)
+    assert s_fresh == pytest.approx(((1.0 - 1.088) / 1.0) / 1040)
+    plan = kairos.schedule(0.0)
+    assert [(c.request.request_id, c.start) for c in plan.prefills][0] == (1, 992)

@@ -30,7 +30,7 @@ Pure Python: no torch.
 from __future__ import annotations
 
 import struct
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from hashlib import blake2b
 
 DIGEST_BYTES = 16
@@ -98,13 +98,17 @@ class BlockPool:
     def num_named(self) -> int:
         return len(self._block_of)
 
+    def cached_blocks(self) -> list[int]:
+        """The cached (evictable) blocks, least recently released first."""
+        return list(self._cached)
+
     def refcount(self, block: int) -> int:
         return self._refs[block]
 
     def name_of(self, block: int) -> Hashable | None:
         return self._name_of.get(block)
 
-    def lookup(self, names: Sequence[Hashable]) -> list[int]:
+    def lookup(self, names: Iterable[Hashable]) -> list[int]:
         """Blocks holding the longest run of leading ``names`` (used or cached)."""
         block_of = self._block_of
         out: list[int] = []
@@ -192,6 +196,14 @@ class BlockPool:
         self._block_of[name] = block
         self._name_of[block] = name
         return True
+
+    def forget(self, block: int) -> None:
+        """Drop used ``block``'s name: it is freed, not cached, when released."""
+        if self._refs[block] <= 0:
+            raise ValueError(f"block {block} is not in use")
+        name = self._name_of.pop(block, None)
+        if name is not None:
+            del self._block_of[name]
 
     def check(self) -> None:
         """Assert the pool's invariants (tests): every block in exactly one state, names bijective."""

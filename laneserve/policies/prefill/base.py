@@ -110,6 +110,16 @@ class PrefillScheduler(InstanceScheduler):
             cache.record(req.prompt_len, hit)
         return hit
 
+    def new_tokens(self, req: Request) -> int:
+        """Tokens the prefill of ``req`` computes: its remaining prefill once started; before, the
+        prompt minus the prefix cached here now (what policies classify and predict by: LAPS lanes,
+        S-EDF slack, Kairos finish times). A waiting request's figure is taken when the policy
+        files it, so a cache that changes while it waits is seen at its admission."""
+        done = req.num_computed_tokens
+        if done == 0:
+            done = self.cached_prefix(req)
+        return max(req.prompt_len - done, 0)
+
     def admit(self, req: Request, now: float) -> bool:
         """Reserve KV for the whole prompt the first time ``req`` is scheduled; False if it does
         not fit now (the caller decides whether to wait or skip)."""
