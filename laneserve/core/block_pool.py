@@ -171,13 +171,20 @@ class BlockPool:
         """One holder fewer for each of ``blocks`` (a table, in order). Released blocks that are
         named become cached, the table's tail first (so its head stays the most recent); the others
         go back to the free list."""
-        refs, cached, name_of = self._refs, self._cached, self._name_of
-        for b in blocks:
+        refs = self._refs
+        for i, b in enumerate(blocks):
             if refs[b] <= 0:
+                for c in blocks[:i]:                  # nothing changes on a bad release
+                    refs[c] += 1
                 raise ValueError(f"block {b} freed twice or never allocated")
+            refs[b] -= 1
+        name_of = self._name_of
+        if not name_of:                               # nothing named: every released block is free
+            self._free.extend([b for b in blocks if refs[b] == 0])
+            return
+        cached = self._cached
         released: list[int] = []
         for b in reversed(blocks):
-            refs[b] -= 1
             if refs[b] == 0:
                 if b in name_of:
                     cached[b] = None

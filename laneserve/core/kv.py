@@ -117,7 +117,8 @@ class KVCacheManager:
     def free(self, request_id: int) -> int:
         """Release every block of ``request_id``; returns how many (0 if it held none). With
         prefix caching its named blocks stay cached until an allocation needs them."""
-        self._hashes.pop(request_id, None)
+        if self.prefix_caching:
+            self._hashes.pop(request_id, None)
         table = self.tables.pop(request_id, None)
         if not table:
             return 0
