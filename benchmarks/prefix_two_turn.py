@@ -102,8 +102,9 @@ def main() -> None:
                "hit_rate_caching": on["hits_total"] / on["queries_total"] if on["queries_total"] else 0.0}
     note = (f"Token counts summed, TTFT median, over {CHATS} two-turn chats (one question each, turn 2 after "
             "turn 1's reply), 1P+1D, "
-            "smoke model (random weights, byte-level tokenizer), CPU. The hit rate counts both turns. "
-            "TTFT on a random tiny model is dominated by fixed costs: the recomputed-token counts are the figure.\n")
+            "smoke model (random weights, byte-level tokenizer), CPU. The hit rate counts both turns (every turn 1 "
+            "after the first chat finds the system prompt). TTFTs were taken on the shared 2-core machine under "
+            "the other agents' load: indicative only; the token counts are the figure.\n")
     write_result("prefix_two_turn", metrics, markdown=note + "\n" + markdown_table(rows),
                  extra={"runs": [on, off]})
     print(markdown_table(rows))
