@@ -18,6 +18,7 @@ import httpx
 import pytest
 from server_support import TIMEOUT, Server
 from server_support import wait_all_free as _wait_all_free
+from server_support import wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -104,6 +105,35 @@ def test_metrics_endpoint(servers):
         assert name in names, name
     assert ("laneserve:num_requests_running", (("instance", "1"), ("model_name", "smoke-llama"),
                                                ("role", "decode"))) in samples
+
+
+def test_second_chat_turn_reports_cached_prompt_tokens(servers):
+    """Prefix caching (on by default): turn 2 of a chat finds the system prompt and turn 1 cached on
+    the prefill instance, says so in usage.prompt_tokens_details.cached_tokens, and /metrics counts it."""
+    from prometheus_client.parser import text_string_to_metric_families
+    system = "You answer questions about serving systems, briefly and precisely. " * 8
+    for name in ("pd", "colo"):
+        client = servers[name].client()
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": f"what is {name}?"}]
+        one = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        msgs += [{"role": "assistant", "content": one.choices[0].message.content},
+                 {"role": "user", "content": "and then?"}]
+        two = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        cached = two.usage.prompt_tokens_details.cached_tokens
+        assert one.usage.prompt_tokens * 0.8 < cached < two.usage.prompt_tokens
+        assert cached % 16 == 0                          # whole KV blocks
+
+        def counters():        # instance stats reach the router a moment after the response
+            text = httpx.get(servers[name].url + "/metrics", timeout=5).text
+            got = {"laneserve:prefix_cache_hits_total": 0.0, "laneserve:prefix_cache_queries_total": 0.0}
+            for s in (s for f in text_string_to_metric_families(text) for s in f.samples if s.name in got):
+                got[s.name] += s.value
+            return got if got["laneserve:prefix_cache_hits_total"] >= cached else None
+
+        got = wait_for(counters, 10, "the prefix-cache counters")
+        assert got["laneserve:prefix_cache_hits_total"] < got["laneserve:prefix_cache_queries_total"]
 
 
 # ---- bad input ----------------------------------------------------------------------------------

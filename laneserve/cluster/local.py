@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable, Sequence
 
 from laneserve.core.clock import WallClock
-from laneserve.core.kv import HostKVPool, KVCacheManager
+from laneserve.core.kv import HostKVPool
 from laneserve.core.request import Phase, Request
 from laneserve.engine.config import EngineConfig
 from laneserve.engine.executor import EngineExecutor
 from laneserve.engine.instance import EngineInstance
+from laneserve.engine.kv_cache import make_kv_manager
 from laneserve.policies import registry
 
 
@@ -69,7 +70,7 @@ class LocalCluster:
         blocks = max(1, kv_tokens // config.block_size)
 
         def instance(i: int, kind: str, spec: str) -> EngineInstance:
-            kv = KVCacheManager(blocks, config.block_size)
+            kv = make_kv_manager(blocks, config, role=kind, model_id=str(model_path))
             # decode instances get a host pool (swap preemption, AlignedServe's KV pool) when
             # config.num_host_blocks asks for one; scheduler and executor share it
             host = (HostKVPool(config.num_host_blocks, config.block_size)

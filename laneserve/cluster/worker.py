@@ -138,10 +138,11 @@ class InstanceWorker:
     # ---- set-up --------------------------------------------------------------------------
     def build(self) -> None:
         from laneserve.cluster.transport import make_transport
-        from laneserve.core.kv import HostKVPool, KVCacheManager
+        from laneserve.core.kv import HostKVPool
         from laneserve.engine.config import EngineConfig
         from laneserve.engine.executor import EngineExecutor
         from laneserve.engine.instance import EngineInstance
+        from laneserve.engine.kv_cache import make_kv_manager
         from laneserve.engine.models.loader import load_model
         from laneserve.engine.sampler import StopChecker
         from laneserve.policies import registry
@@ -150,7 +151,7 @@ class InstanceWorker:
         config = EngineConfig(**{"device": spec.device, **spec.engine})
         model = load_model(spec.model, config.device, config.dtype)
         blocks = max(1, spec.kv_tokens // config.block_size)
-        kv = KVCacheManager(blocks, config.block_size)
+        kv = make_kv_manager(blocks, config, role=spec.role, model_id=spec.model)
         host = HostKVPool(config.num_host_blocks, config.block_size) if config.num_host_blocks else None
         opts = dict(spec.policy_opts)
         if spec.role == "colocated":
@@ -312,7 +313,8 @@ class InstanceWorker:
             lp = _logprobs(lps.get(rid)) if new and req.sampling.logprobs is not None else None
             info = None
             if fin is not None or sent == 0:
-                info = {"prefill_start": req.times.prefill_start, "preemptions": req.num_preemptions}
+                info = {"prefill_start": req.times.prefill_start, "preemptions": req.num_preemptions,
+                        "cached": req.num_cached_tokens}
             items.append([rid, new, fin.finish_reason if fin is not None else None, lp, info])
             if fin is not None:
                 self._forget(rid)
@@ -338,7 +340,7 @@ class InstanceWorker:
                         "computed": req.num_computed_tokens, "kv": desc, "t_first": t.first_token,
                         "lp": _logprobs(lp) if req.sampling.logprobs is not None else None,
                         "info": {"prefill_start": t.prefill_start, "prefill_end": t.prefill_end,
-                                 "preemptions": req.num_preemptions}})
+                                 "preemptions": req.num_preemptions, "cached": req.num_cached_tokens}})
         self._forget(rid)
 
     def _stats(self, force: bool = False) -> None:
@@ -355,6 +357,7 @@ class InstanceWorker:
                     "host_free": host.num_free_blocks if host is not None else None,
                     "host_total": host.num_blocks if host is not None else None,
                     "preemptions": inst.total_preemptions,
+                    "prefix_queries": kv.query_tokens, "prefix_hits": kv.hit_tokens,
                     "steps": inst.steps, "busy": inst.busy_time, "live": len(self.live),
                     "incoming": len(inst.pending), "kv_held": self.transport.held()})
         self._last_stats = now

@@ -62,6 +62,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--host-kv-blocks", type=int, default=0, help="host KV pool blocks per decode instance")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--no-prefix-caching", action="store_true",
+                   help="keep no prompt KV across requests (default: prefill and colocated instances reuse "
+                        "cached leading blocks of a prompt)")
     e.add_argument("--cuda-graphs", action="store_true",
                    help="run decode and LAPS short-prefill steps in static shape buckets: CUDA graphs on "
                         "CUDA, the same static path eagerly on CPU")
@@ -172,7 +175,7 @@ def build_server(args: argparse.Namespace, log=None):
     name = args.served_model_name or (Path(model).name if model is not None else "laneserve-stub")
     engine = {"dtype": args.dtype, "attention": args.attention, "num_threads": args.threads,
               "max_num_batched_tokens": args.max_num_batched_tokens, "num_host_blocks": args.host_kv_blocks,
-              "seed": args.seed, "cuda_graphs": args.cuda_graphs}
+              "seed": args.seed, "cuda_graphs": args.cuda_graphs, "prefix_caching": not args.no_prefix_caching}
     spec = ClusterSpec(model=str(model) if model is not None else "", num_prefill=args.prefill,
                        num_decode=args.decode, colocated=args.colocated,
                        in_process=args.colocated and args.in_process,

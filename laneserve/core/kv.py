@@ -1,57 +1,20 @@
-"""KV block accounting, pure Python (DESIGN.md): block allocators with free lists, per-request
-block tables, a host-memory pool tier, and the swap / transfer plans the engine executes on
-tensors. Every block is owned by at most one request; a double free or a foreign free raises.
+"""KV block accounting, pure Python (DESIGN.md): per-request block tables over a reference-counted
+block pool (``block_pool.py``: prefix caching, fork), a host-memory pool tier, and the swap /
+transfer plans the engine executes on tensors. A double free or a foreign free raises.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from laneserve.core.block_pool import BlockPool, KVOutOfMemory, chain_hashes, chain_root
 
-class KVOutOfMemory(RuntimeError):
-    """Raised when an allocation is attempted without enough free blocks."""
+if TYPE_CHECKING:
+    from laneserve.core.request import Request
 
-
-class BlockAllocator:
-    """A pool of ``num_blocks`` fixed-size blocks with a LIFO free list."""
-
-    __slots__ = ("num_blocks", "_free", "_in_use")
-
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 0:
-            raise ValueError("num_blocks must be >= 0")
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self._in_use = bytearray(num_blocks)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise KVOutOfMemory(f"need {n} blocks, {len(self._free)} free of {self.num_blocks}")
-        if n <= 0:
-            return []
-        free = self._free
-        blocks = free[-n:]
-        del free[-n:]
-        in_use = self._in_use
-        for b in blocks:
-            in_use[b] = 1
-        return blocks
-
-    def free(self, blocks: list[int]) -> None:
-        in_use = self._in_use
-        for b in blocks:
-            if not in_use[b]:
-                raise ValueError(f"block {b} freed twice or never allocated")
-            in_use[b] = 0
-        self._free.extend(blocks)
+__all__ = ["BlockCopy", "BlockPool", "HostKVPool", "KVCacheManager", "KVOutOfMemory", "blocks_for"]
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -59,21 +22,36 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 class KVCacheManager:
-    """Per-request block tables over one allocator (one instance's device KV, or a host pool).
+    """Per-request block tables over one :class:`~laneserve.core.block_pool.BlockPool` (one
+    instance's device KV, or a host pool).
 
     ``watermark_blocks`` are kept free for running requests to grow into: new admissions
-    (:meth:`can_admit`) must leave them free, growth (:meth:`can_grow`) may use them.
+    (:meth:`can_admit`) must leave them free, growth (:meth:`can_grow`) may use them. Cached blocks
+    (prefix caching: named, held by no request) count as free everywhere.
+
+    With ``prefix_caching`` the full blocks of a request's tokens are named by their hash chain
+    (:func:`~laneserve.core.block_pool.chain_hashes` from ``cache_key``) as :meth:`register` sees
+    them computed, stay cached after :meth:`free`, and :meth:`match` finds them for a later
+    request with the same leading tokens, which then starts with those blocks in its table
+    (``allocate(..., cached=blocks)``) and computes only the rest.
     """
 
-    __slots__ = ("block_size", "allocator", "tables", "watermark_blocks")
+    __slots__ = ("block_size", "allocator", "tables", "watermark_blocks", "prefix_caching", "_root",
+                 "_hashes", "query_tokens", "hit_tokens")
 
-    def __init__(self, num_blocks: int, block_size: int = 16, watermark: float = 0.0) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, watermark: float = 0.0, *,
+                 prefix_caching: bool = False, cache_key: bytes = b"") -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockPool(num_blocks)
         self.tables: dict[int, list[int]] = {}
         self.watermark_blocks = int(num_blocks * watermark)
+        self.prefix_caching = prefix_caching
+        self._root = chain_root(cache_key)
+        self._hashes: dict[int, list[bytes]] = {}     # rid -> names of its table's leading full blocks
+        self.query_tokens = 0        # prompt tokens of the requests looked up (vLLM's prefix cache queries)
+        self.hit_tokens = 0          # of which found cached
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -93,13 +71,16 @@ class KVCacheManager:
         table = self.tables.get(request_id)
         return len(table) if table else 0
 
-    def blocks_needed(self, request_id: int, num_tokens: int) -> int:
-        """Extra blocks needed for ``request_id`` to hold ``num_tokens`` tokens in total."""
+    def blocks_needed(self, request_id: int, num_tokens: int, cached: Sequence[int] = ()) -> int:
+        """Available blocks that growing ``request_id`` to ``num_tokens`` tokens uses up (starting
+        a new request on ``cached`` blocks takes the cached ones among them off the evictable set)."""
         need = -(-num_tokens // self.block_size) - self.num_allocated(request_id)
+        if cached:
+            need += self.allocator.num_reclaimed(cached) - len(cached)
         return need if need > 0 else 0
 
-    def can_admit(self, request_id: int, num_tokens: int) -> bool:
-        return self.blocks_needed(request_id, num_tokens) <= self.allocator.num_free - self.watermark_blocks
+    def can_admit(self, request_id: int, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        return self.blocks_needed(request_id, num_tokens, cached) <= self.allocator.num_free - self.watermark_blocks
 
     def can_grow(self, request_id: int, num_tokens: int) -> bool:
         return self.blocks_needed(request_id, num_tokens) <= self.allocator.num_free
@@ -109,9 +90,19 @@ class KVCacheManager:
         return blocks_for(num_tokens, self.block_size) <= self.allocator.num_blocks - self.watermark_blocks
 
     # ---- changes -------------------------------------------------------------------------
-    def allocate(self, request_id: int, num_tokens: int) -> list[int]:
+    def allocate(self, request_id: int, num_tokens: int, cached: Sequence[int] = ()) -> list[int]:
         """Grow ``request_id``'s table to hold ``num_tokens`` tokens; returns the new blocks.
-        Raises :class:`KVOutOfMemory` (allocating nothing) when they do not fit."""
+        ``cached`` (from :meth:`match`, for a request holding nothing yet) starts the table with
+        those shared blocks. Raises :class:`KVOutOfMemory` (allocating nothing) when they do not fit."""
+        if cached:
+            if request_id in self.tables:
+                raise ValueError(f"request {request_id} already holds blocks: cached blocks start a table")
+            if self.blocks_needed(request_id, num_tokens, cached) > self.allocator.num_free:
+                raise KVOutOfMemory(f"need {self.blocks_needed(request_id, num_tokens, cached)} blocks, "
+                                    f"{self.allocator.num_free} free of {self.num_blocks}")
+            self.allocator.ref(cached)               # first: the allocation below must not evict them
+            self.tables[request_id] = list(cached)
+            self._hashes[request_id] = [self.allocator.name_of(b) for b in cached]  # type: ignore[misc]
         need = self.blocks_needed(request_id, num_tokens)
         if need == 0:
             return []
@@ -124,7 +115,10 @@ class KVCacheManager:
         return new
 
     def free(self, request_id: int) -> int:
-        """Release every block of ``request_id``; returns how many (0 if it held none)."""
+        """Release every block of ``request_id``; returns how many (0 if it held none). With
+        prefix caching its named blocks stay cached until an allocation needs them."""
+        if self.prefix_caching:
+            self._hashes.pop(request_id, None)
         table = self.tables.pop(request_id, None)
         if not table:
             return 0
@@ -133,6 +127,109 @@ class KVCacheManager:
 
     def table(self, request_id: int) -> list[int]:
         return self.tables.get(request_id, [])
+
+    def fork(self, parent_id: int, child_id: int, num_tokens: int) -> BlockCopy | None:
+        """Give ``child_id`` the first ``num_tokens`` tokens of ``parent_id``'s KV: the full blocks
+        are shared (reference counted), a partial last block gets a fresh block for the child.
+        Returns the copy the engine performs for that partial block (None when there is none)."""
+        table = self.tables.get(parent_id)
+        if table is None:
+            raise KeyError(f"request {parent_id} holds no blocks")
+        if child_id in self.tables:
+            raise ValueError(f"request {child_id} already holds blocks")
+        bs = self.block_size
+        if not 0 < num_tokens <= len(table) * bs:
+            raise ValueError(f"fork of {num_tokens} tokens from a table of {len(table)} blocks")
+        full, partial = divmod(num_tokens, bs)
+        if partial and self.allocator.num_free < 1:
+            raise KVOutOfMemory(f"fork of request {parent_id} needs 1 block, none free")
+        shared = table[:full]
+        self.allocator.ref(shared)
+        child = list(shared)
+        copy = None
+        if partial:
+            new = self.allocator.allocate(1)
+            copy = BlockCopy(child_id, partial, (table[full],), tuple(new))
+            child.extend(new)
+        self.tables[child_id] = child
+        named = self._hashes.get(parent_id)
+        if named:
+            self._hashes[child_id] = named[:full]
+        return copy
+
+    # ---- prefix caching ------------------------------------------------------------------
+    def prompt_hashes(self, req: Request) -> list[bytes]:
+        """Names of ``req``'s full prompt blocks under this manager's chain (memoised on the
+        request: routers and policies ask about every request often)."""
+        key = (self._root, self.block_size)
+        memo = req.tags.get(_HASH_TAG)
+        if memo is None or memo[0] != key:
+            memo = req.tags[_HASH_TAG] = (key, chain_hashes(req.prompt_token_ids or (), self.block_size, self._root))
+        return memo[1]
+
+    def match(self, req: Request, num_tokens: int | None = None) -> list[int]:
+        """The cached blocks holding ``req``'s leading tokens (prompt, then outputs), leaving at
+        least one of its first ``num_tokens`` tokens (default: the prompt) to compute, so that the
+        step computing the rest yields logits. Empty without prefix caching or token ids."""
+        if not self.prefix_caching or req.prompt_token_ids is None:
+            return []
+        n = req.prompt_len if num_tokens is None else num_tokens
+        limit = (n - 1) // self.block_size
+        if limit <= 0:
+            return []
+        names = self.prompt_hashes(req)
+        if limit > len(names):           # a recompute: the prompt and some outputs
+            tokens = _tokens(req, n)
+            names = names + chain_hashes(tokens, self.block_size, names[-1] if names else self._root,
+                                         start_block=len(names), num_blocks=limit - len(names))
+        return self.allocator.lookup(names[:limit])
+
+    def record_query(self, prompt_tokens: int, hit_tokens: int) -> None:
+        """Count one admitted request's lookup (``hit_tokens`` of its ``prompt_tokens`` reused)."""
+        self.query_tokens += prompt_tokens
+        self.hit_tokens += hit_tokens
+
+    def register(self, req: Request) -> int:
+        """Name the full blocks of ``req``'s computed tokens that are not named yet (after a step;
+        a no-op without prefix caching). Returns how many new names were tried."""
+        if not self.prefix_caching or req.prompt_token_ids is None:
+            return 0
+        rid = req.request_id
+        table = self.tables.get(rid)
+        if not table:
+            return 0
+        bs = self.block_size
+        full = min(req.num_computed_tokens // bs, len(table))
+        names = self._hashes.setdefault(rid, [])
+        done = len(names)
+        if full <= done:
+            return 0
+        prompt_names = self.prompt_hashes(req)
+        if done < len(prompt_names):
+            names.extend(prompt_names[done:full])
+        if len(names) < full:
+            tokens = _tokens(req, full * bs)
+            names.extend(chain_hashes(tokens, bs, names[-1] if names else self._root,
+                                      start_block=len(names), num_blocks=full - len(names)))
+        name = self.allocator.name
+        for i in range(done, full):
+            name(table[i], names[i])
+        return full - done
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+_HASH_TAG = "kv_prompt_hashes"
+
+
+def _tokens(req: Request, n: int) -> list[int]:
+    """The first ``n`` of ``req``'s prompt + output tokens."""
+    prompt = req.prompt_token_ids or []
+    if n <= len(prompt):
+        return list(prompt[:n])
+    return list(prompt) + list(req.output_token_ids or [])[:n - len(prompt)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,9 @@ class EngineConfig:
     #: {1, 2, .., graph_max_prefill_batch}
     graph_max_prefill_len: int = 256
     graph_max_prefill_batch: int = 64
+    #: keep prompt KV across requests on prefill and colocated instances (content-hashed blocks,
+    #: core/block_pool.py); a request starts on the leading blocks found cached
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

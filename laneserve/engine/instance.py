@@ -29,9 +29,9 @@ from laneserve.runtime import Instance
 class EngineInstance(Instance):
     def __init__(self, scheduler: InstanceScheduler, executor, *, clock: Clock | None = None,
                  instance_id: int = 0, stop_checker=None) -> None:
-        if scheduler.prefix_caching:
-            raise ValueError("prefix_caching=true is a simulator option: the engine keeps no prompt KV "
-                             "across requests and computes every prompt in full; drop the option")
+        if scheduler.prefix_caching and not scheduler.kv.prefix_caching:
+            raise ValueError("prefix_caching=true needs a KV manager that keeps prompt KV "
+                             "(EngineConfig.prefix_caching, on by default for prefill and colocated instances)")
         super().__init__(instance_id, scheduler)
         self.executor = executor
         self.clock = clock or WallClock()

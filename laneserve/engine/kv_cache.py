@@ -18,7 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from laneserve.core.kv import BlockCopy
+from laneserve.core.kv import BlockCopy, KVCacheManager
+from laneserve.engine.config import EngineConfig
+
+
+def make_kv_manager(num_blocks: int, config: EngineConfig, *, role: str, model_id: str) -> KVCacheManager:
+    """The block accounting of one engine instance. Prefix caching (``config.prefix_caching``) is on
+    for prefill and colocated instances, whose requests start from prompts; a decode instance takes
+    each prompt's KV whole from a prefill instance and keeps none across requests. The hash chain is
+    rooted in the model and dtype, the inputs besides the tokens that decide the KV."""
+    return KVCacheManager(num_blocks, config.block_size, prefix_caching=config.prefix_caching and role != "decode",
+                          cache_key=f"{model_id}|{config.dtype}".encode())
 
 
 @dataclass(slots=True)

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 
-from laneserve.core.kv import HostKVPool, KVCacheManager
+from laneserve.core.kv import HostKVPool
 from laneserve.core.request import Request
 from laneserve.core.sampling import SamplingParams
 from laneserve.core.slo import SLO
 from laneserve.engine.config import EngineConfig
 from laneserve.engine.executor import EngineExecutor
 from laneserve.engine.instance import EngineInstance
+from laneserve.engine.kv_cache import make_kv_manager
 from laneserve.engine.sampler import StopChecker
 from laneserve.policies import registry
 
@@ -59,7 +60,7 @@ class LLM:
         blocks = config.resolve_num_kv_blocks(per_token)
         if config.num_kv_blocks is None and config.device == "cpu":
             blocks = min(blocks, DEFAULT_CPU_KV_TOKENS // config.block_size)
-        kv = KVCacheManager(blocks, config.block_size)
+        kv = make_kv_manager(blocks, config, role="colocated", model_id=str(path))
         host = HostKVPool(config.num_host_blocks, config.block_size) if config.num_host_blocks else None
         self.executor = EngineExecutor(self.model, kv, config, host)
         self.tokenizer = self.model.tokenizer

@@ -73,6 +73,11 @@ class InstanceScheduler(ABC):
             self._advance_prefill(chunk, sampled, stop_hit, now, outcome)
         for req in plan.decodes:
             self._advance_decode(req, sampled, stop_hit, now, outcome)
+        if self.kv.prefix_caching:           # name the blocks this step filled, before any is freed
+            for chunk in plan.prefills:
+                self.kv.register(chunk.request)
+            for req in plan.decodes:
+                self.kv.register(req)
         self._after_update(plan, outcome, now)
         return outcome
 

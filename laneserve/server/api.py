@@ -167,6 +167,7 @@ class _Run:
         self.t_first: float | None = None
         self.t_last: float | None = None
         self.queue_time: float | None = None
+        self.cached_tokens = 0                   # prompt tokens the prefill found in its prefix cache
 
     async def next_event(self) -> tuple[list[int], list | None]:
         """The next tokens (and their logprobs); sets ``finish``/``error`` when the request ends."""
@@ -187,6 +188,8 @@ class _Run:
         if info and info.get("prefill_start") is not None and self.queue_time is None:
             self.queue_time = max(0.0, info["prefill_start"] - self.track.request.arrival_time)
             m.queue.observe(self.queue_time)
+        if info and info.get("cached"):
+            self.cached_tokens = int(info["cached"])
         self.detok.add(toks)
         if self.detok.stopped and finish is None:
             finish = "stop"
@@ -220,7 +223,8 @@ class _Run:
 
     def usage(self) -> dict[str, int]:
         p = len(self.gi.prompt_ids)
-        return {"prompt_tokens": p, "completion_tokens": self.n_tokens, "total_tokens": p + self.n_tokens}
+        return {"prompt_tokens": p, "completion_tokens": self.n_tokens, "total_tokens": p + self.n_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def logprobs_block(self, toks: list[int], lp: list | None, offset: int) -> Any:
         if self.gi.logprobs is None or lp is None:
@@ -457,6 +461,7 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
             insts.append({"id": h.instance_id, "role": h.role, "running": s.get("running"),
                           "waiting": s.get("waiting"), "kv_usage": s.get("kv_usage"), "kv_free": s.get("kv_free"),
                           "kv_total": s.get("kv_total"), "preemptions": s.get("preemptions"),
+                          "prefix_queries": s.get("prefix_queries"), "prefix_hits": s.get("prefix_hits"),
                           "alive": 1 if h.alive else 0})
         return Response(state.metrics.render(insts, len(c.tracks)), media_type=METRICS_CONTENT_TYPE)
 

@@ -9,7 +9,7 @@ SLO attainment by class and target.
 
 Per-instance gauges come from each instance's latest ``stats`` message and carry
 ``instance``/``role`` labels: running and waiting requests, KV-cache usage and free blocks,
-preemptions, liveness; a dead instance reports only ``instance_up 0``. They are collected when
+preemptions, prefix-cache queries and hits (tokens, as vLLM counts them), liveness; a dead instance reports only ``instance_up 0``. They are collected when
 ``/metrics`` is scraped, from the snapshot :meth:`ServerMetrics.render` is given. Each
 :class:`ServerMetrics` has its own registry, so several servers (or tests) in one process do not
 share series.
@@ -59,6 +59,15 @@ class _InstanceCollector(Collector):
             if inst.get("preemptions") is not None:
                 c.add_metric([model, str(inst["id"]), inst["role"]], float(inst["preemptions"]))
         yield c
+        for key, name, help_text in (("prefix_queries", "laneserve:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache (admitted requests)."),
+                                     ("prefix_hits", "laneserve:prefix_cache_hits",
+                                      "Prompt tokens found in the prefix cache.")):
+            c = CounterMetricFamily(name, help_text, labels=_INSTANCE_LABELS)
+            for inst in instances:
+                if inst.get(key) is not None:
+                    c.add_metric([model, str(inst["id"]), inst["role"]], float(inst[key]))
+            yield c
         g = GaugeMetricFamily("laneserve:num_requests_in_flight", "Requests admitted and not finished (router).",
                               labels=["model_name"])
         g.add_metric([model], float(in_flight))

@@ -179,10 +179,15 @@ class ChatCompletionRequest(_Request):
 
 
 # ---- responses (documentation and tests; handlers build dicts) ------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="prompt tokens whose KV was found in the prefix cache")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

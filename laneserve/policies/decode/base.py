@@ -129,12 +129,15 @@ class DecodeScheduler(InstanceScheduler):
             self.running.append(req)
         while self.recompute and len(self.running) < self.max_batch_size:
             req = self.recompute[0]
-            if not kv.can_admit(req.request_id, req.context_len):
+            target = req.context_len - 1      # prompt + all outputs but the newest, which the next decode runs
+            cached = kv.match(req, target)    # blocks still cached (prefix caching), else none
+            if not kv.can_admit(req.request_id, req.context_len, cached):
                 return False
             self.recompute.popleft()
-            kv.allocate(req.request_id, req.context_len)
-            # recompute prompt + all generated tokens but the newest, which the next decode runs
-            plan.prefills.append(PrefillChunk(req, 0, req.context_len - 1))
+            kv.allocate(req.request_id, req.context_len, cached)
+            start = len(cached) * kv.block_size
+            req.num_computed_tokens = start
+            plan.prefills.append(PrefillChunk(req, start, target - start))
         return True
 
     def _admit(self, req: Request, now: float) -> None:

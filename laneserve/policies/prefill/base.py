@@ -19,10 +19,12 @@ class PrefillScheduler(InstanceScheduler):
 
     ``token_budget`` caps the new tokens of one step (the first request of a step is always
     admitted, so a prompt larger than the budget still runs alone). ``prefix_caching`` reuses
-    cached prompt KV: with a :class:`~laneserve.core.prefix_cache.PrefixCache` bound
-    (:meth:`bind_prefix_cache`) a request reuses the leading blocks this instance holds and leaves
-    its own behind; without one, its ``prefix_len`` tokens count as cached wherever it runs (an
-    idealisation: every instance holds every history).
+    cached prompt KV. On a KV manager with prefix caching (the engine) a request starts on the
+    cached blocks of its leading tokens (``kv.match``) and is always on. In the simulator, with a
+    :class:`~laneserve.core.prefix_cache.PrefixCache` bound (:meth:`bind_prefix_cache`) a request
+    reuses the leading blocks this instance holds and leaves its own behind; without one, its
+    ``prefix_len`` tokens count as cached wherever it runs (an idealisation: every instance holds
+    every history).
     """
 
     role = "prefill"
@@ -34,7 +36,7 @@ class PrefillScheduler(InstanceScheduler):
             raise ValueError("token_budget and max_batch_size must be >= 1")
         self.token_budget = token_budget
         self.max_batch_size = max_batch_size
-        self.prefix_caching = prefix_caching
+        self.prefix_caching = prefix_caching or kv.prefix_caching
         self.prefix_cache: PrefixCache | None = None
         self.pending: set[int] = set()      # ids whose prompt is not finished yet
         self._counted: dict[int, int] = {}  # remaining prefill of each pending id, as last seen
@@ -89,6 +91,8 @@ class PrefillScheduler(InstanceScheduler):
         leaves one token to compute). ``touch`` marks the cached blocks used and counts the hit."""
         if not self.prefix_caching:
             return 0
+        if self.kv.prefix_caching:                     # the engine's blocks (counted at admission)
+            return len(self.kv.match(req)) * self.kv.block_size
         cache = self.prefix_cache
         if cache is None:
             hit = req.prefix_len
@@ -106,20 +110,48 @@ class PrefillScheduler(InstanceScheduler):
             cache.record(req.prompt_len, hit)
         return hit
 
+    def new_tokens(self, req: Request) -> int:
+        """Tokens the prefill of ``req`` computes: its remaining prefill once started; before, the
+        prompt minus the prefix cached here now (what policies classify and predict by: LAPS lanes,
+        S-EDF slack, Kairos finish times). A waiting request's figure is taken when the policy
+        files it, so a cache that changes while it waits is seen at its admission."""
+        done = req.num_computed_tokens
+        if done == 0:
+            done = self.cached_prefix(req)
+        return max(req.prompt_len - done, 0)
+
     def admit(self, req: Request, now: float) -> bool:
         """Reserve KV for the whole prompt the first time ``req`` is scheduled; False if it does
         not fit now (the caller decides whether to wait or skip)."""
         if req.times.prefill_start is not None:
             return True
-        if not self.kv.can_admit(req.request_id, req.prompt_len):
+        kv = self.kv
+        if kv.prefix_caching:
+            return self._admit_on_cached_blocks(req, now)
+        if not kv.can_admit(req.request_id, req.prompt_len):
             return False
-        self.kv.allocate(req.request_id, req.prompt_len)
+        kv.allocate(req.request_id, req.prompt_len)
         req.times.prefill_start = now
         if self.prefix_caching and req.num_computed_tokens == 0:
             cached = self.cached_prefix(req, touch=True)
             if cached > 0:
                 req.num_computed_tokens = req.num_cached_tokens = cached
                 self._recount(req)
+        req.phase = Phase.PREFILLING
+        return True
+
+    def _admit_on_cached_blocks(self, req: Request, now: float) -> bool:
+        kv = self.kv
+        blocks = kv.match(req) if req.num_computed_tokens == 0 else []
+        if not kv.can_admit(req.request_id, req.prompt_len, blocks):
+            return False
+        kv.allocate(req.request_id, req.prompt_len, blocks)
+        req.times.prefill_start = now
+        cached = len(blocks) * kv.block_size
+        kv.record_query(req.prompt_len, cached)
+        if cached:
+            req.num_computed_tokens = req.num_cached_tokens = cached
+            self._recount(req)
         req.phase = Phase.PREFILLING
         return True
 

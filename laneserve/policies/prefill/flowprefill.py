@@ -181,7 +181,7 @@ class FlowPrefillScheduler(PrefillScheduler):
         return self._key(task.head, now, task.remaining(now, running))
 
     def _step_tokens(self, req: Request) -> int:
-        n = req.remaining_prefill
+        n = self.new_tokens(req)
         return min(n, self.chunk_size) if self.preemption == "chunk" else n
 
     def _overdue(self, now: float) -> PrefillTask | None:
@@ -282,7 +282,7 @@ class FlowPrefillScheduler(PrefillScheduler):
             for r in self._candidates(walk, head_key, lambda: cutoff - tokens):
                 if len(plan.prefills) >= self.max_batch_size or self._batch_closed(tokens, limit, t_remain):
                     break
-                n = tokens + r.remaining_prefill
+                n = tokens + self.new_tokens(r)
                 if n < limit and t_remain > self.predict(n) and self.admit(r, now):
                     plan.prefills.append(self.chunk(r, r.remaining_prefill))
                     self._unwait(r.request_id)

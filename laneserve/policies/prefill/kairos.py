@@ -153,7 +153,8 @@ class KairosPrefill(PrefillScheduler):
         self._dirty.add(req.request_id)
 
     def _duration(self, req: Request) -> float:
-        return self._cost_model.prefill_time([(req.remaining_prefill, req.num_computed_tokens)])
+        new = self.new_tokens(req)
+        return self._cost_model.prefill_time([(new, req.prompt_len - new)])
 
     def _ranked(self, now: float) -> Iterator[Request]:
         """The queue in score order (as the reference's full sort), best first, lazily: the
@@ -168,7 +169,7 @@ class KairosPrefill(PrefillScheduler):
             self._dirty.update(r.request_id for r in self.queue)
         for rid in self._dirty:
             req = self.requests[rid]
-            slots.set_work(req, self._duration(req) if self.estimate == "cost" else 0.0)
+            slots.set_work(req, self.new_tokens(req), self._duration(req) if self.estimate == "cost" else 0.0)
         self._dirty.clear()
         if slots.max_arrival > now:          # the walk's cursor could jump: the plain walk
             yield from (r for _, r in self._sorted_scores(now))
@@ -194,12 +195,12 @@ class KairosPrefill(PrefillScheduler):
 
     # ---- Algorithm 1 -------------------------------------------------------------------------
     def scores(self, now: float) -> list[tuple[float, Request]]:
-        duration = None
         if self.estimate == "cost":
             if self._cost_model is None:
                 raise RuntimeError("kairos estimate='cost' needs a cost model (bind_cost_model)")
-            cost = self._cost_model
-            duration = lambda r: cost.prefill_time([(r.remaining_prefill, r.num_computed_tokens)])  # noqa: E731
+            duration = self._duration
+        else:
+            duration = lambda r: self.new_tokens(r) / self.throughput  # noqa: E731
         finishes = fcfs_finish_times(self.queue, now, self.throughput, duration)
         return [(urgency_score(r, f), r) for r, f in zip(self.queue, finishes)]
 

@@ -98,10 +98,11 @@ class ArrivalSlots:
         if req.arrival_time > self.max_arrival:
             self.max_arrival = req.arrival_time
 
-    def set_work(self, req: Request, duration: float) -> None:
+    def set_work(self, req: Request, tokens: int, duration: float) -> None:
+        """``req``'s work as its policy estimates it: tokens to compute, and seconds (cost estimate)."""
         i = self.slot.get(req.request_id)
         if i is not None:
-            self.rem[i] = req.remaining_prefill
+            self.rem[i] = tokens
             self.dur[i] = duration
 
     def drop(self, req: Request) -> None:

@@ -127,13 +127,6 @@ class LapsPrefill(PrefillScheduler):
             raise ValueError(f"lane must be 'short', 'long' or None, got {lane!r}")
         self.assigned_lane = lane
 
-    def new_tokens(self, req: Request) -> int:
-        """Tokens this prefill computes: the prompt minus what is computed or cached."""
-        done = req.num_computed_tokens
-        if done == 0:
-            done = self.cached_prefix(req)
-        return max(req.prompt_len - done, 0)
-
     def lane_of(self, req: Request) -> str:
         lane = req.tags.get(LANE_TAG)
         if lane is None:

@@ -1,0 +1,226 @@
+"""Reference-counted KV blocks with content names, the pool under every
+:class:`~laneserve.core.kv.KVCacheManager` (vLLM's automatic prefix caching, SGLang's radix cache
+at block granularity).
+
+A block is *free* (on the free list, holds nothing), *used* (``refcount > 0``: in the tables of
+that many requests) or *cached* (``refcount == 0`` but named by a content hash: its KV is kept for a
+later request with the same prefix). Cached blocks count as available: :meth:`BlockPool.allocate`
+takes free blocks first and then evicts cached ones, least recently released first. Requests
+release their blocks tail first (:meth:`BlockPool.free` walks the table backwards) and a block is
+only referenced together with all its ancestors, so a chain's later blocks are always older than
+its earlier ones and eviction trims chains from their leaves.
+
+Names come from :func:`chain_hashes` for the engine (a hash chain over token ids) or from the
+workload for the simulator (any hashable): the pool only maps names to blocks. A name is held by
+one block at a time; registering a second block under a name already held leaves that block
+unnamed (it is freed, not cached, when released).
+
+Hash choice: ``hashlib.blake2b`` with a 16-byte digest over ``parent digest || token ids as
+little-endian int64``. It is deterministic across processes and machines (Python's ``hash`` is
+salted per process for str/bytes and only 64 bits, with easy collisions between int tuples), and a
+128-bit cryptographic digest makes two different prefixes sharing a name a 2^-64 birthday event
+even over 10^9 blocks. The parent digest has a fixed length, so the byte string fed to the hash
+decodes uniquely into (parent, tokens): equal names need equal parents and equal tokens, i.e. equal
+whole prefixes. The chain's root is the digest of ``cache_key`` (model id, and later a LoRA id), so
+two models never share a block.
+
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Hashable, Iterable, Sequence
+from hashlib import blake2b
+
+DIGEST_BYTES = 16
+
+
+class KVOutOfMemory(RuntimeError):
+    """Raised when an allocation is attempted without enough free (or evictable) blocks."""
+
+
+def chain_root(cache_key: bytes = b"") -> bytes:
+    """The parent digest of a chain's first block: everything that changes KV besides the tokens."""
+    return blake2b(b"laneserve-kv-root\0" + cache_key, digest_size=DIGEST_BYTES).digest()
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, parent: bytes, start_block: int = 0,
+                 num_blocks: int | None = None) -> list[bytes]:
+    """Names of the full blocks ``start_block, start_block + 1, ...`` of ``token_ids`` (at most
+    ``num_blocks`` of them), chained from ``parent`` (the name of block ``start_block - 1``, or
+    :func:`chain_root` for block 0)."""
+    end = len(token_ids) // block_size
+    if num_blocks is not None:
+        end = min(end, start_block + num_blocks)
+    pack = struct.Struct(f"<{block_size}q").pack
+    out: list[bytes] = []
+    for b in range(start_block, end):
+        parent = blake2b(parent + pack(*token_ids[b * block_size:(b + 1) * block_size]),
+                         digest_size=DIGEST_BYTES).digest()
+        out.append(parent)
+    return out
+
+
+class BlockPool:
+    """``num_blocks`` blocks: LIFO free list, reference counts, names, and cached blocks in LRU
+    order. A release of a block nobody holds (double or foreign free) raises ``ValueError``."""
+
+    __slots__ = ("num_blocks", "_free", "_refs", "_cached", "_name_of", "_block_of", "evicted")
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError("num_blocks must be >= 0")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks
+        self._cached: dict[int, None] = {}            # refcount 0 and named; insertion order = LRU first
+        self._name_of: dict[int, Hashable] = {}
+        self._block_of: dict[Hashable, int] = {}
+        self.evicted = 0                              # cached blocks reclaimed for new allocations
+
+    # ---- queries ---------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation may take: free plus cached (evictable)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks held by at least one request."""
+        return self.num_blocks - len(self._free) - len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_named(self) -> int:
+        return len(self._block_of)
+
+    def cached_blocks(self) -> list[int]:
+        """The cached (evictable) blocks, least recently released first."""
+        return list(self._cached)
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+    def name_of(self, block: int) -> Hashable | None:
+        return self._name_of.get(block)
+
+    def lookup(self, names: Iterable[Hashable]) -> list[int]:
+        """Blocks holding the longest run of leading ``names`` (used or cached)."""
+        block_of = self._block_of
+        out: list[int] = []
+        for name in names:
+            b = block_of.get(name)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def num_reclaimed(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` are cached now (taking them uses up available blocks)."""
+        refs = self._refs
+        return sum(1 for b in blocks if refs[b] == 0)
+
+    # ---- changes ---------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """``n`` unnamed blocks with refcount 1: free ones first, then the least recently
+        released cached ones (their names dropped). Raises :class:`KVOutOfMemory`, taking nothing."""
+        if n <= 0:
+            return []
+        free = self._free
+        if n > len(free) + len(self._cached):
+            raise KVOutOfMemory(f"need {n} blocks, {self.num_free} free of {self.num_blocks}")
+        short = n - len(free)
+        if short > 0:
+            self._evict(short)
+        blocks = free[-n:]
+        del free[-n:]
+        refs = self._refs
+        for b in blocks:
+            refs[b] = 1
+        return blocks
+
+    def _evict(self, n: int) -> None:
+        cached, name_of, block_of, free = self._cached, self._name_of, self._block_of, self._free
+        victims = []
+        for b in cached:
+            victims.append(b)
+            if len(victims) == n:
+                break
+        for b in victims:
+            del cached[b]
+            del block_of[name_of.pop(b)]
+        victims.reverse()
+        free.extend(victims)
+        self.evicted += n
+
+    def ref(self, blocks: Sequence[int]) -> None:
+        """One more holder of each of ``blocks`` (used or cached; a cached block becomes used)."""
+        refs, cached = self._refs, self._cached
+        for b in blocks:
+            if refs[b] == 0:
+                if b not in cached:
+                    raise ValueError(f"block {b} is free: only used or cached blocks can be shared")
+                del cached[b]
+            refs[b] += 1
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """One holder fewer for each of ``blocks`` (a table, in order). Released blocks that are
+        named become cached, the table's tail first (so its head stays the most recent); the others
+        go back to the free list."""
+        refs = self._refs
+        for i, b in enumerate(blocks):
+            if refs[b] <= 0:
+                for c in blocks[:i]:                  # nothing changes on a bad release
+                    refs[c] += 1
+                raise ValueError(f"block {b} freed twice or never allocated")
+            refs[b] -= 1
+        name_of = self._name_of
+        if not name_of:                               # nothing named: every released block is free
+            self._free.extend([b for b in blocks if refs[b] == 0])
+            return
+        cached = self._cached
+        released: list[int] = []
+        for b in reversed(blocks):
+            if refs[b] == 0:
+                if b in name_of:
+                    cached[b] = None
+                else:
+                    released.append(b)
+        released.reverse()
+        self._free.extend(released)
+
+    def name(self, block: int, name: Hashable) -> bool:
+        """Register used ``block``'s content as ``name``; False (nothing changes) if another block
+        holds that name already or ``block`` has a name."""
+        if self._refs[block] <= 0:
+            raise ValueError(f"block {block} is not in use: only a request's own block can be named")
+        if name in self._block_of or block in self._name_of:
+            return False
+        self._block_of[name] = block
+        self._name_of[block] = name
+        return True
+
+    def forget(self, block: int) -> None:
+        """Drop used ``block``'s name: it is freed, not cached, when released."""
+        if self._refs[block] <= 0:
+            raise ValueError(f"block {block} is not in use")
+        name = self._name_of.pop(block, None)
+        if name is not None:
+            del self._block_of[name]
+
+    def check(self) -> None:
+        """Assert the pool's invariants (tests): every block in exactly one state, names bijective."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        cached = set(self._cached)
+        used = {b for b in range(self.num_blocks) if self._refs[b] > 0}
+        assert not (free & cached) and not (free & used) and not (cached & used)
+        assert len(free) + len(cached) + len(used) == self.num_blocks, "a block leaked"
+        assert all(self._refs[b] == 0 for b in free | cached)
+        assert cached <= set(self._name_of) and not (free & set(self._name_of))
+        assert all(self._block_of[n] == b for b, n in self._name_of.items())
+        assert len(self._block_of) == len(self._name_of)
