@@ -7,6 +7,7 @@ Every message is one msgpack map with a short kind ``k``. Router -> instance:
 - ``transfer`` a prefilled request for a decode instance: request fields + ``out`` (tokens so far),
   ``computed`` (KV tokens), ``t_first`` (first-token time) and ``kv`` (a transport descriptor)
 - ``abort``    ``rids``: drop these requests wherever they are on the instance and free their KV
+- ``lane``     ``lane``: the length lane a pool router (``laps-pools``) gave this instance
 - ``stop``     shut down
 
 Instance -> router (every message carries ``inst``, the instance id):
@@ -16,7 +17,8 @@ Instance -> router (every message carries ``inst``, the instance id):
   (one message per engine step, so one per batch rather than one per token)
 - ``handoff``  a prefill finished: ``rid``, ``out``, ``computed``, ``kv``, ``t_first``, ``lp``, ``info``
 - ``stats``    load figures for routers, metrics and admission control (``added`` = ADDs
-  processed, so the router can add what it sent after the snapshot)
+  processed, so the router can add what it sent after the snapshot); ``kv_events`` = the prefix
+  cache's block names added and dropped since the last stats (``core/prefix_summary.py``)
 - ``err``      ``rids`` failed on the instance; ``msg`` says why
 
 Times are seconds on one epoch shared by all processes (:class:`EpochClock`): ``perf_counter``

@@ -51,7 +51,8 @@ import zmq.asyncio
 from laneserve.cluster.messages import EpochClock, pack, request_fields, unpack
 from laneserve.cluster.transport import default_shm_dir, discard_descriptor
 from laneserve.cluster.worker import WorkerSpec
-from laneserve.core.request import Request
+from laneserve.core.prefix_summary import PrefixSummary
+from laneserve.core.request import Phase, Request
 from laneserve.core.sampling import SamplingParams
 from laneserve.core.slo import SLO
 from laneserve.policies import registry
@@ -123,6 +124,8 @@ class InstanceHandle:
     gen: int = 0                         # incarnation (restarts so far)
     last_seen: float = 0.0               # monotonic time of its last message
     restarting: bool = False
+    prefix: PrefixSummary | None = None  # what its prefix cache holds (from its kv_events)
+    lane: str | None = None              # the length lane a pool router gave it (laps-pools)
 
     @property
     def accepting(self) -> bool:
@@ -158,10 +161,36 @@ class InstanceHandle:
     def kv_usage(self) -> float:
         return self.stats.get("kv_usage", 0.0)
 
+    @property
+    def busy_time(self) -> float:
+        return self.stats.get("busy", 0.0)
+
+    def set_lane(self, lane: str) -> None:
+        """Tell the instance its length lane (``laps-pools``); a restarted incarnation is told again."""
+        self.lane = lane
+        if self.alive and self.ready and self.sock is not None:
+            self.sock.send(pack({"k": "lane", "lane": lane}), copy=False)
+
+    def cached_prefix(self, req: Request) -> int:
+        """Prompt tokens of ``req`` its prefix cache holds, by the summary (0 without caching)."""
+        return self.prefix.cached_tokens(req) if self.prefix is not None else 0
+
     def process_alive(self) -> bool:
         if isinstance(self.proc, threading.Thread):
             return self.proc.is_alive()
         return self.proc is not None and self.proc.poll() is None
+
+
+def _observe_start(req: Request, info: dict, first_token: float | None) -> None:
+    """Copy what the prefill side reports about ``req``'s start onto the router's copy (the
+    router's policies read it: the ``laps-pools`` controller measures waits and TTFT deviations)."""
+    times = req.times
+    if times.first_token is not None:
+        return
+    if info.get("prefill_start") is not None:
+        times.prefill_start = info["prefill_start"]
+    times.first_token = first_token
+    req.num_cached_tokens = info.get("cached") or 0
 
 
 @dataclass(slots=True)
@@ -251,7 +280,7 @@ class ProcessCluster:
                            transport_dir=str(self.kv_dir), kv_tokens=s.kv_tokens, engine=dict(s.engine),
                            policy_opts=opts, device=h.device, gen=h.gen)
         h.alive, h.ready, h.exit_reason = True, False, None
-        h.stats, h.sent, h.seq = {}, deque(), 0
+        h.stats, h.sent, h.seq, h.prefix = {}, deque(), 0, None
         h.last_seen = time.monotonic()
         h.proc = self._launch(wspec)
 
@@ -376,6 +405,7 @@ class ProcessCluster:
         if track is None:
             return
         track.aborted = True
+        track.request.phase = Phase.ABORTED
         h = self.instances[track.instance]
         if h.alive:
             self._send(h, {"k": "abort", "rids": [rid]})
@@ -392,6 +422,7 @@ class ProcessCluster:
         service failed it and a retry may succeed; 500: the engine failed on it; 400: its input)."""
         self.tracks.pop(track.rid, None)
         track.stage = "done"
+        track.request.phase = Phase.ABORTED
         track.events.put_nowait(("err", message, status))
 
     def _remove_kv_files(self, rid: int) -> None:
@@ -423,15 +454,20 @@ class ProcessCluster:
                 track = self.tracks.get(rid)
                 if track is None:
                     continue
+                if info is not None:
+                    _observe_start(track.request, info, self.clock.now())
                 if finish is not None:
                     self.tracks.pop(rid, None)
                     track.stage = "done"
+                    track.request.phase = Phase.FINISHED
                     self._completions.append(time.monotonic())
                 track.events.put_nowait(("tok", toks, finish, lp, info))
         elif kind == "handoff":
             self._on_handoff(h, msg)
         elif kind == "stats":
             h.stats = msg
+            if h.prefix is not None:
+                h.prefix.apply(msg.get("kv_events") or ())
         elif kind == "err":
             for rid in msg["rids"]:
                 track = self.tracks.get(rid)
@@ -440,7 +476,11 @@ class ProcessCluster:
                     self._fail(track, f"instance {h.instance_id} ({h.role}): {msg['msg']}", status)
         elif kind == "ready":
             h.info = msg["info"]
+            h.prefix = (PrefixSummary(h.info["block_size"], h.info["prefix_root"])
+                        if h.info.get("prefix_caching") else None)
             h.ready = True
+            if h.lane is not None:
+                h.set_lane(h.lane)
             self.log(f"laneserve: instance {h.instance_id} ({h.role}, {h.info.get('policy')}, "
                      f"{h.info.get('device')}) ready, pid {h.info.get('pid')}")
         elif kind == "fatal":
@@ -453,6 +493,7 @@ class ProcessCluster:
             discard_descriptor(msg.get("kv"))
             return
         track.events.put_nowait(("tok", msg["out"], None, msg.get("lp"), msg.get("info")))
+        _observe_start(track.request, msg.get("info") or {}, msg.get("t_first"))
         decoders = self.decoders
         try:
             d = self.decode_router.route(track.request, decoders, self.clock.now())
@@ -484,7 +525,7 @@ class ProcessCluster:
 
     def _instance_down(self, h: InstanceHandle) -> None:
         h.alive = False
-        h.stats = {}                          # its gauges no longer describe anything
+        h.stats, h.prefix = {}, None          # its gauges and cache no longer describe anything
         code = h.proc.returncode if _is_process(h.proc) else None
         h.exit_reason = h.exit_reason or f"exit code {code}"
         self.log(f"laneserve: instance {h.instance_id} ({h.role}) is down ({h.exit_reason}); "
@@ -560,4 +601,6 @@ class ProcessCluster:
                                "running": h.stats.get("running"), "waiting": h.stats.get("waiting"),
                                "live_requests": h.stats.get("live"), "preemptions": h.stats.get("preemptions"),
                                "kv_held": h.stats.get("kv_held"),
+                               "prefix_blocks": len(h.prefix) if h.prefix is not None else None,
+                               "lane": h.lane,
                                "steps": h.stats.get("steps")} for h in self.instances]}

@@ -174,7 +174,11 @@ class InstanceWorker:
         self.info = {"max_model_len": model.config.max_position_embeddings, "kv_blocks": blocks,
                      "block_size": config.block_size, "vocab_size": model.config.vocab_size,
                      "pid": os.getpid(), "policy": scheduler.name if hasattr(scheduler, "name") else spec.policy,
-                     "role": spec.role, "device": config.device}
+                     "role": spec.role, "device": config.device,
+                     "prefix_caching": kv.prefix_caching,
+                     "prefix_root": kv.root if kv.prefix_caching else None}
+        if kv.prefix_caching:
+            kv.allocator.record_events()   # the router's summary (core/prefix_summary.py)
 
     # ---- messages --------------------------------------------------------------------------
     def _receiver(self, sock: zmq.Socket) -> None:
@@ -219,6 +223,8 @@ class InstanceWorker:
                 for rid in msg["rids"]:
                     self._abort(rid, now)
                 self._dirty = True
+            elif kind == "lane":
+                self.instance.scheduler.set_lane(msg["lane"])
             elif kind == "transfer":
                 req = self._decode_request(msg)
                 if req is None:
@@ -359,7 +365,8 @@ class InstanceWorker:
                     "preemptions": inst.total_preemptions,
                     "prefix_queries": kv.query_tokens, "prefix_hits": kv.hit_tokens,
                     "steps": inst.steps, "busy": inst.busy_time, "live": len(self.live),
-                    "incoming": len(inst.pending), "kv_held": self.transport.held()})
+                    "incoming": len(inst.pending), "kv_held": self.transport.held(),
+                    "kv_events": kv.allocator.take_events()})
         self._last_stats = now
         self._dirty = False
 

@@ -34,6 +34,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from hashlib import blake2b
 
 DIGEST_BYTES = 16
+#: kinds of :attr:`BlockPool.events`
+STORED, REMOVED = 1, 0
 
 
 class KVOutOfMemory(RuntimeError):
@@ -66,7 +68,7 @@ class BlockPool:
     """``num_blocks`` blocks: LIFO free list, reference counts, names, and cached blocks in LRU
     order. A release of a block nobody holds (double or foreign free) raises ``ValueError``."""
 
-    __slots__ = ("num_blocks", "_free", "_refs", "_cached", "_name_of", "_block_of", "evicted")
+    __slots__ = ("num_blocks", "_free", "_refs", "_cached", "_name_of", "_block_of", "evicted", "events")
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 0:
@@ -78,6 +80,22 @@ class BlockPool:
         self._name_of: dict[int, Hashable] = {}
         self._block_of: dict[Hashable, int] = {}
         self.evicted = 0                              # cached blocks reclaimed for new allocations
+        #: when a list (:meth:`record_events`): ``(STORED | REMOVED, name)`` in the order names
+        #: appear and disappear, for the router's summary of what this instance holds
+        self.events: list[tuple[int, Hashable]] | None = None
+
+    def record_events(self) -> None:
+        """Log every name added and dropped from now on (:attr:`events`, drained by :meth:`take_events`)."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[tuple[int, Hashable]]:
+        """The logged name events since the last call, oldest first (empty when not recording)."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
 
     # ---- queries ---------------------------------------------------------------------------
     @property
@@ -150,9 +168,13 @@ class BlockPool:
             victims.append(b)
             if len(victims) == n:
                 break
+        events = self.events
         for b in victims:
             del cached[b]
-            del block_of[name_of.pop(b)]
+            name = name_of.pop(b)
+            del block_of[name]
+            if events is not None:
+                events.append((REMOVED, name))
         victims.reverse()
         free.extend(victims)
         self.evicted += n
@@ -202,6 +224,8 @@ class BlockPool:
             return False
         self._block_of[name] = block
         self._name_of[block] = name
+        if self.events is not None:
+            self.events.append((STORED, name))
         return True
 
     def forget(self, block: int) -> None:
@@ -211,6 +235,8 @@ class BlockPool:
         name = self._name_of.pop(block, None)
         if name is not None:
             del self._block_of[name]
+            if self.events is not None:
+                self.events.append((REMOVED, name))
 
     def check(self) -> None:
         """Assert the pool's invariants (tests): every block in exactly one state, names bijective."""

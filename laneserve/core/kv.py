@@ -55,6 +55,11 @@ class KVCacheManager:
 
     # ---- queries -------------------------------------------------------------------------
     @property
+    def root(self) -> bytes:
+        """The digest every hash chain of this manager starts from (its ``cache_key``'s)."""
+        return self._root
+
+    @property
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
 

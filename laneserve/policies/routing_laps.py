@@ -219,7 +219,9 @@ class LapsPoolRouter(Router):
 
     @staticmethod
     def _tell(inst: InstanceLoad, lane: str) -> None:
-        setter = getattr(getattr(inst, "scheduler", None), "set_lane", None)
+        setter = getattr(inst, "set_lane", None)               # a remote instance's handle
+        if setter is None:
+            setter = getattr(getattr(inst, "scheduler", None), "set_lane", None)
         if setter is not None:
             setter(lane)
 
