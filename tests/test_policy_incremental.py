@@ -14,7 +14,9 @@ from itertools import accumulate
 
 import pytest
 
+from laneserve.core import sorted_keys
 from laneserve.core.kv import KVCacheManager, blocks_for
+from laneserve.core.sorted_keys import SortedKeys
 from laneserve.core.plan import StepResult
 from laneserve.core.request import Request
 from laneserve.core.slo import SLO
@@ -132,6 +134,56 @@ def test_flowprefill_matches_reference(opts, bind):
         return cls(KVCacheManager(1, 16), **opts)
     for seed in range(6):
         assert lockstep(make, seed, bind=bind) > 20
+
+
+def test_flowprefill_matches_reference_with_tiny_blocks(monkeypatch):
+    """Blocks of at most 8 keys: the queue's sorted sets split and merge blocks all the time."""
+    monkeypatch.setattr(sorted_keys, "LOAD", 4)
+
+    def make(reference: bool):
+        return (FlowPrefillReference if reference else FlowPrefillScheduler)(KVCacheManager(1, 16))
+    for seed in range(3):
+        assert lockstep(make, seed, n=300, bind=seed != 1) > 20
+
+
+@pytest.mark.parametrize("load", [2, 4, 512])
+def test_sorted_keys_matches_a_sorted_list(monkeypatch, load):
+    """Random inserts, deletes (some during walks), membership and walks from a key agree with
+    a plain sorted list."""
+    monkeypatch.setattr(sorted_keys, "LOAD", load)
+    rng = random.Random(load)
+    ref = sorted({(rng.randint(0, 2), rng.random()) for _ in range(50)})
+    keys = SortedKeys(ref)
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.45:
+            k = (rng.randint(0, 2), rng.random())
+            keys.add(k)
+            ref.append(k)
+            ref.sort()
+        elif op < 0.85 and ref:
+            k = ref.pop(rng.randrange(len(ref)))
+            keys.remove(k)
+            assert k not in keys
+        elif ref:
+            after = rng.choice([None, (1, 0.5), ref[rng.randrange(len(ref))]])
+            expect = [k for k in ref if after is None or k > after]
+            seen = []
+            for k in keys.walk(after):          # delete some keys ahead of and at the walk
+                seen.append(k)
+                if rng.random() < 0.3:
+                    victim = rng.choice(ref)
+                    ref.remove(victim)
+                    keys.remove(victim)
+                    if victim in expect[len(seen):]:
+                        expect.remove(victim)
+            assert seen == expect
+        assert len(keys) == len(ref) and keys.first() == (ref[0] if ref else None)
+        if ref:
+            assert ref[rng.randrange(len(ref))] in keys
+    assert list(keys.walk()) == ref
+    with pytest.raises(KeyError):
+        keys.remove((5, 0.0))
 
 
 def test_flowprefill_refits_are_exercised():
