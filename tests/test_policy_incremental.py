@@ -21,6 +21,7 @@ from laneserve.core.plan import StepResult
 from laneserve.core.request import Request
 from laneserve.core.slo import SLO
 from laneserve.costmodel import make_cost_model
+from laneserve.policies.decode.quadtree import KVLengthQuadTree
 from laneserve.policies import registry
 from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
 from laneserve.policies.prefill.kairos import KairosPrefill
@@ -307,3 +308,100 @@ def test_queued_tokens_is_the_pending_sum(spec, prefix):
         for r in s.update(plan, result, now).prefilled:
             s.release(r.request_id)
     assert checked > 50 and s.queued_tokens == pending_tokens(s)
+
+
+class ScanQuadTree(KVLengthQuadTree):
+    """The quad-tree's queries as they were before its leaves kept sorted sets: every call sorts
+    or scans the leaves it touches."""
+
+    def _recount_oldest(self, leaf) -> None:
+        node = leaf
+        while node is not None:
+            node.oldest = (min((e.since for e in node.entries.values()), default=float("inf"))
+                           if node.entries is not None else min(c.oldest for c in node.children))
+            node = node.parent
+
+    def remove(self, request_id):
+        entry = super().remove(request_id)
+        self._recount_oldest(self._leaf_for(entry.length))
+        return entry
+
+    def iter_entries(self, node=None, *, descending=False):
+        node = node or self.root
+        if node.num_requests == 0:
+            return
+        if node.entries is not None:
+            yield from sorted(node.entries.values(), key=lambda e: (e.length, e.since), reverse=descending)
+            return
+        for child in (reversed(node.children) if descending else node.children):
+            yield from self.iter_entries(child, descending=descending)
+
+    def in_range(self, lo, hi, limit):
+        found, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.num_requests == 0 or node.hi < lo or node.lo > hi:
+                continue
+            if node.entries is not None:
+                found.extend(e for e in node.entries.values() if lo <= e.length <= hi)
+            else:
+                stack.extend(node.children or [])
+        found.sort(key=lambda e: e.since)
+        return found[:limit]
+
+    def oldest(self, node):
+        return min(self.iter_entries(node), key=lambda e: e.since)
+
+    def _oldest_first(self, node):
+        return iter(sorted(self.iter_entries(node), key=lambda e: e.since))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_quadtree_matches_scanning_reference(seed, monkeypatch):
+    """Random inserts, removals and growth with many ties (few lengths, few entry times): every
+    query AlignedServe makes answers the same as the sorting/scanning reference."""
+    monkeypatch.setattr(sorted_keys, "LOAD", 4)
+    rng = random.Random(seed)
+    trees = [KVLengthQuadTree(leaf_width=16, max_len=4096), ScanQuadTree(leaf_width=16, max_len=4096)]
+    live: set[int] = set()
+
+    def ids(entries):
+        return [e.request_id for e in entries]
+
+    def sel(s):
+        return None if s is None else (s.request_ids, s.lo, s.hi, s.blocks, s.full)
+    for step in range(1500):
+        op = rng.random()
+        if op < 0.45 or not live:
+            rid = step
+            length, since = rng.choice((rng.randint(1, 5000), rng.randint(30, 40))), float(rng.randint(0, 30))
+            for t in trees:
+                t.insert(rid, length, 1 + length // 256, since)
+            live.add(rid)
+        elif op < 0.75:
+            rid = rng.choice(sorted(live))
+            live.discard(rid)
+            assert [ids([t.remove(rid)]) for t in trees][0] == [rid]
+        else:
+            rid = rng.choice(sorted(live))
+            length = trees[0].entry(rid).length + rng.randint(0, 40)
+            for t in trees:
+                t.update(rid, length, 1 + length // 256)
+        a, b = trees
+        assert (a.root.oldest, a.root.num_requests) == (b.root.oldest, b.root.num_requests)
+        lo = rng.randint(1, 4096)
+        hi, limit = lo + rng.randint(0, 600), rng.randint(1, 30)
+        assert ids(a.in_range(lo, hi, limit)) == ids(b.in_range(lo, hi, limit))
+        budget, n_min, cap = rng.randint(1, 200), rng.randint(1, 40), rng.randint(1, 60)
+        assert sel(a.density_first(budget, n_min, cap)) == sel(b.density_first(budget, n_min, cap))
+        bound = rng.uniform(0, 40)
+        leaf_a, leaf_b = a.starving_leaf(40.0, bound), b.starving_leaf(40.0, bound)
+        assert (leaf_a and leaf_a.lo) == (leaf_b and leaf_b.lo)
+        if leaf_a is not None:
+            assert a.oldest(leaf_a).request_id == b.oldest(leaf_b).request_id
+            assert sel(a.grow(leaf_a, budget, n_min, cap, force_one=True)) == \
+                sel(b.grow(leaf_b, budget, n_min, cap, force_one=True))
+            for desc in (False, True):
+                assert ids(a.iter_entries(leaf_a.parent, descending=desc)) == \
+                    ids(b.iter_entries(leaf_b.parent, descending=desc))
+    trees[0].check()

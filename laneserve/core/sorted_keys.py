@@ -113,3 +113,12 @@ class SortedKeys:
             last = block[j]
             j += 1
             yield last
+
+    def __iter__(self) -> Iterator[Any]:
+        """All keys in order (no changes during the iteration: use :meth:`walk` for that)."""
+        for block in self._blocks:
+            yield from block
+
+    def __reversed__(self) -> Iterator[Any]:
+        for block in reversed(self._blocks):
+            yield from reversed(block)
