@@ -21,7 +21,9 @@ from laneserve.core.plan import StepResult
 from laneserve.core.request import Request
 from laneserve.core.slo import SLO
 from laneserve.costmodel import make_cost_model
+from laneserve.core.request import Phase
 from laneserve.policies.decode.quadtree import KVLengthQuadTree
+from laneserve.policies.routing_laps import LapsPoolRouter, _Stats
 from laneserve.policies import registry
 from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
 from laneserve.policies.prefill.kairos import KairosPrefill
@@ -405,3 +407,72 @@ def test_quadtree_matches_scanning_reference(seed, monkeypatch):
                 assert ids(a.iter_entries(leaf_a.parent, descending=desc)) == \
                     ids(b.iter_entries(leaf_b.parent, descending=desc))
     trees[0].check()
+
+
+def reference_signals(router: LapsPoolRouter, inst, stats: _Stats, now: float, period: float,
+                      pool_rate: float | None) -> tuple[float, float, float]:
+    """The LAPS controller's per-instance signals as first written (several passes, builtins)."""
+    slo = router.slo_ttft
+    busy = float(getattr(inst, "busy_time", 0.0))
+    busy_delta, stats.busy_seen = max(busy - stats.busy_seen, 0.0), busy
+    served, deviations, keep = 0, [], []
+    for r in stats.outstanding:
+        first = r.times.first_token
+        if first is None and r.is_finished:
+            continue
+        if first is None and now - r.arrival_time <= slo:
+            keep.append(r)
+            continue
+        end = first if first is not None else now
+        start = r.times.prefill_start if r.times.prefill_start is not None else end
+        deviations.append(max(min(end - r.arrival_time - slo, start - r.arrival_time), 0.0) / slo)
+        if first is not None:
+            served += r.prompt_len - r.num_cached_tokens
+        else:
+            keep.append(r)
+    stats.outstanding = keep
+    if busy_delta > 0 and served > 0:
+        obs = served / busy_delta
+        stats.rate = obs if stats.rate is None else 0.7 * stats.rate + 0.3 * obs
+    if router.backlog == "wait":
+        waiting = [now - r.arrival_time for r in keep if r.times.prefill_start is None]
+        q = min(max(waiting, default=0.0) / slo, router.q_cap)
+    else:
+        rate = stats.rate or pool_rate
+        q = min(inst.queued_tokens / rate / slo, router.q_cap) if rate else 0.0
+    e = sum(deviations) / len(deviations) if deviations else 0.0
+    u = min(busy_delta / period, 1.0) if period > 0 else 0.0
+    return q, e, u
+
+
+@pytest.mark.parametrize("backlog", ["wait", "tokens"])
+def test_laps_controller_signals_match_reference(backlog):
+    """The one-pass controller signals equal the first version's on random request states (not
+    started, started, served, aborted, finished; young and late; arrivals after ``now`` too),
+    down to the float, and keep the same requests outstanding."""
+    class Inst:
+        queued_tokens, busy_time = 5000, 0.0
+    rng = random.Random(4)
+    router = LapsPoolRouter(backlog=backlog)
+    for trial in range(300):
+        now = rng.uniform(0.0, 20.0)
+        reqs = []
+        for i in range(rng.randint(0, 40)):
+            r = make_request((i, now - rng.uniform(-0.5, 3.0), rng.randint(1, 5000), 4, 0.4))
+            kind = rng.random()
+            if kind < 0.6:
+                r.times.prefill_start = rng.choice((None, now - rng.uniform(0.0, 2.0)))
+            if kind > 0.4:
+                r.times.first_token = now - rng.uniform(0.0, 1.0)
+            if rng.random() < 0.1:
+                r.phase = rng.choice((Phase.ABORTED, Phase.FINISHED))
+            reqs.append(r)
+        inst = Inst()
+        inst.busy_time = rng.uniform(0.0, 5.0)
+        rate = rng.choice((None, 1e4))
+        stats = [_Stats(outstanding=list(reqs), rate=rate) for _ in range(2)]
+        pool_rate = rng.choice((None, 2e4))
+        got = router.signals(inst, stats[0], now, 2.0, pool_rate)
+        want = reference_signals(router, inst, stats[1], now, 2.0, pool_rate)
+        assert got == want and stats[0].outstanding == stats[1].outstanding
+        assert (stats[0].rate, stats[0].busy_seen) == (stats[1].rate, stats[1].busy_seen)
