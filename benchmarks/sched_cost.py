@@ -25,7 +25,9 @@ first decision after the fill (event ``first``, reported apart): it settles what
 deferred (S-EDF: the slack sign flips of everything that went late during the fill; Kairos: the
 columns of every queued request), work a running instance spreads over its events. Wall times on a shared
 2-core machine; CPU time of the process is recorded beside them (a worst figure far above its CPU
-twin was another process's doing). The fill is not timed; the garbage collector is frozen after it
+twin was another process's doing; ``worst_cpu_mean_*`` and ``worst_cpu_max_*`` are the CPU-time
+twins of the headline figures, and ``load_average`` records the machine's 1-minute load average
+at the start and end of the run). The fill is not timed; the garbage collector is frozen after it
 (``gc.freeze``) so that collections scan only what the measured steps allocate.
 
     python benchmarks/sched_cost.py [--sizes 1000,10000,100000] [--steps 200] [--only sedf,kairos]
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import time
 from collections.abc import Callable
 from itertools import accumulate
@@ -262,6 +265,7 @@ def main() -> None:
             print(kind, spec)
         return
     rows: list[dict] = []
+    load_start = os.getloadavg()[0]
     for n in (int(s) for s in args.sizes.split(",")):
         for kind, spec in cases:
             w0 = time.perf_counter()
@@ -276,11 +280,15 @@ def main() -> None:
         tag = f"{n // 1000}k"
         metrics[f"worst_mean_decision_ms_{tag}"] = max(r["mean_ms"] for r in at)
         metrics[f"worst_max_decision_ms_{tag}"] = max(r["max_ms"] for r in at)
+        metrics[f"worst_cpu_mean_decision_ms_{tag}"] = max(r["cpu_mean_ms"] for r in at)
         metrics[f"worst_cpu_max_decision_ms_{tag}"] = max(r["cpu_max_ms"] for r in at)
+    load = [round(load_start, 2), round(os.getloadavg()[0], 2)]
     metrics.update(target_worst_mean_decision_ms_10k=1.0, target_worst_max_decision_ms_10k=20.0,
                    steps_per_case=args.steps)
-    write_result(args.name, metrics, extra={"rows": rows},
-                 markdown=markdown_table(rows, ["kind", "policy", "queued", "event", "count", "mean_ms",
+    note = (f"1-minute load average {load[0]} at the start, {load[1]} at the end, on "
+            f"{os.cpu_count()} cores: wall times above their CPU twins are waits for the CPU")
+    write_result(args.name, metrics, extra={"load_average": load, "note": note, "rows": rows},
+                 markdown=f"{note}.\n\n" + markdown_table(rows, ["kind", "policy", "queued", "event", "count", "mean_ms",
                                                 "max_ms", "cpu_mean_ms", "cpu_max_ms"]))
 
 

@@ -136,6 +136,51 @@ def test_step_time_lut_running_mean_and_lookup(cm):
         StepTimeLUT().lookup(1, 1)
 
 
+def _lut_reference(lut: StepTimeLUT, b: float, n: float) -> float:
+    """Bilinear interpolation in log2 space straight on the numpy cells (what ``lookup`` computes
+    from its float mirror), else the nearest filled cell."""
+    def position(edges, v):
+        if v <= edges[0] or len(edges) == 1:
+            return 0, 0.0
+        if v >= edges[-1]:
+            return len(edges) - 2, 1.0
+        i = max(k for k, e in enumerate(edges) if e <= v)
+        return i, (math.log2(v) - math.log2(edges[i])) / (math.log2(edges[i + 1]) - math.log2(edges[i]))
+    (bi, bw), (li, lw) = position(lut.batch_edges, b), position(lut.length_edges, n)
+    total = 0.0
+    for i, j, w in ((bi, li, (1 - bw) * (1 - lw)), (bi + 1, li, bw * (1 - lw)),
+                    (bi, li + 1, (1 - bw) * lw), (bi + 1, li + 1, bw * lw)):
+        if w and lut.interpolate:
+            if np.isnan(lut.means[i, j]):
+                break
+            total += w * lut.means[i, j]
+    else:
+        if lut.interpolate:
+            return float(total)
+    cells = np.argwhere(~np.isnan(lut.means))
+    return float(lut.means[tuple(cells[np.argmin(np.abs(cells - np.array([bi + bw, li + lw])).sum(axis=1))])])
+
+
+@pytest.mark.parametrize("interpolate", [True, False])
+def test_step_time_lut_lookup_matches_the_numpy_cells(cm, interpolate):
+    """The float mirror behind ``lookup`` follows every ``set``/``observe``/``from_dict``: lookups
+    equal (bit for bit) the interpolation computed on ``means`` itself, dense and sparse tables."""
+    import random
+    rng = random.Random(7)
+    dense = StepTimeLUT.from_cost_model(cm, batch_edges=(1, 2, 3, 6, 16), length_edges=(16, 100, 1000, 5000))
+    sparse = StepTimeLUT(batch_edges=(1, 4, 32), length_edges=(64, 512, 4096, 32768))
+    for lut in (dense, sparse):
+        lut.interpolate = interpolate
+        for k in range(400):
+            if k % 20 == 0:
+                lut.observe(rng.randint(1, 40), rng.randint(1, 40000), rng.random() * 0.1)
+            if k == 200:
+                lut.set(2, 700, 0.0125)
+                lut = StepTimeLUT.from_dict(lut.to_dict())
+            b, n = rng.choice((rng.randint(1, 40), rng.random() * 40)), rng.random() * 40000
+            assert lut.lookup(b, n) == _lut_reference(lut, b, n)
+
+
 def test_laps_fit_recovers_parameters_and_boundary():
     truth = LapsPrefillModel(alpha=2e-9, beta=1e-5, gamma_w=4e-5, gamma_r=3e-6, fitted=True)
     samples = [(n, h, truth.predict(n, h)) for n in (8, 32, 128, 512, 2048, 8192, 16384, 32768)

@@ -14,11 +14,16 @@ from itertools import accumulate
 
 import pytest
 
+from laneserve.core import sorted_keys
 from laneserve.core.kv import KVCacheManager, blocks_for
+from laneserve.core.sorted_keys import SortedKeys
 from laneserve.core.plan import StepResult
 from laneserve.core.request import Request
 from laneserve.core.slo import SLO
 from laneserve.costmodel import make_cost_model
+from laneserve.core.request import Phase
+from laneserve.policies.decode.quadtree import KVLengthQuadTree
+from laneserve.policies.routing_laps import LapsPoolRouter, _Stats
 from laneserve.policies import registry
 from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
 from laneserve.policies.prefill.kairos import KairosPrefill
@@ -132,6 +137,56 @@ def test_flowprefill_matches_reference(opts, bind):
         return cls(KVCacheManager(1, 16), **opts)
     for seed in range(6):
         assert lockstep(make, seed, bind=bind) > 20
+
+
+def test_flowprefill_matches_reference_with_tiny_blocks(monkeypatch):
+    """Blocks of at most 8 keys: the queue's sorted sets split and merge blocks all the time."""
+    monkeypatch.setattr(sorted_keys, "LOAD", 4)
+
+    def make(reference: bool):
+        return (FlowPrefillReference if reference else FlowPrefillScheduler)(KVCacheManager(1, 16))
+    for seed in range(3):
+        assert lockstep(make, seed, n=300, bind=seed != 1) > 20
+
+
+@pytest.mark.parametrize("load", [2, 4, 512])
+def test_sorted_keys_matches_a_sorted_list(monkeypatch, load):
+    """Random inserts, deletes (some during walks), membership and walks from a key agree with
+    a plain sorted list."""
+    monkeypatch.setattr(sorted_keys, "LOAD", load)
+    rng = random.Random(load)
+    ref = sorted({(rng.randint(0, 2), rng.random()) for _ in range(50)})
+    keys = SortedKeys(ref)
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.45:
+            k = (rng.randint(0, 2), rng.random())
+            keys.add(k)
+            ref.append(k)
+            ref.sort()
+        elif op < 0.85 and ref:
+            k = ref.pop(rng.randrange(len(ref)))
+            keys.remove(k)
+            assert k not in keys
+        elif ref:
+            after = rng.choice([None, (1, 0.5), ref[rng.randrange(len(ref))]])
+            expect = [k for k in ref if after is None or k > after]
+            seen = []
+            for k in keys.walk(after):          # delete some keys ahead of and at the walk
+                seen.append(k)
+                if rng.random() < 0.3:
+                    victim = rng.choice(ref)
+                    ref.remove(victim)
+                    keys.remove(victim)
+                    if victim in expect[len(seen):]:
+                        expect.remove(victim)
+            assert seen == expect
+        assert len(keys) == len(ref) and keys.first() == (ref[0] if ref else None)
+        if ref:
+            assert ref[rng.randrange(len(ref))] in keys
+    assert list(keys.walk()) == ref
+    with pytest.raises(KeyError):
+        keys.remove((5, 0.0))
 
 
 def test_flowprefill_refits_are_exercised():
@@ -255,3 +310,169 @@ def test_queued_tokens_is_the_pending_sum(spec, prefix):
         for r in s.update(plan, result, now).prefilled:
             s.release(r.request_id)
     assert checked > 50 and s.queued_tokens == pending_tokens(s)
+
+
+class ScanQuadTree(KVLengthQuadTree):
+    """The quad-tree's queries as they were before its leaves kept sorted sets: every call sorts
+    or scans the leaves it touches."""
+
+    def _recount_oldest(self, leaf) -> None:
+        node = leaf
+        while node is not None:
+            node.oldest = (min((e.since for e in node.entries.values()), default=float("inf"))
+                           if node.entries is not None else min(c.oldest for c in node.children))
+            node = node.parent
+
+    def remove(self, request_id):
+        entry = super().remove(request_id)
+        self._recount_oldest(self._leaf_for(entry.length))
+        return entry
+
+    def iter_entries(self, node=None, *, descending=False):
+        node = node or self.root
+        if node.num_requests == 0:
+            return
+        if node.entries is not None:
+            yield from sorted(node.entries.values(), key=lambda e: (e.length, e.since), reverse=descending)
+            return
+        for child in (reversed(node.children) if descending else node.children):
+            yield from self.iter_entries(child, descending=descending)
+
+    def in_range(self, lo, hi, limit):
+        found, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.num_requests == 0 or node.hi < lo or node.lo > hi:
+                continue
+            if node.entries is not None:
+                found.extend(e for e in node.entries.values() if lo <= e.length <= hi)
+            else:
+                stack.extend(node.children or [])
+        found.sort(key=lambda e: e.since)
+        return found[:limit]
+
+    def oldest(self, node):
+        return min(self.iter_entries(node), key=lambda e: e.since)
+
+    def _oldest_first(self, node):
+        return iter(sorted(self.iter_entries(node), key=lambda e: e.since))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_quadtree_matches_scanning_reference(seed, monkeypatch):
+    """Random inserts, removals and growth with many ties (few lengths, few entry times): every
+    query AlignedServe makes answers the same as the sorting/scanning reference."""
+    monkeypatch.setattr(sorted_keys, "LOAD", 4)
+    rng = random.Random(seed)
+    trees = [KVLengthQuadTree(leaf_width=16, max_len=4096), ScanQuadTree(leaf_width=16, max_len=4096)]
+    live: set[int] = set()
+
+    def ids(entries):
+        return [e.request_id for e in entries]
+
+    def sel(s):
+        return None if s is None else (s.request_ids, s.lo, s.hi, s.blocks, s.full)
+    for step in range(1500):
+        op = rng.random()
+        if op < 0.45 or not live:
+            rid = step
+            length, since = rng.choice((rng.randint(1, 5000), rng.randint(30, 40))), float(rng.randint(0, 30))
+            for t in trees:
+                t.insert(rid, length, 1 + length // 256, since)
+            live.add(rid)
+        elif op < 0.75:
+            rid = rng.choice(sorted(live))
+            live.discard(rid)
+            assert [ids([t.remove(rid)]) for t in trees][0] == [rid]
+        else:
+            rid = rng.choice(sorted(live))
+            length = trees[0].entry(rid).length + rng.randint(0, 40)
+            for t in trees:
+                t.update(rid, length, 1 + length // 256)
+        a, b = trees
+        assert (a.root.oldest, a.root.num_requests) == (b.root.oldest, b.root.num_requests)
+        lo = rng.randint(1, 4096)
+        hi, limit = lo + rng.randint(0, 600), rng.randint(1, 30)
+        assert ids(a.in_range(lo, hi, limit)) == ids(b.in_range(lo, hi, limit))
+        budget, n_min, cap = rng.randint(1, 200), rng.randint(1, 40), rng.randint(1, 60)
+        assert sel(a.density_first(budget, n_min, cap)) == sel(b.density_first(budget, n_min, cap))
+        bound = rng.uniform(0, 40)
+        leaf_a, leaf_b = a.starving_leaf(40.0, bound), b.starving_leaf(40.0, bound)
+        assert (leaf_a and leaf_a.lo) == (leaf_b and leaf_b.lo)
+        if leaf_a is not None:
+            assert a.oldest(leaf_a).request_id == b.oldest(leaf_b).request_id
+            assert sel(a.grow(leaf_a, budget, n_min, cap, force_one=True)) == \
+                sel(b.grow(leaf_b, budget, n_min, cap, force_one=True))
+            for desc in (False, True):
+                assert ids(a.iter_entries(leaf_a.parent, descending=desc)) == \
+                    ids(b.iter_entries(leaf_b.parent, descending=desc))
+    trees[0].check()
+
+
+def reference_signals(router: LapsPoolRouter, inst, stats: _Stats, now: float, period: float,
+                      pool_rate: float | None) -> tuple[float, float, float]:
+    """The LAPS controller's per-instance signals as first written (several passes, builtins)."""
+    slo = router.slo_ttft
+    busy = float(getattr(inst, "busy_time", 0.0))
+    busy_delta, stats.busy_seen = max(busy - stats.busy_seen, 0.0), busy
+    served, deviations, keep = 0, [], []
+    for r in stats.outstanding:
+        first = r.times.first_token
+        if first is None and r.is_finished:
+            continue
+        if first is None and now - r.arrival_time <= slo:
+            keep.append(r)
+            continue
+        end = first if first is not None else now
+        start = r.times.prefill_start if r.times.prefill_start is not None else end
+        deviations.append(max(min(end - r.arrival_time - slo, start - r.arrival_time), 0.0) / slo)
+        if first is not None:
+            served += r.prompt_len - r.num_cached_tokens
+        else:
+            keep.append(r)
+    stats.outstanding = keep
+    if busy_delta > 0 and served > 0:
+        obs = served / busy_delta
+        stats.rate = obs if stats.rate is None else 0.7 * stats.rate + 0.3 * obs
+    if router.backlog == "wait":
+        waiting = [now - r.arrival_time for r in keep if r.times.prefill_start is None]
+        q = min(max(waiting, default=0.0) / slo, router.q_cap)
+    else:
+        rate = stats.rate or pool_rate
+        q = min(inst.queued_tokens / rate / slo, router.q_cap) if rate else 0.0
+    e = sum(deviations) / len(deviations) if deviations else 0.0
+    u = min(busy_delta / period, 1.0) if period > 0 else 0.0
+    return q, e, u
+
+
+@pytest.mark.parametrize("backlog", ["wait", "tokens"])
+def test_laps_controller_signals_match_reference(backlog):
+    """The one-pass controller signals equal the first version's on random request states (not
+    started, started, served, aborted, finished; young and late; arrivals after ``now`` too),
+    down to the float, and keep the same requests outstanding."""
+    class Inst:
+        queued_tokens, busy_time = 5000, 0.0
+    rng = random.Random(4)
+    router = LapsPoolRouter(backlog=backlog)
+    for trial in range(300):
+        now = rng.uniform(0.0, 20.0)
+        reqs = []
+        for i in range(rng.randint(0, 40)):
+            r = make_request((i, now - rng.uniform(-0.5, 3.0), rng.randint(1, 5000), 4, 0.4))
+            kind = rng.random()
+            if kind < 0.6:
+                r.times.prefill_start = rng.choice((None, now - rng.uniform(0.0, 2.0)))
+            if kind > 0.4:
+                r.times.first_token = now - rng.uniform(0.0, 1.0)
+            if rng.random() < 0.1:
+                r.phase = rng.choice((Phase.ABORTED, Phase.FINISHED))
+            reqs.append(r)
+        inst = Inst()
+        inst.busy_time = rng.uniform(0.0, 5.0)
+        rate = rng.choice((None, 1e4))
+        stats = [_Stats(outstanding=list(reqs), rate=rate) for _ in range(2)]
+        pool_rate = rng.choice((None, 2e4))
+        got = router.signals(inst, stats[0], now, 2.0, pool_rate)
+        want = reference_signals(router, inst, stats[1], now, 2.0, pool_rate)
+        assert got == want and stats[0].outstanding == stats[1].outstanding
+        assert (stats[0].rate, stats[0].busy_seen) == (stats[1].rate, stats[1].busy_seen)

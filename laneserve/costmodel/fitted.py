@@ -83,21 +83,32 @@ class StepTimeLUT:
     ``batch_edges[i]`` requests whose longest sequence is up to ``length_edges[j]`` tokens (an
     observation goes to the smallest edge >= its value). ``lookup`` interpolates bilinearly in
     log2 space between filled grid points, falls back to the nearest filled cell, and clamps
-    beyond the last edges."""
+    beyond the last edges.
+
+    ``means`` is written through :meth:`set` and :meth:`observe` only: they keep a plain-float
+    mirror of it (``lookup`` is a decode policy's hot path, called per request per step, and
+    indexing a numpy array per call costs more than the whole interpolation)."""
 
     batch_edges: tuple[int, ...] = _powers_of_two(1, 2048)
     length_edges: tuple[int, ...] = _powers_of_two(16, 2**20)
     interpolate: bool = True
     means: np.ndarray = field(init=False, repr=False)
     counts: np.ndarray = field(init=False, repr=False)
+    _rows: list[list[float]] = field(init=False, repr=False, compare=False)     # means as floats
+    _log_edges: tuple[tuple[float, ...], tuple[float, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for edges in (self.batch_edges, self.length_edges):
             if not edges or list(edges) != sorted(set(edges)) or edges[0] < 1:
                 raise ValueError("edges must be increasing positive integers")
         self.batch_edges, self.length_edges = tuple(self.batch_edges), tuple(self.length_edges)
-        self.means = np.full((len(self.batch_edges), len(self.length_edges)), np.nan)
+        self._log_edges = (tuple(map(math.log2, self.batch_edges)), tuple(map(math.log2, self.length_edges)))
+        self._set_means(np.full((len(self.batch_edges), len(self.length_edges)), np.nan))
         self.counts = np.zeros(self.means.shape, dtype=np.int64)
+
+    def _set_means(self, means: np.ndarray) -> None:
+        self.means = means
+        self._rows = means.tolist()
 
     @staticmethod
     def _bucket(edges: tuple[int, ...], value: float) -> int:
@@ -106,6 +117,7 @@ class StepTimeLUT:
     def set(self, batch_size: int, length: int, seconds: float, count: int = 1) -> None:
         i, j = self._bucket(self.batch_edges, batch_size), self._bucket(self.length_edges, length)
         self.means[i, j], self.counts[i, j] = seconds, count
+        self._rows[i][j] = float(self.means[i, j])
 
     def observe(self, batch_size: int, length: int, seconds: float) -> None:
         """Fold an observed step time into its cell's running (historical) mean."""
@@ -113,40 +125,61 @@ class StepTimeLUT:
         n = self.counts[i, j]
         self.means[i, j] = seconds if n == 0 else self.means[i, j] + (seconds - self.means[i, j]) / (n + 1)
         self.counts[i, j] = n + 1
+        self._rows[i][j] = float(self.means[i, j])
 
     def lookup(self, batch_size: float, length: float) -> float:
-        # hot path (a decode policy calls it per request per step): plain floats, no temporaries
-        bi, bw = self._position(self.batch_edges, batch_size)
-        li, lw = self._position(self.length_edges, length)
+        # hot path: plain floats (the same IEEE operations, in the same order, as on the numpy
+        # cells), the four corners unrolled
+        position = self._position
+        bi, bw = position(self.batch_edges, self._log_edges[0], batch_size)
+        li, lw = position(self.length_edges, self._log_edges[1], length)
         if self.interpolate:
-            means = self.means
             total = 0.0
-            for i, j, w in ((bi, li, (1 - bw) * (1 - lw)), (bi + 1, li, bw * (1 - lw)),
-                            (bi, li + 1, (1 - bw) * lw), (bi + 1, li + 1, bw * lw)):
-                if w:
-                    m = means[i, j]
-                    if m != m:          # NaN: an empty corner, fall back to the nearest filled cell
-                        break
+            row = self._rows[bi]
+            if w := (1 - bw) * (1 - lw):
+                m = row[li]
+                if m != m:              # NaN: an empty corner, fall back to the nearest filled cell
+                    return self._nearest(bi + bw, li + lw)
+                total += w * m
+            if bw:
+                up = self._rows[bi + 1]
+                if w := bw * (1 - lw):
+                    m = up[li]
+                    if m != m:
+                        return self._nearest(bi + bw, li + lw)
                     total += w * m
-            else:
-                return float(total)
+            if w := (1 - bw) * lw:
+                m = row[li + 1]
+                if m != m:
+                    return self._nearest(bi + bw, li + lw)
+                total += w * m
+            if w := bw * lw:
+                m = up[li + 1]
+                if m != m:
+                    return self._nearest(bi + bw, li + lw)
+                total += w * m
+            return total
+        return self._nearest(bi + bw, li + lw)
+
+    def _nearest(self, bi: float, li: float) -> float:
+        """The filled cell nearest (L1 in grid steps) to the fractional grid position."""
         filled = ~np.isnan(self.means)
         if not filled.any():
             raise LookupError("StepTimeLUT is empty")
-        target = (bi + bw, li + lw)
+        target = (bi, li)
         cells = np.argwhere(filled)
         nearest = cells[np.argmin(np.abs(cells - np.asarray(target)).sum(axis=1))]
         return float(self.means[tuple(nearest)])
 
     @staticmethod
-    def _position(edges: tuple[int, ...], value: float) -> tuple[int, float]:
+    def _position(edges: tuple[int, ...], log_edges: tuple[float, ...], value: float) -> tuple[int, float]:
         """Index of the grid point at or below ``value`` and the log2 weight of the next one."""
         if value <= edges[0] or len(edges) == 1:
             return 0, 0.0
         if value >= edges[-1]:
             return len(edges) - 2, 1.0
         i = bisect_right(edges, value) - 1
-        lo, hi = math.log2(edges[i]), math.log2(edges[i + 1])
+        lo, hi = log_edges[i], log_edges[i + 1]
         return i, (math.log2(value) - lo) / (hi - lo)
 
     @classmethod
@@ -179,7 +212,7 @@ class StepTimeLUT:
     @classmethod
     def from_dict(cls, data: dict) -> StepTimeLUT:
         lut = cls(tuple(data["batch_edges"]), tuple(data["length_edges"]), bool(data["interpolate"]))
-        lut.means = np.array([[np.nan if v is None else v for v in row] for row in data["means"]], float)
+        lut._set_means(np.array([[np.nan if v is None else v for v in row] for row in data["means"]], float))
         lut.counts = np.asarray(data["counts"], dtype=np.int64)
         return lut
 

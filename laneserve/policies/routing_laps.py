@@ -53,7 +53,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from laneserve.core.request import Request
+from laneserve.core.request import Phase, Request
 from laneserve.policies.prefill.laps_lanes import LANE_TAG, LONG, SHORT
 from laneserve.policies.registry import register
 from laneserve.policies.routing import InstanceLoad, Router, affinity_candidates, cached_prefix
@@ -231,22 +231,34 @@ class LapsPoolRouter(Router):
         slo = self.slo_ttft
         busy = float(getattr(inst, "busy_time", 0.0))
         busy_delta, stats.busy_seen = max(busy - stats.busy_seen, 0.0), busy
+        # one tight pass (every request routed here and not judged yet: O(queue) per period, as
+        # the router learns of starts and first tokens only by looking at the requests)
         served, deviations, keep = 0, [], []
+        oldest_wait = None                # age of the oldest kept request not started yet
+        finished, aborted = Phase.FINISHED, Phase.ABORTED
         for r in stats.outstanding:
-            first = r.times.first_token
-            if first is None and r.is_finished:
-                continue                                          # aborted / failed
-            if first is None and now - r.arrival_time <= slo:
-                keep.append(r)
-                continue
-            end = first if first is not None else now
-            start = r.times.prefill_start if r.times.prefill_start is not None else end
-            over = min(end - r.arrival_time - slo, start - r.arrival_time)
-            deviations.append(max(over, 0.0) / slo)
-            if first is not None:
-                served += r.prompt_len - r.num_cached_tokens
+            t = r.times
+            first = t.first_token
+            age = now - r.arrival_time
+            if first is None:
+                if r.phase is finished or r.phase is aborted:
+                    continue                                      # aborted / failed
+                start = t.prefill_start
+                if start is None and (oldest_wait is None or age > oldest_wait):
+                    oldest_wait = age
+                keep.append(r)                                    # still waiting (maybe late)
+                if age <= slo:
+                    continue
+                over = age - slo
+                if start is not None and start - r.arrival_time < over:
+                    over = start - r.arrival_time
             else:
-                keep.append(r)                                    # late but still waiting
+                start = t.prefill_start if t.prefill_start is not None else first
+                over = first - r.arrival_time - slo
+                if start - r.arrival_time < over:
+                    over = start - r.arrival_time
+                served += r.prompt_len - r.num_cached_tokens
+            deviations.append((over if over >= 0.0 else 0.0) / slo)
         stats.outstanding = keep
         if busy_delta > 0 and served > 0:
             obs = served / busy_delta
@@ -254,8 +266,7 @@ class LapsPoolRouter(Router):
         if self.backlog == "wait":
             # the age of the oldest request not yet started here, in SLO units: measured directly,
             # so neither padding nor AWD's deliberate batching window distorts a rate estimate
-            waiting = [now - r.arrival_time for r in keep if r.times.prefill_start is None]
-            q = min(max(waiting, default=0.0) / slo, self.q_cap)
+            q = min((oldest_wait or 0.0) / slo, self.q_cap)
         else:
             rate = stats.rate or pool_rate
             # no rate measured anywhere yet: no backlog estimate (0), rather than a count in other units

@@ -223,7 +223,7 @@ class AlignedServeDecode(DecodeScheduler):
         if self.cand_batch or not len(tree):
             return
         if leaf is not None:
-            oldest = min(tree.iter_entries(leaf), key=lambda e: e.since)
+            oldest = tree.oldest(leaf)
             sel = tree.grow(leaf, self.threshold_blocks, self.n_min, self.max_batch_size, force_one=True)
             self.stats.starvation_log.append((now, now - oldest.since, oldest.request_id in sel.request_ids))
             self._form(sel, now, starving=True)

@@ -22,6 +22,7 @@ from typing import Any
 from heapq import heapify, heappop, heappush
 
 from laneserve.core.request import Request
+from laneserve.core.sorted_keys import SortedKeys
 from laneserve.costmodel.laps_fit import LapsPrefillModel
 
 SHORT, LONG = "short", "long"
@@ -62,7 +63,8 @@ def lane_order(name: str) -> LaneOrder:
 class Lane:
     """One lane's queue of not-yet-finished prefills, in the lane order. A static order keeps the
     list sorted (insertion and removal find their place by bisection); the earliest TTFT deadline
-    and arrival are kept in heaps with lazy deletion (AWD asks for them at every decision)."""
+    and arrival are kept in sorted sets (AWD asks for them at every decision; deleted eagerly, so
+    no decision pays for compacting the others' removals)."""
 
     name: str
     order: LaneOrder
@@ -72,8 +74,9 @@ class Lane:
     class_counts: Counter = field(default_factory=Counter)
     _by_class: dict[Any, list[Request]] = field(default_factory=dict)   # static order: per class
     _members: set[int] = field(default_factory=set)
-    _deadlines: list[tuple[float, int]] = field(default_factory=list)
-    _arrivals: list[tuple[float, int]] = field(default_factory=list)
+    _deadlines: SortedKeys = field(default_factory=SortedKeys)    # (TTFT deadline, id)
+    _arrivals: SortedKeys = field(default_factory=SortedKeys)     # (arrival, id)
+    _filed: dict[int, tuple[tuple, tuple]] = field(default_factory=dict)   # id -> its two keys
 
     def push(self, req: Request, now: float) -> None:
         if self.order.dynamic:
@@ -86,8 +89,10 @@ class Lane:
             self.class_counts[c] += 1
             if not self.order.dynamic:
                 insort(self._by_class.setdefault(c, []), req, key=lambda r: self.order.key(r, now))
-        heappush(self._deadlines, (req.ttft_deadline, req.request_id))
-        heappush(self._arrivals, (req.arrival_time, req.request_id))
+        filed = self._filed[req.request_id] = ((req.ttft_deadline, req.request_id),
+                                               (req.arrival_time, req.request_id))
+        self._deadlines.add(filed[0])
+        self._arrivals.add(filed[1])
 
     def remove(self, req: Request) -> bool:
         if req.request_id not in self._members:
@@ -106,11 +111,9 @@ class Lane:
             if not self.order.dynamic:
                 members = self._by_class[c]
                 del members[bisect_left(members, self.order.key(req, 0.0), key=lambda r: self.order.key(r, 0.0))]
-        if len(self._deadlines) > 2 * len(items) + 64:
-            self._deadlines = [(r.ttft_deadline, r.request_id) for r in items]
-            self._arrivals = [(r.arrival_time, r.request_id) for r in items]
-            heapify(self._deadlines)
-            heapify(self._arrivals)
+        deadline, arrival = self._filed.pop(req.request_id)
+        self._deadlines.remove(deadline)
+        self._arrivals.remove(arrival)
         return True
 
     def walk_classes(self, eligible: Callable[[Any], bool]) -> Iterator[Request] | None:
@@ -140,16 +143,11 @@ class Lane:
 
     def min_deadline(self) -> float:
         """The earliest TTFT deadline in the lane (the lane must not be empty)."""
-        return self._live_top(self._deadlines)
+        return self._deadlines.first()[0]
 
     def min_arrival(self) -> float:
         """The earliest arrival in the lane (the lane must not be empty)."""
-        return self._live_top(self._arrivals)
-
-    def _live_top(self, heap: list[tuple[float, int]]) -> float:
-        while heap[0][1] not in self._members:
-            heappop(heap)
-        return heap[0][0]
+        return self._arrivals.first()[0]
 
     def ordered(self, now: float) -> list[Request]:
         if self.order.dynamic:
