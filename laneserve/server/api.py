@@ -228,8 +228,7 @@ class _Run:
                     m.slo_met.labels(m.model, req.slo_class, name).inc()
 
     def logprobs_block(self, toks: list[int], lp: list | None, offset: int) -> Any:
-        """The OpenAI logprobs of ``toks`` (``lp`` entries ``[logprob, [[id, logprob], ...]]``, or None
-        for a token without one: the first of an echoed prompt)."""
+        """The OpenAI logprobs of ``toks`` (``lp`` entries ``[logprob, [[id, logprob], ...]]``)."""
         if self.gi.logprobs is None or lp is None:
             return None
         tok = self.state.tokenizer
@@ -246,9 +245,8 @@ class _Run:
         for s in tokens:
             offsets.append(pos)
             pos += len(s)
-        return {"tokens": tokens, "token_logprobs": [None if x is None else x[0] for x in lp],
-                "top_logprobs": [None if x is None else {token_text(tok, i): v for i, v in x[1]} for x in lp],
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [x[0] for x in lp],
+                "top_logprobs": [{token_text(tok, i): v for i, v in x[1]} for x in lp], "text_offset": offsets}
 
 
 def _usage(gi: GenerateInput, runs: list[_Run]) -> dict[str, int]:
@@ -438,10 +436,7 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
                 except ValueError:          # not a complete call (cannot happen under the constraint)
                     pass
         else:
-            if gi.echo:
-                prompt_text = _prompt_text(run.prompt)
-                text = prompt_text + text
-            choice["text"] = text
+            choice["text"] = _prompt_text(run.prompt) + text if gi.echo else text
         if gi.return_token_ids:
             choice["token_ids"] = run.toks
             choice["prompt_token_ids"] = run.prompt.ids

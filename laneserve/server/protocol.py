@@ -25,8 +25,8 @@ Several choices (issue 14, item 2): ``n`` samples of each prompt; on completions
 samples of which the n with the highest cumulative logprob are returned (as vLLM; not with
 ``stream``), and a batch of prompts (a list of strings or of token-id lists, at most
 ``MAX_BATCH_PROMPTS``): choice ``i * n + j`` is sample j of prompt i. ``echo`` puts the prompt
-before each completion (with its logprobs when ``logprobs`` is set); ``prompt_logprobs`` (vLLM)
-returns the prompt's logprobs in each choice.
+before each completion; prompt logprobs (``echo`` with ``logprobs``, vLLM's ``prompt_logprobs``)
+are not supported yet (400).
 
 Structured output (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``, ``tools``
 with ``tool_choice``) becomes ``SamplingParams.structured``; the constraint is compiled here, over
@@ -217,7 +217,6 @@ class GenerateInput:
     skip_special_tokens: bool = True
     n: int = 1                             # choices returned per prompt (the best n of sampling.n)
     echo: bool = False
-    prompt_logprobs: int | None = None     # top-n logprobs of each prompt token (echo with logprobs, vLLM's field)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -465,8 +464,6 @@ def _structured(body: dict, req: CompletionRequest | ChatCompletionRequest, toke
     param = next((k for k in given if k not in ("tools", "parallel_tool_calls")), given[0])
     if tokenizer is None:
         raise BadRequest("structured output needs a tokenizer; this model has none", param)
-    if spec.kind in ("tool", "tools_required") and req.stream:
-        raise BadRequest("streaming tool calls are not supported: send stream: false", "stream")
     from laneserve.engine.structured import compile_constraint     # torch: only when a request asks
 
     try:
@@ -526,7 +523,7 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest, vocab_size: in
 
 def _finish(req: CompletionRequest | ChatCompletionRequest, kind: str, c: _Checked, prompts: list[PromptInput],
             max_model_len: int, vocab_size: int, kv_tokens: int, defaults: ServerDefaults, max_tokens: int | None,
-            max_tokens_key: str, n: int = 1, echo: bool = False, prompt_logprobs: int | None = None) -> GenerateInput:
+            max_tokens_key: str, n: int = 1, echo: bool = False) -> GenerateInput:
     """The prompt-dependent checks (vocabulary, context, KV) and the :class:`GenerateInput`."""
     for p in prompts:
         if not p.ids:
@@ -556,7 +553,7 @@ def _finish(req: CompletionRequest | ChatCompletionRequest, kind: str, c: _Check
     return GenerateInput(kind, req.model, prompts, sampling, c.slo, c.slo_class, c.priority, bool(req.stream),
                          bool(so and so.include_usage), bool(so and so.continuous_usage_stats),
                          bool(req.return_token_ids), c.logprobs,
-                         True if req.skip_special_tokens is None else req.skip_special_tokens, n, echo, prompt_logprobs)
+                         True if req.skip_special_tokens is None else req.skip_special_tokens, n, echo)
 
 
 def parse_completion(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_tokens: int,
@@ -584,13 +581,15 @@ def parse_completion(body: Any, *, tokenizer, max_model_len: int, vocab_size: in
     checked = _check_common(req, vocab_size, headers, defaults, tokenizer is not None, req.logprobs, max_tokens,
                             "max_tokens", structured, best_of)
     echo = bool(req.echo)
-    prompt_logprobs = req.prompt_logprobs
-    if echo and req.logprobs is not None:          # echo shows the prompt's logprobs with the output's
-        prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+    # prompt logprobs (echo with logprobs, vLLM's prompt_logprobs) need the prefill to keep the
+    # logits of every prompt position: not built yet
+    if echo and req.logprobs is not None:
+        raise BadRequest("'echo' with 'logprobs' is not supported by laneserve yet (prompt logprobs)", "echo")
+    _neutral(req.prompt_logprobs, None, "prompt_logprobs", "not yet")
     prompts = [PromptInput(list(tokenizer.encode(p)), p) if isinstance(p, str) else PromptInput(list(p))
                for p in batch]
     return _finish(req, "completion", checked, prompts, max_model_len, vocab_size, kv_tokens, defaults, max_tokens,
-                   "max_tokens", n, echo, prompt_logprobs)
+                   "max_tokens", n, echo)
 
 
 def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:

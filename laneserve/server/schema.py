@@ -141,14 +141,14 @@ class CompletionRequest(_Request):
         description="text, a list of token ids, or a batch: a list of texts or of token-id lists (choice i * n + j "
                     "is sample j of prompt i)")
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
-        None, description="top-n logprobs of each output token (and of the prompt's with echo)")
+        None, description="top-n logprobs of each output token")
     echo: bool | None = Field(None, description="the prompt before the completion")
     suffix: str | None = Field(None, description="not supported")
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(
         None, description="samples per prompt (>= n), of which the n with the highest cumulative logprob are "
                           "returned; not with stream")
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
-        None, description="vLLM: top-n logprobs of each prompt token in each choice (the first is null)")
+        None, description="vLLM: top-n logprobs of each prompt token (not supported yet)")
 
 
 class TextPart(BaseModel):
