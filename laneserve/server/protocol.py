@@ -227,7 +227,7 @@ class GenerateInput:
 # ---- the models' errors as 400s --------------------------------------------------------------------
 # what a field holds, for type errors (a union's members each report an error: one message instead)
 _EXPECTS = {
-    "prompt": "a string, a list of token ids, or a list of strings or token-id lists (a batch)",
+    "prompt": "a string or a list of token ids, or a batch: a list of strings or token-id lists",
     "stop": f"a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings (each at most "
             f"{MAX_STOP_CHARS} characters)",
     "messages": "a non-empty list of {role, content} objects",
