@@ -124,7 +124,7 @@ class MaskedSampler(Sampler):
         self.states = [self.constraint.new_state() for _ in requests]
         self.doc_start = [0] * len(requests)
 
-    def sample(self, logits, params, output_index):
+    def sample(self, logits, params, output_index, histories=None, states=None):
         t0 = time.perf_counter()
         for i, (req, state) in enumerate(zip(self.requests, self.states)):
             done = req.output_token_ids or []
