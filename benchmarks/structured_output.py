@@ -18,6 +18,11 @@
 3. **Mask cost at Llama 3 width** without a model: ``sync`` + ``apply`` per step on ``[B, 128256]``
    random logits vs the engine sampler's own time on the same logits, warm mask cache, and the
    first (cold) pass.
+4. **n = 4 greedy samples** (issue 14, item 2) through a live 1P+1D server of the smoke model with
+   the official ``openai`` client: for each of ``N4_PROMPTS`` prompts, one ``n=4`` greedy request
+   (prompt prefilled once, the four samples forked from its KV on the decode instance) against an
+   ``n=1`` request; ``n4_greedy_identical`` is true when every sample's tokens equal each other's
+   and n=1's, for every prompt.
 
     nice -n 10 flock /tmp/laneserve-bench.lock python benchmarks/structured_output.py
 """
@@ -119,7 +124,7 @@ class MaskedSampler(Sampler):
         self.states = [self.constraint.new_state() for _ in requests]
         self.doc_start = [0] * len(requests)
 
-    def sample(self, logits, params, output_index):
+    def sample(self, logits, params, output_index, histories=None, states=None):
         t0 = time.perf_counter()
         for i, (req, state) in enumerate(zip(self.requests, self.states)):
             done = req.output_token_ids or []
@@ -312,9 +317,39 @@ def llama3_mask_cost(vocab: TokenVocabulary) -> list[dict]:
     return rows
 
 
+N4_PROMPTS = ["serve the model token", "hello the world hello the world", "prefill decode serve the",
+              "a person please", "token token token", "the model", "decode prefill", "world hello"]
+N4_TOKENS = 16
+
+
+def n4_greedy_identity() -> dict:
+    from laneserve.bench.live_server import Server
+
+    srv = Server("--prefill", "1", "--decode", "1", "--kv-tokens", "16384")
+    try:
+        srv.wait_ready()
+        client = srv.client()
+        identical = 0
+        for prompt in N4_PROMPTS:
+            def tokens(n: int) -> list[list[int]]:
+                out = client.completions.create(model="smoke-llama", prompt=prompt, n=n, max_tokens=N4_TOKENS,  # noqa: B023
+                                                temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+                return [c.model_dump()["token_ids"] for c in out.choices]
+            one, four = tokens(1), tokens(4)
+            identical += len(four) == 4 and all(t == one[0] for t in four)
+    finally:
+        srv.interrupt()
+        srv.stop()
+    return {"n4_greedy_identical": identical == len(N4_PROMPTS), "n4_prompts_identical": identical,
+            "n4_prompts": len(N4_PROMPTS), "n4_tokens_per_sample": N4_TOKENS}
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    n4 = n4_greedy_identity()
+    print(n4, file=sys.stderr, flush=True)
     metrics, engine_rows = engine_overhead()
+    metrics.update(n4)
     t0 = time.perf_counter()
     llama3 = llama3_vocabulary()
     llama3.outlines_vocabulary()

@@ -159,7 +159,7 @@ BAD_FIELDS = [
     ({"logprobs": 21}, "logprobs", r"in \[0, 20\]"),
     ({"logprobs": -1}, "logprobs", r"in \[0, 20\]"),
     ({"n": float("nan")}, "n", "must be an integer"),
-    ({"n": 2}, "n", "not supported"),
+    ({"n": 3, "best_of": 2}, "best_of", "must be >= 'n'"),
     ({"presence_penalty": float("inf")}, "presence_penalty", "finite"),
     ({"logit_bias": {str(VOCAB): 5}}, "logit_bias", "outside the vocabulary"),
     ({"logit_bias": {"1": float("nan")}}, "logit_bias", "finite"),
@@ -184,7 +184,7 @@ BAD_FIELDS = [
     ({"prompt": [1, 2 ** 64]}, "prompt", "outside the vocabulary"),
     ({"prompt": [1, -1]}, "prompt", "outside the vocabulary"),
     ({"prompt": [1.0, 2.0]}, "prompt", "string or a list of token ids"),
-    ({"prompt": [[[[1]]]]}, "prompt", "batched prompts"),
+    ({"prompt": [[[[1]]]]}, "prompt", "or a batch: a list of strings or token-id lists"),
     ({"prompt": {"ids": [1]}}, "prompt", "string or a list of token ids"),
     ({"prompt": []}, "prompt", "empty"),
     ({"prompt": [1] * 200}, "prompt", "maximum context length"),
@@ -529,8 +529,6 @@ BAD_STRUCTURED = [
     ({"tool_choice": "required"}, "tool_choice", "non-empty tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}], "tool_choice": "required"},
      "tools", "not valid JSON|schema object"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "stream": True},
-     "stream", "streaming tool calls"),
 ]
 
 

@@ -148,7 +148,7 @@ BAD = [
     ("top_p zero", {"model": MODEL, "prompt": "hi", "top_p": 0}, "'top_p' must be in"),
     ("max_tokens zero", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "'max_tokens' must be >= 1"),
     ("max_tokens string", {"model": MODEL, "prompt": "hi", "max_tokens": "8"}, "'max_tokens' must be an integer"),
-    ("n > 1", {"model": MODEL, "prompt": "hi", "n": 2}, "'n' is not supported"),
+    ("suffix", {"model": MODEL, "prompt": "hi", "suffix": "x"}, "'suffix' is not supported"),
     ("token id outside vocab", {"model": MODEL, "prompt": [1, 99999]}, "outside the vocabulary"),
     ("stream_options without stream", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
      "only allowed when 'stream' is true"),

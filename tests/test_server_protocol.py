@@ -52,8 +52,7 @@ def test_sampling_and_limits():
         parse({"prompt": "text"})
     with pytest.raises(BadRequest, match="stop strings need a tokenizer"):
         parse({"prompt": [1], "stop": "x"})
-    with pytest.raises(BadRequest, match="batched prompts"):
-        parse({"prompt": [[1], [2]]})
+    assert [p.ids for p in parse({"prompt": [[1], [2, 3]]}).prompts] == [[1], [2, 3]]     # a batch
     with pytest.raises(BadRequest, match="must be a boolean"):
         parse({"prompt": [1], "stream": "yes"})
 
@@ -179,9 +178,14 @@ def test_unknown_fields_are_ignored_and_logged_once_per_name(caplog, monkeypatch
             assert g.sampling.temperature == 0.0
     assert sum("guided_json_typo" in r.getMessage() for r in caplog.records) == 1
     # neutral values of fields other parts implement are accepted; others refused by name
-    parse({"prompt": [1], "n": 1, "echo": False, "best_of": 1})
-    with pytest.raises(BadRequest, match="'n' is not supported"):
-        parse({"prompt": [1], "n": 2})
+    parse({"prompt": [1], "n": 1, "echo": False, "best_of": 1, "suffix": None})
+    with pytest.raises(BadRequest, match="'suffix' is not supported"):
+        parse({"prompt": [1], "suffix": "x"})
+    # n samples of each prompt; best_of > n samples best_of, each token's logprob kept for the ranking
+    g = parse({"prompt": [1], "n": 2})
+    assert (g.n, g.sampling.n, g.sampling.logprobs) == (2, 2, None)
+    g = parse({"prompt": [1], "n": 2, "best_of": 3})
+    assert (g.n, g.sampling.n, g.sampling.logprobs, g.logprobs) == (2, 3, 0, None)
 
 
 def test_request_models_are_strict_and_name_the_field():

@@ -3,9 +3,12 @@ ZeroMQ with compact serialized messages").
 
 Every message is one msgpack map with a short kind ``k``. Router -> instance:
 
-- ``add``      a new request for a prefill (or colocated) instance: :func:`request_fields`
+- ``add``      a new request for a prefill (or colocated) instance: :func:`request_fields`; with
+  ``sp.n`` > 1 also ``kids``, the request ids of samples 1..n-1 (sample 0 keeps ``rid``)
 - ``transfer`` a prefilled request for a decode instance: request fields + ``out`` (tokens so far),
-  ``computed`` (KV tokens), ``t_first`` (first-token time) and ``kv`` (a transport descriptor)
+  ``computed`` (KV tokens), ``t_first`` (first-token time) and ``kv`` (a transport descriptor);
+  for an n-sample request ``samples`` = ``[[rid, index, first_token], ...]``, the samples still
+  wanted, which all start from the one transferred prompt KV
 - ``abort``    ``rids``: drop these requests wherever they are on the instance and free their KV
 - ``lane``     ``lane``: the length lane a pool router (``laps-pools``) gave this instance
 - ``stop``     shut down
@@ -15,7 +18,8 @@ Instance -> router (every message carries ``inst``, the instance id):
 - ``ready``    the model is loaded; ``info`` = limits the API validates against
 - ``tok``      ``items`` = ``[[rid, new_token_ids, finish_reason|None, logprobs|None, info|None], ...]``
   (one message per engine step, so one per batch rather than one per token)
-- ``handoff``  a prefill finished: ``rid``, ``out``, ``computed``, ``kv``, ``t_first``, ``lp``, ``info``
+- ``handoff``  a prefill finished: ``rid``, ``out``, ``computed``, ``kv``, ``t_first``, ``lp``, ``info``;
+  for an n-sample request also ``samples`` = ``[[rid, index, first_token, finish|None, logprobs|None], ...]``
 - ``stats``    load figures for routers, metrics and admission control (``added`` = ADDs
   processed, so the router can add what it sent after the snapshot); ``kv_events`` = the prefix
   cache's block names added and dropped since the last stats (``core/prefix_summary.py``)
@@ -39,7 +43,7 @@ from laneserve.core.structured import StructuredSpec
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
                     "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "logit_bias", "min_tokens", "structured")
+                    "logit_bias", "min_tokens", "structured", "n")
 
 
 class EpochClock:

@@ -205,6 +205,9 @@ class Track:
     prefill_instance: int = -1
     aborted: bool = False
     kv: dict | None = None                # the KV descriptor sent to its decode instance
+    # an n-sample request: the request ids of its samples, sample 0 first (its id is the one the
+    # prefill instance knows until the first tokens are out); None for n = 1
+    group: list[int] | None = None
 
 
 class ProcessCluster:
@@ -382,9 +385,12 @@ class ProcessCluster:
         return max(1, min(60, math.ceil(excess / rate))) if rate > 0 else 1
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, *, slo: SLO = SLO(),
-               slo_class: str = "default", priority: int = 0, arrival: float | None = None) -> Track:
+               slo_class: str = "default", priority: int = 0, arrival: float | None = None) -> list[Track]:
+        """Send a request to a prefill (or colocated) instance; one :class:`Track` per sample
+        (``sampling.n`` of them: the prompt is prefilled once, for all of them)."""
         self.admission(len(prompt_ids))
-        rid = next(self._ids)
+        rids = [next(self._ids) for _ in range(sampling.n)]
+        rid = rids[0]
         now = self.clock.now()
         req = Request(request_id=rid, arrival_time=now if arrival is None else arrival, prompt_len=len(prompt_ids),
                       max_output_tokens=sampling.max_tokens, slo=slo, slo_class=slo_class, priority=priority,
@@ -392,12 +398,15 @@ class ProcessCluster:
         front = self.front
         i = self.router.route(req, front, now)
         h = front[i]
-        msg = pack({"k": "add", **request_fields(rid, prompt_ids, sampling, req.arrival_time, slo, slo_class,
-                                                 priority)})     # before the slot is taken: may raise
-        track = Track(rid, req, asyncio.Queue(), instance=h.instance_id, prefill_instance=h.instance_id)
-        self.tracks[rid] = track
+        fields = request_fields(rid, prompt_ids, sampling, req.arrival_time, slo, slo_class, priority)
+        msg = pack({"k": "add", **fields, **({"kids": rids[1:]} if len(rids) > 1 else {})})   # may raise
+        group = rids if len(rids) > 1 else None
+        tracks = [Track(r, req, asyncio.Queue(), instance=h.instance_id, prefill_instance=h.instance_id, group=group)
+                  for r in rids]
+        for t in tracks:
+            self.tracks[t.rid] = t
         self._send(h, msg, tokens=len(prompt_ids))
-        return track
+        return tracks
 
     def abort(self, rid: int) -> None:
         """Cancel ``rid`` on the instance that holds it (its KV is freed there)."""
@@ -406,6 +415,11 @@ class ProcessCluster:
             return
         track.aborted = True
         track.request.phase = Phase.ABORTED
+        if track.stage == "prefill" and track.group:
+            # the prefill computes the prompt for every sample: it stops when none is wanted
+            if any(r in self.tracks for r in track.group):
+                return
+            rid = track.group[0]
         h = self.instances[track.instance]
         if h.alive:
             self._send(h, {"k": "abort", "rids": [rid]})
@@ -461,6 +475,8 @@ class ProcessCluster:
                     track.stage = "done"
                     track.request.phase = Phase.FINISHED
                     self._completions.append(time.monotonic())
+                elif track.stage == "prefill":       # colocated: the request (each sample) decodes here now
+                    track.stage = "decode"
                 track.events.put_nowait(("tok", toks, finish, lp, info))
         elif kind == "handoff":
             self._on_handoff(h, msg)
@@ -469,11 +485,16 @@ class ProcessCluster:
             if h.prefix is not None:
                 h.prefix.apply(msg.get("kv_events") or ())
         elif kind == "err":
+            status = 400 if str(msg["msg"]).startswith("invalid request") else 500
             for rid in msg["rids"]:
                 track = self.tracks.get(rid)
-                if track is not None:
-                    status = 400 if str(msg["msg"]).startswith("invalid request") else 500
-                    self._fail(track, f"instance {h.instance_id} ({h.role}): {msg['msg']}", status)
+                if track is None:
+                    continue
+                # a request failed before its first tokens fails each of its samples
+                members = track.group if track.stage == "prefill" and track.group else [rid]
+                for t in [self.tracks.get(r) for r in members]:
+                    if t is not None:
+                        self._fail(t, f"instance {h.instance_id} ({h.role}): {msg['msg']}", status)
         elif kind == "ready":
             h.info = msg["info"]
             h.prefix = (PrefixSummary(h.info["block_size"], h.info["prefix_root"])
@@ -489,24 +510,56 @@ class ProcessCluster:
     def _on_handoff(self, src: InstanceHandle, msg: dict) -> None:
         rid = msg["rid"]
         track = self.tracks.get(rid)
+        if "samples" in msg:
+            return self._on_samples_handoff(msg)
         if track is None or track.aborted:
             discard_descriptor(msg.get("kv"))
             return
         track.events.put_nowait(("tok", msg["out"], None, msg.get("lp"), msg.get("info")))
         _observe_start(track.request, msg.get("info") or {}, msg.get("t_first"))
+        self._transfer([track], msg, {})
+
+    def _on_samples_handoff(self, msg: dict) -> None:
+        """The prefill of an n-sample request is done: each sample's first token goes to its track;
+        the samples still wanted go to one decode instance with the one prompt KV."""
+        going_on, samples = [], []
+        for sample_rid, index, token, finish, lp in msg["samples"]:
+            track = self.tracks.get(sample_rid)
+            if track is None:
+                continue                          # aborted while the prompt was prefilled
+            if finish is not None:
+                self.tracks.pop(sample_rid, None)
+                track.stage = "done"
+                self._completions.append(time.monotonic())
+                track.request.phase = Phase.FINISHED
+            else:
+                going_on.append(track)
+                samples.append([sample_rid, index, token])
+            _observe_start(track.request, msg.get("info") or {}, msg.get("t_first"))
+            track.events.put_nowait(("tok", [token], finish, lp, msg.get("info")))
+        if not going_on:
+            discard_descriptor(msg.get("kv"))
+            return
+        self._transfer(going_on, msg, {"samples": samples})
+
+    def _transfer(self, tracks: list[Track], msg: dict, extra: dict) -> None:
+        """Send a finished prefill's KV (``msg``: its handoff) and ``tracks`` to a decode instance."""
         decoders = self.decoders
+        r = tracks[0].request
         try:
-            d = self.decode_router.route(track.request, decoders, self.clock.now())
+            d = self.decode_router.route(r, decoders, self.clock.now())
         except RuntimeError:
             discard_descriptor(msg.get("kv"))
-            self._fail(track, "no decode instance is available (all crashed or stopped)")
+            for track in tracks:
+                self._fail(track, "no decode instance is available (all crashed or stopped)")
             return
         dst = decoders[d]
-        track.stage, track.instance, track.kv = "decode", dst.instance_id, msg.get("kv")
-        r = track.request
-        fields = request_fields(rid, r.prompt_token_ids, r.sampling, r.arrival_time, r.slo, r.slo_class, r.priority)
+        for track in tracks:
+            track.stage, track.instance, track.kv = "decode", dst.instance_id, msg.get("kv")
+        fields = request_fields(msg["rid"], r.prompt_token_ids, r.sampling, r.arrival_time, r.slo, r.slo_class,
+                                r.priority)
         self._send(dst, {"k": "transfer", **fields, "out": msg["out"], "computed": msg["computed"],
-                         "t_first": msg["t_first"], "kv": msg.get("kv"), "info": msg.get("info")}, tokens=0)
+                         "t_first": msg["t_first"], "kv": msg.get("kv"), "info": msg.get("info"), **extra}, tokens=0)
 
     async def _monitor_loop(self) -> None:
         timeout = self.spec.heartbeat_timeout

@@ -40,7 +40,8 @@ from typing import Any
 
 import zmq
 
-from laneserve.cluster.messages import EpochClock, pack, request_from_fields, unpack
+from laneserve.cluster.messages import EpochClock, pack, request_fields, request_from_fields, unpack
+from laneserve.core.sampling import is_int
 
 STATS_INTERVAL = 0.05          # at most this often while busy
 HEARTBEAT_INTERVAL = 0.5       # stats at least this often while idle; heartbeats this often always
@@ -105,19 +106,50 @@ class WorkerSpec:
 
 
 class _RecordingExecutor:
-    """The engine executor, remembering the last step's logprobs (EngineInstance drops results)."""
+    """The engine executor, remembering the last step's logprobs and n-sample first tokens
+    (EngineInstance drops results)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.last_logprobs: dict | None = None
+        self.last_forks: dict | None = None
 
     def execute(self, plan, should_stop=None):
         result = self.inner.execute(plan, should_stop)
         self.last_logprobs = getattr(result, "logprobs", None)
+        self.last_forks = getattr(result, "forks", None)
         return result
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+class _SharedKV:
+    """One prompt's KV, taken by each sample of an n-sample request: a transport descriptor
+    (fetched once, on the first take) or a payload already here (colocated). Discarded once every
+    sample took it or was dropped."""
+
+    __slots__ = ("transport", "source", "payload", "users")
+
+    def __init__(self, transport, source, users: int) -> None:
+        self.transport, self.source, self.users = transport, source, users
+        self.payload = None if isinstance(source, dict) else source
+
+    def take(self):
+        if self.payload is None:
+            self.payload = self.transport.get(self.source)
+        return self._release(self.payload)
+
+    def drop(self) -> None:
+        self._release(None)
+
+    def _release(self, value):
+        self.users -= 1
+        if self.users == 0:
+            if self.payload is None:
+                self.transport.discard(self.source)
+            self.source = self.payload = None
+        return value
 
 
 class InstanceWorker:
@@ -130,6 +162,7 @@ class InstanceWorker:
         self.control: list[dict] = []
         self.live: dict[int, Any] = {}        # rid -> Request, every request this instance holds
         self.sent: dict[int, int] = {}        # rid -> output tokens already sent
+        self.kids: dict[int, list[int]] = {}  # rid of an n-sample request -> request ids of samples 1..n-1
         self.added = 0
         self.stopping = False
         self._last_stats = 0.0
@@ -206,6 +239,13 @@ class InstanceWorker:
                 req = self._decode_request(msg)
                 if req is None:
                     continue
+                kids = msg.get("kids") or []
+                if req.sampling.n > 1 or kids:
+                    if not (isinstance(kids, list) and len(kids) == req.sampling.n - 1 and all(map(is_int, kids))):
+                        self._send({"k": "err", "rids": [req.request_id],
+                                    "msg": "invalid request: 'kids' must list n - 1 request ids"})
+                        continue
+                    self.kids[req.request_id] = kids
                 self.live[req.request_id] = req
                 self.sent[req.request_id] = 0
                 self.added += 1
@@ -226,17 +266,56 @@ class InstanceWorker:
             elif kind == "lane":
                 self.instance.scheduler.set_lane(msg["lane"])
             elif kind == "transfer":
+                self.added += 1
+                self._dirty = True
+                if "samples" in msg:
+                    self._fork_samples(msg, msg["samples"], msg.get("kv"))
+                    continue
                 req = self._decode_request(msg)
                 if req is None:
                     self.transport.discard(msg.get("kv"))
                     continue
                 self.live[req.request_id] = req
                 self.sent[req.request_id] = len(req.output_token_ids or ())
-                self.added += 1
                 self.instance.offer_kv(req, msg.get("kv"))
-                self._dirty = True
             elif kind == "stop":
                 self.stopping = True
+
+    def _fork_samples(self, fields: dict, samples: Any, kv: Any) -> None:
+        """The samples of an n-sample request take its one prompt KV (``kv``: a transport
+        descriptor, or a payload here): each ``[rid, index, first_token]`` becomes a request of its
+        own (sample ``index``'s seed), offered to the instance with a share of ``kv``.
+
+        This is the one place where n sequences use one prompt's KV. For now each sample's blocks
+        get their own copy (the KV is fetched once and imported once per sample); with a refcounted
+        block manager (issue 15) this becomes a fork of the prompt's block table."""
+        ok = isinstance(samples, list) and all(
+            isinstance(e, list) and len(e) == 3 and all(map(is_int, e)) for e in samples)
+        if not ok or not samples:
+            rids = [e[0] for e in samples if isinstance(e, list) and e] if isinstance(samples, list) else []
+            self.transport.discard(kv) if isinstance(kv, dict) else None
+            self._send({"k": "err", "rids": rids or [fields.get("rid")],
+                        "msg": "invalid request: 'samples' must be [rid, index, first token] triples"})
+            return
+        shared = _SharedKV(self.transport, kv, len(samples))
+        for rid, index, token in samples:
+            req = self._decode_request({**fields, "rid": rid, "out": [token]})
+            if req is None:
+                shared.drop()
+                continue
+            req.sampling = req.sampling.sample(index)
+            self.live[rid] = req
+            self.sent[rid] = 1
+            self.instance.offer_kv(req, shared)
+
+    def _fetch(self, payload):
+        return payload.take() if isinstance(payload, _SharedKV) else self.transport.get(payload)
+
+    def _discard(self, payload) -> None:
+        if isinstance(payload, _SharedKV):
+            payload.drop()
+        else:
+            self.transport.discard(payload)
 
     def _decode_request(self, msg: dict):
         """The request of an ``add``/``transfer`` message, or None after failing it (bad fields)."""
@@ -272,6 +351,7 @@ class InstanceWorker:
         """``rid`` is no longer this worker's to report (finished, handed off, failed or aborted)."""
         self.live.pop(rid, None)
         self.sent.pop(rid, None)
+        self.kids.pop(rid, None)
 
     def _fail(self, rids: list[int], message: str) -> None:
         """These requests failed here (their KV already freed): forget them and tell the router."""
@@ -283,16 +363,16 @@ class InstanceWorker:
         self._forget(rid)
         _, desc = self.instance.abort(rid, now)
         if desc is not None:                    # its KV had not come in yet
-            self.transport.discard(desc)
+            self._discard(desc)
 
     def _take_transfers(self) -> None:
         def failed(req, exc: Exception) -> None:
             self._fail([req.request_id], f"KV transfer failed: {exc}")
 
         def never_fits(req, desc) -> None:
-            self.transport.discard(desc)
+            self._discard(desc)
             self._fail([req.request_id], "the request can never fit this decode instance's KV memory")
-        self.instance.take_kv(self.transport.get, on_error=failed, on_drop=never_fits)
+        self.instance.take_kv(self._fetch, on_error=failed, on_drop=never_fits)
 
     # ---- outputs -----------------------------------------------------------------------------
     def _send(self, msg: dict) -> None:
@@ -306,6 +386,10 @@ class InstanceWorker:
         handoffs = [r for r in outcome.prefilled] if self.spec.role == "prefill" else []
         handed = {r.request_id for r in handoffs}
         items = []
+        samples = self._first_samples(lps)
+        for rid, group in samples.items():
+            if rid not in handed:
+                items += self._settle_samples(self.live[rid], group, finished)
         for rid, req in list(self.live.items()):
             if rid in handed:
                 continue
@@ -327,9 +411,52 @@ class InstanceWorker:
         if items:
             self._send({"k": "tok", "items": items})
         for req in handoffs:
-            self._hand_off(req, lps.get(req.request_id))
+            self._hand_off(req, lps.get(req.request_id), samples.get(req.request_id))
 
-    def _hand_off(self, req, lp) -> None:
+    def _first_samples(self, lps: dict) -> dict[int, list[list]]:
+        """The first tokens of the n-sample requests that sampled them this step: rid ->
+        ``[[rid_k, k, token, finish|None, logprobs|None] for k in 0..n-1]`` (sample 0 = the request)."""
+        from laneserve.engine.sampler import token_stops
+
+        forks = self.instance.executor.last_forks or {}
+        eos = self.instance.executor.eos_token_ids
+        out = {}
+        for rid, extra in forks.items():
+            req = self.live.get(rid)
+            if req is None or not req.output_token_ids:
+                continue
+            firsts = [(req.output_token_ids[0], lps.get(rid)), *extra]
+            group = []
+            for k, (sample_rid, (token, lp)) in enumerate(zip([rid, *self.kids.pop(rid, [])], firsts)):
+                params = req.sampling.sample(k)
+                finish = "stop" if token_stops(token, params, eos) else "length" if req.max_output_tokens <= 1 else None
+                group.append([sample_rid, k, token, finish, _logprobs(lp) if params.logprobs is not None else None])
+            out[rid] = group
+        return out
+
+    def _settle_samples(self, req, group: list[list], finished: dict) -> list[list]:
+        """An n-sample request that sampled its first tokens here and is not handed off: the samples
+        that go on take its prompt KV on this instance (colocated); sample 0 ends if its first token
+        ends it. Returns the ``tok`` items of samples 1..n-1 (sample 0's item is the request's own)."""
+        rid = req.request_id
+        info = {"prefill_start": req.times.prefill_start, "preemptions": req.num_preemptions}
+        fin = finished.get(rid)
+        going_on = [[r, k, t] for r, k, t, f, _ in group[1:] if f is None]
+        if fin is None and going_on:
+            payload = self.instance.executor.export_kv(rid, req.num_computed_tokens)
+            fields = request_fields(rid, req.prompt_token_ids, req.sampling, req.arrival_time, req.slo,
+                                    req.slo_class, req.priority)
+            self._fork_samples({**fields, "computed": req.num_computed_tokens, "t_first": req.times.first_token,
+                                "info": info}, going_on, payload)
+        if fin is None and group[0][3] is not None:           # sample 0's first token ended it
+            self.instance.scheduler.abort(rid, self.clock.now(), reason=group[0][3])
+            finished[rid] = req
+        elif fin is not None and fin.finish_reason == "length" and group[0][3] is not None:
+            req.finish_reason = group[0][3]                    # EOS as the one token: "stop", as for n=1
+        return [[r, [t], f if f is not None or fin is None else fin.finish_reason, lp, info]
+                for r, _, t, f, lp in group[1:]]
+
+    def _hand_off(self, req, lp, samples: list[list] | None = None) -> None:
         rid = req.request_id
         inst = self.instance
         try:
@@ -345,6 +472,7 @@ class InstanceWorker:
             self._send({"k": "handoff", "rid": rid, "out": list(req.output_token_ids or ()),
                         "computed": req.num_computed_tokens, "kv": desc, "t_first": t.first_token,
                         "lp": _logprobs(lp) if req.sampling.logprobs is not None else None,
+                        **({"samples": samples} if samples is not None else {}),
                         "info": {"prefill_start": t.prefill_start, "prefill_end": t.prefill_end,
                                  "preemptions": req.num_preemptions, "cached": req.num_cached_tokens}})
         self._forget(rid)

@@ -13,6 +13,10 @@ output).
 JSON schema, regex, choice or tool call: the engine masks every token the constraint forbids
 (``laneserve.engine.structured``), and EOS under a constraint always ends the request.
 
+``n`` > 1 asks for ``n`` samples of one prompt: the prompt is prefilled once, ``n`` first tokens are
+drawn from its last logits (sample ``k`` with :meth:`SamplingParams.sample`), and each sample then
+decodes as a request of its own.
+
 Construction checks every field's type, range and finiteness (NaN passes ``< 0`` tests, so each
 float is checked with :func:`math.isfinite` first): a :class:`SamplingParams` that exists can be
 packed for the wire (every int fits int64) and sampled. The API validates requests before they get
@@ -22,7 +26,7 @@ here (``laneserve.server.protocol``); this is the instance side, which never tru
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Integral, Real
 
 from laneserve.core.structured import StructuredSpec
@@ -35,6 +39,7 @@ MAX_PENALTY = 2.0                  # presence/frequency penalties in [-2, 2] (Op
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0   # a tiny divisor would overflow logits
 MAX_LOGIT_BIAS = 1024              # token ids in one logit_bias map
 MAX_BIAS = 100.0                   # |bias| <= 100 (OpenAI's range): enough to force or ban a token
+MAX_N = 128                        # samples of one prompt (n, best_of)
 
 
 def is_int(v: object) -> bool:
@@ -69,6 +74,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs, ids unique
     min_tokens: int = 0
     structured: StructuredSpec | None = None          # structured output: the text must satisfy this
+    n: int = 1                        # samples of the prompt: its KV computed once, n first tokens drawn
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX:
@@ -111,6 +117,16 @@ class SamplingParams:
                              f"got {self.min_tokens!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredSpec):
             raise ValueError(f"structured must be a StructuredSpec, got {type(self.structured).__name__}")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+
+    def sample(self, index: int) -> SamplingParams:
+        """The parameters of sample ``index`` of an ``n``-sample request: one sample, and a seed
+        of its own derived from the request's as vLLM does (``seed + index``, wrapped to int64)."""
+        seed = self.seed
+        if seed is not None and index:
+            seed = (seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
+        return replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -49,6 +49,9 @@ class EngineStepResult(StepResult):
 
     logprobs: dict[int, TokenLogprobs] | None = None
     failed: dict[int, str] | None = None
+    # n-sample requests that sampled their first tokens: rid -> [(token, logprobs)] of samples 1..n-1
+    # (sample 0 is the request's own token in ``sampled``)
+    forks: dict[int, list[tuple[int, TokenLogprobs | None]]] | None = None
 
 
 @dataclass(slots=True)
@@ -139,9 +142,10 @@ class EngineExecutor:
                 if logits is None:
                     self._sync()
                     return EngineStepResult(time.perf_counter() - t0, completed=False)
-            sampled, stop_hit, logprobs, failed = self._sample(seqs, logits)
+            sampled, stop_hit, logprobs, failed, forks = self._sample(seqs, logits)
         self._sync()
-        return EngineStepResult(time.perf_counter() - t0, True, sampled, stop_hit, logprobs or None, failed or None)
+        return EngineStepResult(time.perf_counter() - t0, True, sampled, stop_hit, logprobs or None, failed or None,
+                                forks or None)
 
     def _advance(self, plan: StepPlan, forward, seqs: list[SeqInput],
                  should_stop: Callable[[], bool] | None, t0: float) -> torch.Tensor | None:
@@ -176,29 +180,59 @@ class EngineExecutor:
     def _sample(self, seqs: list[SeqInput], logits: torch.Tensor):
         sampled_seqs = [s for s in seqs if s.sample]
         if not sampled_seqs:
-            return {}, set(), {}, {}
+            return {}, set(), {}, {}, {}
         params = [s.request.sampling or GREEDY for s in sampled_seqs]
         self._drop_departed()
         histories = self._token_histories(sampled_seqs, params, logits)
         failed: dict[int, str] = {}
         states = self._constraint_states(sampled_seqs, params, failed)
+        output_index = [s.request.num_output_tokens for s in sampled_seqs]
+        rows = len(sampled_seqs)
+        logits, extra = self._sample_rows(logits, sampled_seqs, params, output_index, histories, states)
         try:
-            tokens, logprobs = self.sampler.sample(logits, params, [s.request.num_output_tokens for s in sampled_seqs],
-                                                   histories, states)
+            tokens, logprobs = self.sampler.sample(logits, params, output_index, histories, states)
         except UnsampleableRows as exc:          # the other rows' tokens are valid
             tokens, logprobs = exc.tokens, exc.logprobs
-            failed |= {sampled_seqs[row].request.request_id: why for row, why in exc.rows.items()}
+            failed |= {sampled_seqs[row if row < rows else extra[row - rows]].request.request_id: why
+                       for row, why in exc.rows.items()}
         sampled: dict[int, int] = {}
         stop_hit: set[int] = set()
         lp_out: dict[int, TokenLogprobs] = {}
         for s, p, tok, lp in zip(sampled_seqs, params, tokens, logprobs):
             rid = s.request.request_id
             sampled[rid] = tok
-            if token_stops(tok, p, self.eos_token_ids):
+            # the first token of an n-sample request ends only its sample 0, not the request: the
+            # instance finishes sample 0 after the other samples took the prompt's KV
+            if token_stops(tok, p, self.eos_token_ids) and not (p.n > 1 and s.request.num_output_tokens == 0):
                 stop_hit.add(rid)
             if lp is not None:
                 lp_out[rid] = lp
-        return sampled, stop_hit, lp_out, failed
+        forks: dict[int, list[tuple[int, TokenLogprobs | None]]] = {}
+        for k, row in enumerate(extra):
+            forks.setdefault(sampled_seqs[row].request.request_id, []).append(
+                (tokens[rows + k], logprobs[rows + k]))
+        return sampled, stop_hit, lp_out, failed, forks
+
+    @staticmethod
+    def _sample_rows(logits: torch.Tensor, seqs: list[SeqInput], params: list, output_index: list[int],
+                     histories: list, states: list | None) -> tuple[torch.Tensor, list[int]]:
+        """The rows to sample: one per sequence, plus samples 1..n-1 of each n-sample request at its
+        first token (the same logits row, the sample's own seed). Extends the per-row lists in place;
+        returns the logits and, for each extra row, the row of its request."""
+        extra = [row for row, (s, p) in enumerate(zip(seqs, params)) if p.n > 1 and s.request.num_output_tokens == 0
+                 for _ in range(p.n - 1)]
+        if not extra:
+            return logits, extra
+        index = {row: 0 for row in extra}
+        for row in extra:
+            index[row] += 1
+            params.append(params[row].sample(index[row]))
+            output_index.append(0)
+            histories.append(histories[row])
+            if states is not None:
+                states.append(states[row])
+        rows = torch.tensor(list(range(len(seqs))) + extra, device=logits.device)
+        return logits.index_select(0, rows), extra
 
     def _drop_departed(self) -> None:
         """Drop the histories and constraint states of requests that no longer hold KV on this

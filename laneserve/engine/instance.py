@@ -145,6 +145,8 @@ class EngineInstance(Instance):
             params = req.sampling
             if req.is_finished or params is None or not params.stop or not req.output_token_ids:
                 continue
+            if params.n > 1 and req.num_output_tokens == 1:    # an n-sample request's samples fork first
+                continue
             if self.stop_checker.check(req.output_token_ids, params) is not None:
                 self.scheduler.abort(req.request_id, now, reason="stop")
                 outcome.finished.append(req)

@@ -29,7 +29,18 @@ class ColocatedScheduler(InstanceScheduler):
         self._prefill_plans: dict[int, StepPlan | None] = {}   # step plan id -> the prefill side's plan
 
     def add_request(self, req: Request, now: float) -> None:
-        self.prefill.add_request(req, now)
+        """A new request goes to the prefill side; one whose KV was reserved and imported here
+        (a sample of an n-sample request, forked from its prompt) to the decode side."""
+        if req.num_output_tokens:
+            self.decode.add_request(req, now)
+        else:
+            self.prefill.add_request(req, now)
+
+    def can_reserve(self, req: Request) -> bool:
+        return self.decode.can_reserve(req)
+
+    def reserve(self, req: Request) -> list[int]:
+        return self.decode.reserve(req)
 
     def _enqueue(self, req: Request, now: float) -> None:  # pragma: no cover - add_request overrides
         raise NotImplementedError
@@ -95,6 +106,10 @@ class ColocatedScheduler(InstanceScheduler):
     @dropped_plans.setter
     def dropped_plans(self, value: list[StepPlan]) -> None:   # InstanceScheduler.__init__ sets one
         pass
+
+    @property
+    def kv_lands_in_host(self) -> bool:
+        return self.decode.kv_lands_in_host
 
     @property
     def host_pool(self):

@@ -38,11 +38,11 @@ from laneserve.cluster.process import Overloaded, ProcessCluster, Track, Unavail
 from laneserve.server.detok import IncrementalDetokenizer, token_text
 from laneserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from laneserve.server.metrics import ServerMetrics
-from laneserve.server.protocol import (BadRequest, GenerateInput, ServerDefaults, parse_body, parse_chat,
-                                      parse_completion)
+from laneserve.server.protocol import (BadRequest, GenerateInput, PromptInput, ServerDefaults, parse_body,
+                                      parse_chat, parse_completion)
 from laneserve.server.schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse)
-from laneserve.server.structured import openai_tool_calls
+from laneserve.server.structured import ToolCallStream, openai_tool_calls, tool_finish_reason
 
 
 @dataclass(slots=True)
@@ -154,20 +154,28 @@ def _sse(obj: Any) -> str:
 
 
 class _Run:
-    """One request's output as it arrives: text, tokens, logprobs, metrics observations."""
+    """One choice's output as it arrives (a sample of one prompt): text, tokens, logprobs, metrics
+    observations."""
 
-    def __init__(self, state: ServerState, gi: GenerateInput, track: Track) -> None:
-        self.state, self.gi, self.track = state, gi, track
+    def __init__(self, state: ServerState, gi: GenerateInput, track: Track, prompt: PromptInput, index: int) -> None:
+        self.state, self.gi, self.track, self.prompt, self.index = state, gi, track, prompt, index
         self.detok = IncrementalDetokenizer(state.tokenizer, gi.sampling.stop, gi.skip_special_tokens,
                                             gi.sampling.min_tokens)
         self.finish: str | None = None
         self.error: str | None = None
         self.error_status = 500
         self.n_tokens = 0
+        self.cum_logprob = 0.0                # of the tokens kept (best_of ranks samples by it)
+        self.toks: list[int] = []             # all tokens and logprobs, for a complete (not streamed) answer
+        self.lps: list = []
         self.t_first: float | None = None
         self.t_last: float | None = None
         self.queue_time: float | None = None
         self.cached_tokens = 0                   # prompt tokens the prefill found in its prefix cache
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None or self.error is not None
 
     async def next_event(self) -> tuple[list[int], list | None]:
         """The next tokens (and their logprobs); sets ``finish``/``error`` when the request ends."""
@@ -198,6 +206,7 @@ class _Run:
         self.n_tokens = len(self.detok.ids)
         if lp is not None:
             lp = lp[: self.n_tokens - n_before]
+            self.cum_logprob += sum(x[0] for x in lp)
         self.finish = finish
         if finish is not None:
             self._on_finish(now)
@@ -221,12 +230,8 @@ class _Run:
                 if ok:
                     m.slo_met.labels(m.model, req.slo_class, name).inc()
 
-    def usage(self) -> dict[str, int]:
-        p = len(self.gi.prompt_ids)
-        return {"prompt_tokens": p, "completion_tokens": self.n_tokens, "total_tokens": p + self.n_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
     def logprobs_block(self, toks: list[int], lp: list | None, offset: int) -> Any:
+        """The OpenAI logprobs of ``toks`` (``lp`` entries ``[logprob, [[id, logprob], ...]]``)."""
         if self.gi.logprobs is None or lp is None:
             return None
         tok = self.state.tokenizer
@@ -245,6 +250,48 @@ class _Run:
             pos += len(s)
         return {"tokens": tokens, "token_logprobs": [x[0] for x in lp],
                 "top_logprobs": [{token_text(tok, i): v for i, v in x[1]} for x in lp], "text_offset": offsets}
+
+
+def _usage(gi: GenerateInput, runs: list[_Run]) -> dict[str, Any]:
+    """Token usage of a request: each prompt once, the output of each returned choice, and the
+    prompt tokens found in a prefix cache (each prompt once: its samples share one prefill)."""
+    p = sum(len(x.ids) for x in gi.prompts)
+    c = sum(r.n_tokens for r in runs)
+    cached: dict[int, int] = {}
+    for r in runs:
+        cached[id(r.prompt)] = max(cached.get(id(r.prompt), 0), r.cached_tokens)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+
+
+def _best(gi: GenerateInput, runs: list[_Run]) -> list[_Run]:
+    """The choices returned: per prompt, the n samples with the highest cumulative logprob
+    (best_of > n, as vLLM), else every sample; choice indices follow this order."""
+    per_prompt = len(runs) // len(gi.prompts)
+    if per_prompt == gi.n:
+        return runs
+    out = []
+    for i in range(len(gi.prompts)):
+        group = runs[i * per_prompt:(i + 1) * per_prompt]
+        out += sorted(group, key=lambda r: r.cum_logprob, reverse=True)[:gi.n]
+    return out
+
+
+async def _merged_events(runs: list[_Run]):
+    """Every run's events as they arrive: ``(run, tokens, logprobs)`` until each run ended."""
+    pending = {asyncio.ensure_future(r.next_event()): r for r in runs}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: pending[f].index):
+                run = pending.pop(fut)
+                toks, lp = fut.result()
+                yield run, toks, lp
+                if not run.done:
+                    pending[asyncio.ensure_future(run.next_event())] = run
+    finally:
+        for fut in pending:
+            fut.cancel()
 
 
 _REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
@@ -305,45 +352,61 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
         if gi.model not in (st.model_name, st.model_path):
             return error_response(404, f"The model `{gi.model}` does not exist. Served: `{st.model_name}`.",
                                   "NotFoundError", "model")
+        runs: list[_Run] = []
         try:
-            track = st.cluster.submit(gi.prompt_ids, gi.sampling, slo=gi.slo, slo_class=gi.slo_class,
-                                      priority=gi.priority)
-        except Overloaded as exc:
-            st.metrics.reject("overloaded")
-            return error_response(429, str(exc), "RateLimitError", headers={"Retry-After": str(exc.retry_after)})
-        except Unavailable as exc:
+            for prompt in gi.prompts:             # a batch: each prompt is a request of its own
+                tracks = st.cluster.submit(prompt.ids, gi.sampling, slo=gi.slo, slo_class=gi.slo_class,
+                                           priority=gi.priority)
+                runs += [_Run(st, gi, t, prompt, len(runs) + k) for k, t in enumerate(tracks)]
+        except (Overloaded, Unavailable) as exc:
+            for run in runs:
+                st.cluster.abort(run.track.rid)
+            if isinstance(exc, Overloaded):
+                st.metrics.reject("overloaded")
+                return error_response(429, str(exc), "RateLimitError", headers={"Retry-After": str(exc.retry_after)})
             st.metrics.reject("unavailable")
             return error_response(503, str(exc), "ServiceUnavailableError")
-        release = partial(st.cluster.abort, track.rid)     # the slot's one owner: a no-op once finished
+
+        def release() -> None:                 # the slots' one owner: a no-op once finished
+            for run in runs:
+                st.cluster.abort(run.track.rid)
         handed_over = False
         try:
-            st.metrics.prompt_tokens.inc(len(gi.prompt_ids))
-            run = _Run(st, gi, track)
+            st.metrics.prompt_tokens.inc(sum(len(p.ids) for p in gi.prompts))
             if gi.stream:
-                resp = _OwnedStream(_stream(run), release, media_type="text/event-stream",
+                resp = _OwnedStream(_stream(gi, runs), release, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache"})
                 handed_over = True
                 return resp
-            return await _complete(request, run)
+            return await _complete(request, gi, runs)
         finally:
             if not handed_over:
                 release()
 
-    async def _complete(request: Request, run: _Run) -> Response:
-        async def collect() -> tuple[list[int], list]:
-            toks_all, lps = [], []
-            while run.finish is None and run.error is None:
+    def _prompt_text(prompt: PromptInput) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return state.tokenizer.decode(prompt.ids) if state.tokenizer is not None else ""
+
+    def _head(gi: GenerateInput, runs: list[_Run], chunk: bool) -> dict[str, Any]:
+        chat = gi.kind == "chat"
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{runs[0].track.rid}", "object": kind,
+                "created": int(time.time()), "model": state.model_name}
+
+    async def _complete(request: Request, gi: GenerateInput, runs: list[_Run]) -> Response:
+        async def collect(run: _Run) -> None:
+            while not run.done:
                 toks, lp = await run.next_event()
-                toks_all += toks
+                run.toks += toks
                 if lp:
-                    lps += lp
-            return toks_all, lps
+                    run.lps += lp
 
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        work = asyncio.ensure_future(collect())
+        work = asyncio.ensure_future(asyncio.gather(*(collect(r) for r in runs)))
         watch = asyncio.ensure_future(disconnected())
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -351,18 +414,24 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
             watch.cancel()
             if not work.done():          # the client went away: cancel everywhere, free the KV
                 work.cancel()
-                state.cluster.abort(run.track.rid)
-                state.metrics.aborted.inc()
+                for run in runs:
+                    if not run.done:
+                        state.cluster.abort(run.track.rid)
+                        state.metrics.aborted.inc()
         if not work.done() or work.cancelled():
             return Response(status_code=499)
-        toks, lps = work.result()
-        if run.error is not None:
-            return error_response(run.error_status, run.error, _ERROR_TYPES.get(run.error_status, "InternalServerError"))
+        failed = next((r for r in runs if r.error is not None), None)
+        if failed is not None:
+            return error_response(failed.error_status, failed.error,
+                                  _ERROR_TYPES.get(failed.error_status, "InternalServerError"))
+        chosen = _best(gi, runs)
+        choices = [_choice(gi, run, index) for index, run in enumerate(chosen)]
+        return JSONResponse({**_head(gi, runs, False), "choices": choices, "usage": _usage(gi, chosen)})
+
+    def _choice(gi: GenerateInput, run: _Run, index: int) -> dict[str, Any]:
+        """One choice of a complete (not streamed) answer."""
         text = run.detok.delta(final=True)
-        gi = run.gi
-        rid = run.track.rid
-        created = int(time.time())
-        choice: dict[str, Any] = {"index": 0, "logprobs": run.logprobs_block(toks, lps or None, 0),
+        choice: dict[str, Any] = {"index": index, "logprobs": run.logprobs_block(run.toks, run.lps or None, 0),
                                   "finish_reason": run.finish, "stop_reason": None}
         if gi.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
@@ -371,46 +440,48 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
                 try:
                     choice["message"] = {"role": "assistant", "content": None,
                                          "tool_calls": openai_tool_calls(spec, text)}
-                    # OpenAI: a forced named function ends with "stop", "required" calls with "tool_calls"
-                    choice["finish_reason"] = "tool_calls" if spec.kind == "tools_required" else "stop"
+                    choice["finish_reason"] = tool_finish_reason(spec)
                 except ValueError:          # not a complete call (cannot happen under the constraint)
                     pass
-            obj = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created,
-                   "model": state.model_name, "choices": [choice], "usage": run.usage()}
         else:
-            choice["text"] = text
-            obj = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created,
-                   "model": state.model_name, "choices": [choice], "usage": run.usage()}
+            choice["text"] = _prompt_text(run.prompt) + text if gi.echo else text
         if gi.return_token_ids:
-            choice["token_ids"] = toks
-            choice["prompt_token_ids"] = gi.prompt_ids
-        return JSONResponse(obj)
+            choice["token_ids"] = run.toks
+            choice["prompt_token_ids"] = run.prompt.ids
+        return choice
 
-    async def _stream(run: _Run):
-        gi = run.gi
+    async def _stream(gi: GenerateInput, runs: list[_Run]):
         chat = gi.kind == "chat"
-        rid = run.track.rid
-        created = int(time.time())
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
-                "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": state.model_name}
+        head = _head(gi, runs, True)
+        spec = gi.sampling.structured
+        tool = chat and spec is not None and spec.kind in ("tool", "tools_required")
+        streams = {run.index: ToolCallStream(spec) if tool else None for run in runs}
+        offsets = dict.fromkeys(streams, 0)
         done = False
-        offset = 0
         try:
-            if chat:
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
-            while run.finish is None:
-                toks, lp = await run.next_event()
+            for run in runs:
+                if chat:
+                    yield _sse({**head, "choices": [{"index": run.index, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}]})
+                elif gi.echo:
+                    text = _prompt_text(run.prompt)
+                    offsets[run.index] = len(text)
+                    yield _sse({**head, "choices": [{"index": run.index, "text": text, "logprobs": None,
+                                                     "finish_reason": None}]})
+            async for run, toks, lp in _merged_events(runs):
                 if run.error is not None:
                     yield _sse({"error": {"message": run.error, "code": run.error_status,
                                           "type": _ERROR_TYPES.get(run.error_status, "InternalServerError")}})
                     break
                 text = run.detok.delta(final=run.finish is not None)
-                lpb = run.logprobs_block(toks, lp, offset)
-                offset += len(text)
-                choice: dict[str, Any] = {"index": 0, "logprobs": lpb, "finish_reason": run.finish}
-                if chat:
+                lpb = run.logprobs_block(toks, lp, offsets[run.index])
+                offsets[run.index] += len(text)
+                choice: dict[str, Any] = {"index": run.index, "logprobs": lpb, "finish_reason": run.finish}
+                if tool:
+                    choice["delta"] = streams[run.index].delta(text)
+                    if run.finish == "stop":
+                        choice["finish_reason"] = tool_finish_reason(spec)
+                elif chat:
                     choice["delta"] = {"content": text} if text or run.finish is None else {}
                 else:
                     choice["text"] = text
@@ -418,17 +489,19 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
                     choice["token_ids"] = toks
                 chunk = {**head, "choices": [choice]}
                 if gi.continuous_usage:
-                    chunk["usage"] = run.usage()
+                    chunk["usage"] = _usage(gi, runs)
                 yield _sse(chunk)
-            if gi.include_usage and run.error is None:
-                yield _sse({**head, "choices": [], "usage": run.usage()})
+            else:
+                if gi.include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(gi, runs)})
             yield "data: [DONE]\n\n"
             done = True
         finally:
             if not done:                 # client disconnected (or the server is stopping)
-                state.cluster.abort(rid)
-                if run.finish is None and run.error is None:
-                    state.metrics.aborted.inc()
+                for run in runs:
+                    state.cluster.abort(run.track.rid)
+                    if not run.done:
+                        state.metrics.aborted.inc()
 
     @app.post("/v1/completions", **_documented(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:

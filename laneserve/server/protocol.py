@@ -18,8 +18,15 @@ Accepted fields: OpenAI's, vLLM's sampling extensions (``top_k``, ``min_tokens``
 and laneserve's SLO extensions (``slo: {ttft_ms, tpot_ms}``, ``slo_class``; headers
 ``x-slo-ttft-ms`` / ``x-slo-tpot-ms``). Unknown fields are accepted and ignored, as vLLM does: each
 unknown name is logged once (up to ``MAX_LOGGED_UNKNOWN`` names). OpenAI fields laneserve does not
-implement are accepted only at their neutral value (``n=1``, ``echo=false`` ...) and rejected
-otherwise with "not supported".
+implement are accepted only at their neutral value (``suffix``, ``min_p``) and rejected otherwise
+with "not supported".
+
+Several choices (issue 14, item 2): ``n`` samples of each prompt; on completions ``best_of`` >= n
+samples of which the n with the highest cumulative logprob are returned (as vLLM; not with
+``stream``), and a batch of prompts (a list of strings or of token-id lists, at most
+``MAX_BATCH_PROMPTS``): choice ``i * n + j`` is sample j of prompt i. ``echo`` puts the prompt
+before each completion; prompt logprobs (``echo`` with ``logprobs``, vLLM's ``prompt_logprobs``)
+are not supported yet (400).
 
 Structured output (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``, ``tools``
 with ``tool_choice``) becomes ``SamplingParams.structured``; the constraint is compiled here, over
@@ -50,13 +57,13 @@ from pydantic import BaseModel, ValidationError
 from laneserve.core.sampling import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN, SamplingParams, is_real
 from laneserve.core.slo import SLO, SLOClass
 from laneserve.core.structured import StructuredSpec, UnsupportedSpec
-from laneserve.server.schema import (MAX_CHARS_PER_TOKEN, MAX_JSON_DEPTH, MAX_LABEL_CHARS, MAX_MESSAGES,
+from laneserve.server.schema import (MAX_BATCH_PROMPTS, MAX_CHARS_PER_TOKEN, MAX_JSON_DEPTH, MAX_LABEL_CHARS, MAX_MESSAGES,
                                      MAX_NAME_CHARS, MAX_SLO_MS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                      ChatCompletionRequest, CompletionRequest)
 from laneserve.server.structured import spec_from_request
 
-__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "MAX_JSON_DEPTH", "MAX_MESSAGES", "MAX_STOP_STRINGS",
-           "MAX_STOP_TOKEN_IDS", "BadRequest", "GenerateInput", "ServerDefaults", "parse_body", "parse_chat",
+__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "MAX_BATCH_PROMPTS", "MAX_JSON_DEPTH", "MAX_MESSAGES", "MAX_STOP_STRINGS",
+           "MAX_STOP_TOKEN_IDS", "BadRequest", "GenerateInput", "PromptInput", "ServerDefaults", "parse_body", "parse_chat",
            "parse_completion"]
 
 # the top-level fields each endpoint reads; any other is ignored (and logged once per name)
@@ -70,6 +77,7 @@ STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_c
 MAX_CONSTRAINT_REGEX_CHARS = 1 << 17    # a schema whose regex is longer is refused (compile time grows with it)
 _M = TypeVar("_M", bound=BaseModel)
 MAX_LOGGED_UNKNOWN = 256       # unknown field names remembered (each logged once); later ones are not logged
+MAX_SEQUENCES = 256            # prompts x best_of (the sequences one request generates)
 
 _LABEL = re.compile(r"[A-Za-z0-9_.:-]+")
 # apply_chat_template's own arguments: a request may not set them through chat_template_kwargs
@@ -187,11 +195,17 @@ class ServerDefaults:
 
 
 @dataclass(slots=True)
+class PromptInput:
+    ids: list[int]
+    text: str | None = None                # the prompt as sent (None: sent as token ids)
+
+
+@dataclass(slots=True)
 class GenerateInput:
     kind: str                              # "completion" | "chat"
     model: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
+    prompts: list[PromptInput]             # one, or a batch (completions)
+    sampling: SamplingParams               # sampling.n = best_of samples of each prompt
     slo: SLO
     slo_class: str
     priority: int
@@ -201,13 +215,19 @@ class GenerateInput:
     return_token_ids: bool
     logprobs: int | None                   # top-n per token, or None
     skip_special_tokens: bool = True
-    prompt_text: str | None = None
+    n: int = 1                             # choices returned per prompt (the best n of sampling.n)
+    echo: bool = False
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The first prompt's token ids."""
+        return self.prompts[0].ids
 
 
 # ---- the models' errors as 400s --------------------------------------------------------------------
 # what a field holds, for type errors (a union's members each report an error: one message instead)
 _EXPECTS = {
-    "prompt": "a string or a list of token ids (batched prompts are not supported)",
+    "prompt": "a string or a list of token ids, or a batch: a list of strings or token-id lists",
     "stop": f"a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings (each at most "
             f"{MAX_STOP_CHARS} characters)",
     "messages": "a non-empty list of {role, content} objects",
@@ -421,6 +441,7 @@ class _Checked:
     slo: SLO
     slo_class: str
     priority: int
+    logprobs: int | None                   # what the client asked for (best_of may sample more)
 
 
 def _min_tokens_fit(min_tokens: int, max_tokens: int, max_tokens_key: str) -> None:
@@ -443,8 +464,6 @@ def _structured(body: dict, req: CompletionRequest | ChatCompletionRequest, toke
     param = next((k for k in given if k not in ("tools", "parallel_tool_calls")), given[0])
     if tokenizer is None:
         raise BadRequest("structured output needs a tokenizer; this model has none", param)
-    if spec.kind in ("tool", "tools_required") and req.stream:
-        raise BadRequest("streaming tool calls are not supported: send stream: false", "stream")
     from laneserve.engine.structured import compile_constraint     # torch: only when a request asks
 
     try:
@@ -469,10 +488,9 @@ def _named(message: str, given: list[str]) -> str | None:
 
 def _check_common(req: CompletionRequest | ChatCompletionRequest, vocab_size: int, headers: dict[str, str],
                   defaults: ServerDefaults, has_tokenizer: bool, logprobs: int | None, max_tokens: int | None,
-                  max_tokens_key: str, structured: StructuredSpec | None = None) -> _Checked:
+                  max_tokens_key: str, structured: StructuredSpec | None = None, samples: int = 1) -> _Checked:
     """The checks of the fields shared by both endpoints that do not depend on the prompt;
     ``max_tokens`` is None when its default depends on the prompt (chat)."""
-    _neutral(req.n, 1, "n", "only n=1")
     _neutral(req.min_p, 0, "min_p", "only 0")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if stop and not has_tokenizer:
@@ -494,22 +512,24 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest, vocab_size: in
         raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
     sampling = dict(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
                     seed=req.seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos),
-                    logprobs=logprobs, presence_penalty=req.presence_penalty or 0.0,
+                    # best_of > n ranks the samples by cumulative logprob: each token's is needed
+                    logprobs=0 if logprobs is None and samples > (req.n or 1) else logprobs, presence_penalty=req.presence_penalty or 0.0,
                     frequency_penalty=req.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                    logit_bias=bias, min_tokens=min_tokens, structured=structured)
+                    logit_bias=bias, min_tokens=min_tokens, structured=structured, n=samples)
     slo, slo_class, priority = _slo(req, headers, defaults)
-    return _Checked(sampling, slo, slo_class, priority)
+    return _Checked(sampling, slo, slo_class, priority, logprobs)
 
 
-def _finish(req: CompletionRequest | ChatCompletionRequest, kind: str, c: _Checked, prompt_ids: list[int],
+def _finish(req: CompletionRequest | ChatCompletionRequest, kind: str, c: _Checked, prompts: list[PromptInput],
             max_model_len: int, vocab_size: int, kv_tokens: int, defaults: ServerDefaults, max_tokens: int | None,
-            max_tokens_key: str, prompt_text: str | None) -> GenerateInput:
+            max_tokens_key: str, n: int = 1, echo: bool = False) -> GenerateInput:
     """The prompt-dependent checks (vocabulary, context, KV) and the :class:`GenerateInput`."""
-    if not prompt_ids:
-        raise BadRequest("the prompt is empty", "prompt" if kind == "completion" else "messages")
-    _in_vocab(prompt_ids, vocab_size, "token id", "prompt")
-    n_prompt = len(prompt_ids)
+    for p in prompts:
+        if not p.ids:
+            raise BadRequest("the prompt is empty", "prompt" if kind == "completion" else "messages")
+        _in_vocab(p.ids, vocab_size, "token id", "prompt")
+    n_prompt = max(len(p.ids) for p in prompts)       # the longest must fit
     room = max_model_len - n_prompt
     if room < 1:
         raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, your "
@@ -530,37 +550,46 @@ def _finish(req: CompletionRequest | ChatCompletionRequest, kind: str, c: _Check
     except ValueError as exc:       # the checks above should leave nothing for SamplingParams to refuse
         raise BadRequest(str(exc)) from None
     so = req.stream_options
-    return GenerateInput(kind, req.model, prompt_ids, sampling, c.slo, c.slo_class, c.priority, bool(req.stream),
+    return GenerateInput(kind, req.model, prompts, sampling, c.slo, c.slo_class, c.priority, bool(req.stream),
                          bool(so and so.include_usage), bool(so and so.continuous_usage_stats),
-                         bool(req.return_token_ids), sampling.logprobs,
-                         True if req.skip_special_tokens is None else req.skip_special_tokens, prompt_text)
+                         bool(req.return_token_ids), c.logprobs,
+                         True if req.skip_special_tokens is None else req.skip_special_tokens, n, echo)
 
 
 def parse_completion(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_tokens: int,
                      headers: dict[str, str], defaults: ServerDefaults) -> GenerateInput:
     req = _validate(body, CompletionRequest)
     prompt = req.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                     # a batch of one
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise BadRequest("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
-        _text_limit(len(prompt), max_model_len, "prompt")
-    elif not all(isinstance(t, int) for t in prompt):
-        raise BadRequest("batched prompts are not supported: send one request per prompt", "prompt")
-    _neutral(req.echo, False, "echo", "only echo=false")
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    for p in batch:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise BadRequest("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
+            _text_limit(len(p), max_model_len, "prompt")
+    n = req.n or 1
+    best_of = n if req.best_of is None else req.best_of
+    if best_of < n:
+        raise BadRequest(f"'best_of' ({best_of}) must be >= 'n' ({n})", "best_of")
+    if best_of > n and req.stream:
+        raise BadRequest("'best_of' > 'n' is not supported with 'stream': true", "best_of")
+    if len(batch) * best_of > MAX_SEQUENCES:
+        raise BadRequest(f"{len(batch)} prompt(s) x {best_of} samples is more than {MAX_SEQUENCES} sequences "
+                         "in one request", "best_of" if best_of > 1 else "n")
     _neutral(req.suffix, None, "suffix", "no suffix")
-    _neutral(req.best_of, 1, "best_of", "only best_of=1")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens      # OpenAI's and vLLM's default
     structured = _structured(body, req, tokenizer)
     checked = _check_common(req, vocab_size, headers, defaults, tokenizer is not None, req.logprobs, max_tokens,
-                            "max_tokens", structured)
-    if isinstance(prompt, str):
-        text, ids = prompt, list(tokenizer.encode(prompt))
-    else:
-        text, ids = None, list(prompt)
-    return _finish(req, "completion", checked, ids, max_model_len, vocab_size, kv_tokens, defaults, max_tokens,
-                   "max_tokens", text)
+                            "max_tokens", structured, best_of)
+    echo = bool(req.echo)
+    # prompt logprobs (echo with logprobs, vLLM's prompt_logprobs) need the prefill to keep the
+    # logits of every prompt position: not built yet
+    if echo and req.logprobs is not None:
+        raise BadRequest("'echo' with 'logprobs' is not supported by laneserve yet (prompt logprobs)", "echo")
+    _neutral(req.prompt_logprobs, None, "prompt_logprobs", "not yet")
+    prompts = [PromptInput(list(tokenizer.encode(p)), p) if isinstance(p, str) else PromptInput(list(p))
+               for p in batch]
+    return _finish(req, "completion", checked, prompts, max_model_len, vocab_size, kv_tokens, defaults, max_tokens,
+                   "max_tokens", n, echo)
 
 
 def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -588,7 +617,8 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
     if max_tokens is None and req.max_tokens is not None:
         max_tokens, key = req.max_tokens, "max_tokens"
     structured = _structured(body, req, tokenizer)
-    checked = _check_common(req, vocab_size, headers, defaults, True, logprobs, max_tokens, key, structured)
+    n = req.n or 1
+    checked = _check_common(req, vocab_size, headers, defaults, True, logprobs, max_tokens, key, structured, n)
     try:
         text = tokenizer.apply_chat_template(msgs, tokenize=False,
                                              add_generation_prompt=req.add_generation_prompt is not False, **kwargs)
@@ -597,4 +627,5 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
     if not isinstance(text, str):
         raise BadRequest("the chat template did not produce text", "messages")
     ids = list(tokenizer.encode(text, add_special_tokens=False))
-    return _finish(req, "chat", checked, ids, max_model_len, vocab_size, kv_tokens, defaults, max_tokens, key, text)
+    return _finish(req, "chat", checked, [PromptInput(ids, text)], max_model_len, vocab_size, kv_tokens, defaults,
+                   max_tokens, key, n)

@@ -10,8 +10,8 @@ limit is a named constant below: each is far beyond what a legitimate client sen
 enough that no single request can make the server recurse, allocate, compute or echo without bound.
 
 Unknown fields are ignored (as vLLM, which logs them: ``protocol`` logs each name once). Fields of
-OpenAI's API that laneserve does not implement (``n`` > 1, ``echo`` ...) are typed here
-and refused by ``protocol`` unless neutral.
+OpenAI's API that laneserve does not implement (``suffix``, ``min_p``) are typed here and refused by
+``protocol`` unless neutral.
 
 The response models document the JSON bodies (``responses=`` of the routes) and let tests check a
 live server's answers against them; the handlers build plain dicts, so a request pays nothing for
@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from laneserve.core.sampling import (INT64_MAX, INT64_MIN, MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY,
+from laneserve.core.sampling import (INT64_MAX, INT64_MIN, MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_PENALTY,
                                      MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY)
 
 # ---- limits (issue 11) ---------------------------------------------------------------------------
@@ -44,7 +44,7 @@ MAX_SLO_MS = 86_400_000        # one day, for slo.ttft_ms / slo.tpot_ms and the 
 MAX_TEMPLATE_KWARGS = 16       # chat_template_kwargs entries, scalar values, strings <= MAX_NAME_CHARS
 MAX_METADATA = 16              # OpenAI's metadata limits: 16 pairs, keys <= 64 chars, values <= 512
 MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
-MAX_N = 128                    # n / best_of (typed for the docs; protocol serves n = 1)
+MAX_BATCH_PROMPTS = 64         # prompts of one /v1/completions request
 MAX_TOOLS = 128
 MAX_REGEX_CHARS = 4096         # guided_regex / structured_outputs.regex
 MAX_CHOICES = 256              # guided_choice options
@@ -86,7 +86,8 @@ class _Request(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = Field(
         None, description="1 by default; below 1e-5 is greedy")
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(None, description="only 1")
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(
+        None, description="choices per prompt (the prompt is prefilled once for all of them)")
     stream: bool | None = None
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
@@ -133,13 +134,21 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     """The body of ``POST /v1/completions``."""
 
-    prompt: str | Annotated[list[int], Field(max_length=MAX_PROMPT_IDS)] | list[str] | list[list[int]] = Field(
-        description="text, or a list of token ids (a batch of one prompt is accepted)")
+    prompt: (str | Annotated[list[int], Field(max_length=MAX_PROMPT_IDS)]
+             | Annotated[list[str], Field(max_length=MAX_BATCH_PROMPTS)]
+             | Annotated[list[Annotated[list[int], Field(max_length=MAX_PROMPT_IDS)]],
+                         Field(max_length=MAX_BATCH_PROMPTS)]) = Field(
+        description="text, a list of token ids, or a batch: a list of texts or of token-id lists (choice i * n + j "
+                    "is sample j of prompt i)")
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
         None, description="top-n logprobs of each output token")
-    echo: bool | None = Field(None, description="only false")
+    echo: bool | None = Field(None, description="the prompt before the completion")
     suffix: str | None = Field(None, description="not supported")
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(None, description="only 1")
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(
+        None, description="samples per prompt (>= n), of which the n with the highest cumulative logprob are "
+                          "returned; not with stream")
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="vLLM: top-n logprobs of each prompt token (not supported yet)")
 
 
 class TextPart(BaseModel):

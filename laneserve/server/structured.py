@@ -64,8 +64,62 @@ def openai_tool_calls(spec: StructuredSpec, text: str) -> list[dict[str, Any]]:
 
 
 def _tool_call_json(call: ToolCall) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}
+    return {"id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_finish_reason(spec: StructuredSpec) -> str:
+    """The finish reason of a completed tool call, as OpenAI's API and vLLM (streamed or not):
+    ``"stop"`` for a function named by ``tool_choice``, ``"tool_calls"`` for ``"required"``."""
+    return "tool_calls" if spec.kind == "tools_required" else "stop"
+
+
+class ToolCallStream:
+    """The streamed text of one choice of a tool-call request as OpenAI ``delta.tool_calls``.
+
+    A named function (``tool``): the text is the arguments object, so the first delta carries the
+    call's id, type, name and the first piece of the arguments, each later delta the next piece.
+    ``"required"`` (``tools_required``): the text is a JSON array of ``{"name", "arguments"}``
+    objects; a call is sent, whole, in the delta where its object closes (a call's name is only
+    known once its object has been read)."""
+
+    def __init__(self, spec: StructuredSpec) -> None:
+        self.spec = spec
+        self.name = json.loads(spec.value)["name"] if spec.kind == "tool" else None
+        self.text = ""
+        self.pos = 0                        # tools_required: where the next call's object may start
+        self.calls = 0
+
+    def delta(self, text: str) -> dict[str, Any]:
+        if self.spec.kind == "tool":
+            first = self.calls == 0
+            self.calls = 1
+            if first:
+                return {"tool_calls": [{"index": 0, "id": _call_id(), "type": "function",
+                                        "function": {"name": self.name, "arguments": text}}]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+        self.text += text
+        out = []
+        decoder = json.JSONDecoder()
+        while True:
+            start = self.pos
+            while start < len(self.text) and self.text[start] in "[, \t\n\r":
+                start += 1
+            if start >= len(self.text) or self.text[start] != "{":
+                break
+            try:
+                call, end = decoder.raw_decode(self.text, start)
+            except ValueError:                  # the object is not complete yet
+                break
+            self.pos = end
+            out.append({"index": self.calls, "id": _call_id(), "type": "function",
+                        "function": {"name": call["name"],
+                                     "arguments": json.dumps(call["arguments"], ensure_ascii=False)}})
+            self.calls += 1
+        return {"tool_calls": out} if out else {}
 
 
 def _response_format(fmt: Any) -> StructuredSpec | None:
