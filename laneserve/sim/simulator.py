@@ -96,6 +96,8 @@ class Simulator:
                     "decode", cfg.decode_policy, kv(cfg.decode_kv_tokens), host_pool=host(),
                     **cfg.decode_opts))
                 for j in range(cfg.num_decode)]
+        for inst in back:      # decode step tables (Kairos) and alignment guards use it too
+            inst.scheduler.bind_cost_model(self.cost)
         return front, back
 
     # ---- the run -----------------------------------------------------------------------------

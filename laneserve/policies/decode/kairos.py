@@ -123,6 +123,8 @@ class KairosDecode(DecodeScheduler):
         if max_delay_steps < 1:
             raise ValueError("max_delay_steps must be >= 1")
         cost = cost_model
+        self._table_given = lut is not None or profile is not None or cost_model is not None
+        self._length_key_given = length_key
         if lut is None:
             if profile is not None:
                 from laneserve.costmodel import load_profile
@@ -140,6 +142,7 @@ class KairosDecode(DecodeScheduler):
         self.length_key = length_key
         # padded: a late straggler in every step slows everyone, so late requests do not bind;
         # ragged: a decode-all step costs little more than a partial one, so they do (Algorithm 3)
+        self._late_binds_given = late_binds
         self.late_binds = (length_key == "mean") if late_binds is None else late_binds
         self.tpot_slo = tpot_slo
         self.slack_reserve = slack_reserve
@@ -148,6 +151,19 @@ class KairosDecode(DecodeScheduler):
         self.max_delay_steps = max_delay_steps
         self.pacer = TokenPacer(enabled=pace, tpot=tpot_slo, force_tpot=pace_tpot)
         self.stats = KairosStats()
+
+    def bind_cost_model(self, cost_model: CostModel) -> None:
+        """The run's own cost model (simulator): rebuild the step table from it unless a table,
+        profile or cost model was given (the default roofline is Llama-3-8B/H100, padded, which
+        misprices every other run and makes the slack rule delay requests for nothing)."""
+        if self._table_given:
+            return
+        self.lut = default_lut(cost_model, self.max_batch_size)
+        if self._length_key_given is None:
+            self.length_key = "mean" if getattr(cost_model, "attention", None) == "ragged" else "max"
+            if self._late_binds_given is None:
+                self.late_binds = self.length_key == "mean"
+        self._table_given = True
 
     # ---- Algorithm 3 -----------------------------------------------------------------------
     def target(self, req: Request) -> float | None:
