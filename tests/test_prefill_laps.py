@@ -105,7 +105,8 @@ def test_short_batch_groups_by_bucket_and_fills_padding_rows_with_smaller_ones()
 
 
 def awd(**kw):
-    return AdaptiveWaitDepth(AWDConfig(**kw), depth_cap=64)
+    """Algorithm 1 as printed (the light-load dispatch is tested on its own)."""
+    return AdaptiveWaitDepth(AWDConfig(**{"light_load": False, **kw}), depth_cap=64)
 
 
 def test_awd_dispatch_triggers():

@@ -62,7 +62,8 @@ MODES = ("temporal", "spatial")
 @register("prefill", "laps", aliases={"laps-offline": {"deadline_free": True, "long_chunk": 8192},
                                       "laps-noawd": {"awd": False},
                                       "laps-nobuckets": {"shape_buckets": False},
-                                      "laps-preempt": {"preempt": "operator"}})
+                                      "laps-preempt": {"preempt": "operator"},
+                                      "laps-literal": {"light_load": False, "long_chunk": 2048}})
 class LapsPrefill(PrefillScheduler):
     name = "laps"
 
@@ -72,7 +73,8 @@ class LapsPrefill(PrefillScheduler):
                  max_short_streak: int = 4, lane: str | None = None, sla_guard: bool = True,
                  preempt: str = "none",
                  w_min: float = 0.0, w_max: float = 0.03, delta: float = 0.02, sigma: float = 0.05,
-                 t_max: float = 0.1, short_tokens: int | None = None, **opts) -> None:
+                 t_max: float = 0.1, short_tokens: int | None = None, light_load: bool = True,
+                 **opts) -> None:
         super().__init__(kv, **opts)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -105,7 +107,8 @@ class LapsPrefill(PrefillScheduler):
         self._long_seconds = 0.0                     # last long step's observed time
         self.guard_dispatches = 0
         cfg = AWDConfig(w_min=w_min, w_max=w_max, delta=delta, sigma=sigma, t_max=t_max,
-                        deadline_free=deadline_free, token_target=short_tokens or short_budget)
+                        deadline_free=deadline_free, token_target=short_tokens or short_budget,
+                        light_load=light_load)
         self.awd = AdaptiveWaitDepth(cfg, depth_cap=min(self.grid.max_depth(short_budget),
                                                         self.max_batch_size), grid=self.grid)
         self.assigned_lane: str | None = None
