@@ -58,7 +58,7 @@ TEMPORAL_RATES = (5.0, 10.0, 15.0, 20.0, 25.0)
 SPATIAL_RATES = (80.0, 120.0, 160.0)
 CONVERSATION_RATES = (4.0, 12.0, 24.0)    # Part C: conversation starts / s
 THINK_TIME, REPLY_TIME = 5.0, 0.05        # Part C: mean think time (s); reply pace (s / output token)
-# the paper's algorithm: LAPS' literal preset (no light-load dispatch, 2K long chunks; issue 18)
+# the paper's algorithm: LAPS' literal preset (no light-load dispatch; issue 18)
 TEMPORAL = {
     "fcfs": "fcfs",
     "laps": "laps-literal",

@@ -63,7 +63,7 @@ MODES = ("temporal", "spatial")
                                       "laps-noawd": {"awd": False},
                                       "laps-nobuckets": {"shape_buckets": False},
                                       "laps-preempt": {"preempt": "operator"},
-                                      "laps-literal": {"light_load": False, "long_chunk": 2048}})
+                                      "laps-literal": {"light_load": False}})
 class LapsPrefill(PrefillScheduler):
     name = "laps"
 
