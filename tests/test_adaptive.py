@@ -127,3 +127,25 @@ def test_adaptive_holds_up_with_a_ttft_predictor_20_percent_off(factor):
                         prefill_opts={"predictor": lambda n: factor * poly.predict(n)})
     assert skewed > attainment(specs, "fcfs", "continuous")
     assert skewed >= 0.9 * attainment(specs, "adaptive", "adaptive")
+
+
+# ---- the engine -------------------------------------------------------------------------------------------
+def test_engine_adaptive_greedy_tokens_equal_fcfs_and_continuous_batching():
+    from engine_support import prompts, tiny_checkpoint
+    from laneserve.cluster import LocalCluster
+    from laneserve.core import SamplingParams
+    from laneserve.engine import EngineConfig
+
+    path = tiny_checkpoint("qwen3")
+    ps = prompts([12, 50, 3, 70, 25, 9], seed=5)
+    outs = {}
+    for prefill, decode in (("fcfs", "continuous"), ("adaptive", "adaptive")):
+        reqs = [Request(i, 0.005 * i, len(p), 16, SLO(5.0, 1.0), prompt_token_ids=list(p),
+                        sampling=SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+                for i, p in enumerate(ps)]
+        cluster = LocalCluster(path, prefill_policy=prefill, decode_policy=decode, kv_tokens=4096,
+                               config=EngineConfig(num_threads=1, num_host_blocks=128))
+        done = cluster.run(reqs, timeout=60)
+        outs[decode] = {r.request_id: r.output_token_ids for r in done}
+        assert len(outs[decode]) == len(ps)
+    assert outs["adaptive"] == outs["continuous"]
