@@ -4,7 +4,7 @@ tolerance) of every policy set on a handful of workloads at 1P+1D, and on ``chat
 (Llama-3-8B, H100
 analytic cost model, ragged attention, least-loaded routers, a 2M-token host pool per decode
 instance so that AlignedServe can run). Not the league (``benchmarks/league.py`` is built on
-another branch): a small sample, 300 requests per workload, oracle predictors (the sim's default
+another branch): a small sample, 200 requests per workload, oracle predictors (the sim's default
 today) plus two arms where ``adaptive``'s TTFT predictor is 20% off (x0.8, x1.2).
 
 Workloads (SLO rule per workload):
@@ -38,7 +38,7 @@ from laneserve.costmodel import PolynomialTTFT, make_cost_model
 from laneserve.sim import ClusterConfig
 from laneserve.workloads import Workload, make_workload
 
-N = 300
+N = 200
 BASELINES = ("fcfs+continuous", "cp-edf-2k+continuous", "cp-edf-8k+continuous")
 PAPER = ("sedf+continuous", "laps+continuous", "kairos+kairos", "fcfs+alignedserve")
 ADAPTIVE = "adaptive+adaptive"
