@@ -50,7 +50,10 @@ HOST_TOKENS = 4_000_000
 
 
 def run(specs, cost, policy: str, *, swap_link: str, opts: dict | None = None) -> dict:
-    cfg = ClusterConfig(predictor="oracle", max_model_len=0, num_prefill=4, num_decode=1, decode_policy=policy, host_kv_tokens=HOST_TOKENS,
+    # the paper's algorithm: the do-no-harm guard (issue 18) is off, as in ``alignedserve-literal``
+    policy = "alignedserve-literal" if policy == "alignedserve" else policy
+    cfg = ClusterConfig(predictor="oracle", max_model_len=0, num_prefill=4, num_decode=1, decode_policy=policy,
+                        host_kv_tokens=HOST_TOKENS,
                         swap_link=swap_link, decode_opts=opts or {}, record_token_times=True)
     sim = Simulator(cfg, cost)
     res = sim.run(specs)
@@ -59,7 +62,7 @@ def run(specs, cost, policy: str, *, swap_link: str, opts: dict | None = None) -
     start = min(r.times.decode_start for r in reqs if r.times.decode_start is not None)
     end = max(r.times.finished for r in reqs)
     s = summarize(reqs, duration=res.duration)
-    row = {"policy": f"{policy} {_short(opts or {})}".strip(), "unfinished": res.unfinished,
+    row = {"policy": f"{policy.removesuffix('-literal')} {_short(opts or {})}".strip(), "unfinished": res.unfinished,
            "decode_tput": tokens / (end - start), "p99_tpot_ms": s["p99_tpot_ms"],
            "mean_tpot_ms": s["mean_tpot_ms"], "p99_itl_ms": s["p99_itl_ms"],
            "decode_steps": res.instances[-1]["steps"], "wall_s": res.wall_seconds}

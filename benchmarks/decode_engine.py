@@ -58,7 +58,7 @@ def main() -> None:
     prof_file = Path(tempfile.mkdtemp()) / "profile.json"
     save_profile(profile, prof_file)
     policies = {"continuous": "continuous",
-                "alignedserve": "alignedserve:n_min=8,threshold=0.4,starvation_bound=5",
+                "alignedserve": "alignedserve-literal:n_min=8,threshold=0.4,starvation_bound=5",
                 "kairos": f"kairos:profile={prof_file}"}
     specs = trace()
     rows, outputs = [], {}

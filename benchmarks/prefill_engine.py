@@ -43,12 +43,13 @@ SHORT_SLO, LONG_SLO = SLO(ttft=0.3, tpot=0.1), SLO(ttft=6.0, tpot=0.1)
 # LAPS runs with its SLA-first guard (a short batch goes before a long chunk that would eat its
 # slack; policies/prefill/laps.py); the C_l=256 arm is also run without it, as an ablation. The last
 # arm composes LAPS' lanes with FlowPrefill's operator-level preemption of the long chunks.
-POLICIES = {"fcfs": "fcfs", "sedf (operator preemption)": "sedf", "laps (temporal, AWD)": "laps",
-            "laps (temporal, AWD, C_l=256)": "laps:long_chunk=256",
-            "laps (C_l=256, no SLA guard)": "laps:long_chunk=256,sla_guard=false",
-            "laps (temporal, AWD, C_l=128)": "laps:long_chunk=128",
-            "laps (temporal, AWD, C_l=64)": "laps:long_chunk=64",
-            "laps lanes + operator preemption (C_l=2048)": "laps-preempt"}
+# LAPS as the paper describes it: the literal preset (issue 18's light-load guard off)
+POLICIES = {"fcfs": "fcfs", "sedf (operator preemption)": "sedf", "laps (temporal, AWD)": "laps-literal",
+            "laps (temporal, AWD, C_l=256)": "laps-literal:long_chunk=256",
+            "laps (C_l=256, no SLA guard)": "laps-literal:long_chunk=256,sla_guard=false",
+            "laps (temporal, AWD, C_l=128)": "laps-literal:long_chunk=128",
+            "laps (temporal, AWD, C_l=64)": "laps-literal:long_chunk=64",
+            "laps lanes + operator preemption (C_l=2048)": "laps-literal:preempt=operator"}
 KEYS = ("fcfs", "sedf", "laps", "laps_cl256", "laps_cl256_noguard", "laps_cl128", "laps_cl64", "laps_preempt")
 CHUNKS = {"laps": 2048, "laps_cl256": 256, "laps_cl256_noguard": 256, "laps_cl128": 128, "laps_cl64": 64,
           "laps_preempt": 2048}

@@ -63,28 +63,29 @@ TEMPORAL_RATES = (5.0, 10.0, 15.0, 20.0, 25.0)
 SPATIAL_RATES = (80.0, 120.0, 160.0)
 CONVERSATION_RATES = (4.0, 12.0, 24.0)    # Part C: conversation starts / s
 THINK_TIME, REPLY_TIME = 5.0, 0.05        # Part C: mean think time (s); reply pace (s / output token)
+# the paper's algorithm: LAPS' literal preset (no light-load dispatch; issue 18)
 TEMPORAL = {
     "fcfs": "fcfs",
-    "laps": "laps",
-    "laps (no buckets)": "laps:shape_buckets=false",
-    "laps (no AWD)": "laps:awd=false",
-    "laps (lanes only)": "laps:shape_buckets=false,awd=false",
-    "laps (EDF lanes)": "laps:order=edf",
+    "laps": "laps-literal",
+    "laps (no buckets)": "laps-literal:shape_buckets=false",
+    "laps (no AWD)": "laps-literal:awd=false",
+    "laps (lanes only)": "laps-literal:shape_buckets=false,awd=false",
+    "laps (EDF lanes)": "laps-literal:order=edf",
 }
 SPATIAL = {  # name -> (prefill policy, router)
     "fcfs + round-robin": ("fcfs", "round-robin"),
     "fcfs + least-loaded": ("fcfs", "least-loaded"),
-    "laps temporal + least-loaded": ("laps", "least-loaded"),
-    "laps spatial (laps-pools)": ("laps:mode=spatial", "laps-pools"),
-    "laps spatial, lanes only (laps-pools)": ("laps:mode=spatial,shape_buckets=false,awd=false", "laps-pools"),
-    "laps spatial (laps-pools, token/rate backlog)": ("laps:mode=spatial", "laps-pools:backlog=tokens"),
+    "laps temporal + least-loaded": ("laps-literal", "least-loaded"),
+    "laps spatial (laps-pools)": ("laps-literal:mode=spatial", "laps-pools-literal"),
+    "laps spatial, lanes only (laps-pools)": ("laps-literal:mode=spatial,shape_buckets=false,awd=false", "laps-pools-literal"),
+    "laps spatial (laps-pools, token/rate backlog)": ("laps-literal:mode=spatial", "laps-pools-literal:backlog=tokens"),
 }
 CACHED = {  # Part C: per-instance prefix caches
     "fcfs + round-robin": ("fcfs", "round-robin"),
     "fcfs + least-loaded": ("fcfs", "least-loaded"),
     "fcfs + cache-aware": ("fcfs", "cache-aware"),
-    "laps spatial (laps-pools, cache affinity)": ("laps:mode=spatial", "laps-pools"),
-    "laps spatial (laps-pools, no affinity)": ("laps:mode=spatial", "laps-pools:affinity=false"),
+    "laps spatial (laps-pools, cache affinity)": ("laps-literal:mode=spatial", "laps-pools-literal"),
+    "laps spatial (laps-pools, no affinity)": ("laps-literal:mode=spatial", "laps-pools-literal:affinity=false"),
 }
 
 

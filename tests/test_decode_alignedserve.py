@@ -139,12 +139,13 @@ def random_specs(n, seed, rate=20.0, long_share=0.1):
     (1, {"prefetch": False, "switch_evict": "memory"}, 24_000, 400_000),
     (2, {"n_min": 4, "threshold": 0.2, "starvation_bound": 2.0, "prefetch_tokens_per_s": 2e5}, 24_000, 400_000),
     (3, {"switch_evict": "none", "threshold": 0.9}, 10_000, 25_000),      # pool full: recompute
+    (4, {"guard": True}, 24_000, 400_000),     # the guard switches between aligned and continuous
 ])
 def test_kv_conserved_and_every_request_finishes(seed, opts, device, host):
     specs = random_specs(250, seed, rate=100.0)
     cfg = ClusterConfig(num_prefill=2, decode_policy="alignedserve-checked", decode_kv_tokens=device,
                         host_kv_tokens=host, swap_link="nvlink",
-                        decode_opts={"n_min": 8, "threshold": 0.8, **opts})
+                        decode_opts={"n_min": 8, "threshold": 0.8, "guard": False, **opts})
     sim = Simulator(cfg, COST)
     res = sim.run(specs)
     assert res.unfinished == 0
@@ -153,6 +154,8 @@ def test_kv_conserved_and_every_request_finishes(seed, opts, device, host):
     sched = sim.back[0].scheduler
     assert sched.stats.evictions > 0                   # memory pressure exercised eviction
     assert (sched.stats.recomputes > 0) == (host < 100_000)
+    if opts.get("guard"):
+        assert not sched.swapped and not sched.waiting
     for kv in (sched.kv, sched.pool):
         assert kv.num_free_blocks == kv.num_blocks and not kv.tables
     assert not len(sched.tree) and not sched.cand_reqs and not sched.cand_batch and not sched.running
@@ -183,7 +186,7 @@ def test_starvation_bound_gives_old_requests_the_next_batch():
     for bound in (2.0, None):
         cfg = ClusterConfig(decode_policy="alignedserve-checked", decode_kv_tokens=40_000,
                             host_kv_tokens=1_000_000, swap_link="nvlink",
-                            decode_opts={"n_min": 8, "starvation_bound": bound})
+                            decode_opts={"n_min": 8, "starvation_bound": bound, "guard": False})
         sim = Simulator(cfg, cost)
         res = sim.run(specs)
         assert res.unfinished == 0
@@ -203,7 +206,7 @@ def test_switch_iterations_are_rare_on_a_95_percent_short_mix():
     cost = make_cost_model("analytic", model="llama-2-7b", hardware="h100", attention="padded")
     w = make_workload("alignedserve_mix", n=400, short_ratio=0.95, rate=30.0, seed=3)
     pcie = 1e6 / cost.kv_transfer_time(10**6, "pcie")
-    cfg = ClusterConfig(num_prefill=4, decode_policy="alignedserve", host_kv_tokens=2_000_000,
+    cfg = ClusterConfig(num_prefill=4, decode_policy="alignedserve-literal", host_kv_tokens=2_000_000,
                         swap_link="nvlink", decode_opts={"prefetch_tokens_per_s": pcie})
     sim = Simulator(cfg, cost)
     res = sim.run(w.specs)
@@ -224,7 +227,7 @@ def test_engine_alignedserve_greedy_tokens_equal_continuous_batching():
     lengths = [12, 50, 3, 70, 25, 9, 40, 66]
     ps = prompts(lengths, seed=4)
     outs = {}
-    for policy in ("continuous", "alignedserve:n_min=2,threshold=1.0,headroom=0"):
+    for policy in ("continuous", "alignedserve-literal:n_min=2,threshold=1.0,headroom=0"):
         reqs = [Request(i, 0.005 * i, len(p), 24, SLO(), prompt_token_ids=list(p),
                         sampling=SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
                 for i, p in enumerate(ps)]
@@ -240,4 +243,4 @@ def test_engine_alignedserve_greedy_tokens_equal_continuous_batching():
         if isinstance(dec, AlignedServeDecode):
             assert dec.pool.num_free_blocks == dec.pool.num_blocks
             assert dec.stats.swap_in_tokens >= sum(lengths)
-    assert outs["continuous"] == outs["alignedserve:n_min=2,threshold=1.0,headroom=0"]
+    assert outs["continuous"] == outs["alignedserve-literal:n_min=2,threshold=1.0,headroom=0"]

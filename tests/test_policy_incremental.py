@@ -215,8 +215,8 @@ def test_kairos_matches_reference(opts):
 
 @pytest.mark.parametrize("opts", [{}, {"shape_buckets": False}, {"awd": False}, {"preempt": "operator"},
                                   {"deadline_free": True, "long_chunk": 8192}, {"order": "edf", "short_budget": 512},
-                                  {"prefix_caching": True}],
-                         ids=["laps", "nobuckets", "noawd", "preempt", "offline", "edf", "prefix"])
+                                  {"prefix_caching": True}, {"light_load": False, "order": "fcfs"}],
+                         ids=["laps", "nobuckets", "noawd", "preempt", "offline", "edf", "prefix", "literal"])
 def test_laps_matches_reference(opts):
     def make(reference: bool):
         return (LapsPrefillReference if reference else LapsPrefill)(KVCacheManager(1, 16), **opts)

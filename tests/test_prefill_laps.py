@@ -105,7 +105,8 @@ def test_short_batch_groups_by_bucket_and_fills_padding_rows_with_smaller_ones()
 
 
 def awd(**kw):
-    return AdaptiveWaitDepth(AWDConfig(**kw), depth_cap=64)
+    """Algorithm 1 as printed (the light-load dispatch is tested on its own)."""
+    return AdaptiveWaitDepth(AWDConfig(**{"light_load": False, **kw}), depth_cap=64)
 
 
 def test_awd_dispatch_triggers():
@@ -342,7 +343,7 @@ def test_spatial_controller_moves_instances_under_pressure():
     must grow the short pool, down to the long pool's minimum."""
     specs = [RequestSpec(i, i * 0.0025, 200, 1, slo=SLO(0.4, 0.1)) for i in range(3000)]
     cfg = ClusterConfig(num_prefill=4, num_decode=1, prefill_policy="laps:mode=spatial,awd=false",
-                        router="laps-pools:period=0.5,cool_down=1.0,short_fraction=0.25")
+                        router="laps-pools-literal:period=0.5,cool_down=1.0,short_fraction=0.25")
     sim = Simulator(cfg, COST)
     import laneserve.sim.simulator as simmod
     routers = []

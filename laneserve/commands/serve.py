@@ -1,7 +1,7 @@
 """``laneserve serve``: an OpenAI-compatible server over prefill/decode instance processes.
 
-    laneserve serve --model PATH --prefill 1 --decode 1 --prefill-policy fcfs \\
-                    --decode-policy continuous --router-policy round-robin --port 8000
+    laneserve serve --model PATH --prefill 1 --decode 1 --prefill-policy adaptive \\
+                    --decode-policy adaptive --router-policy round-robin --port 8000
     laneserve serve --colocated                 # one process: API + one colocated engine (smoke model)
 
 This process runs the HTTP API and the router; each instance runs in its own process (bound to a
@@ -44,8 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--in-process", action="store_true",
                    help="with --colocated: instances as threads of the API process (one process; a hard "
                         "crash takes the server down and a hung instance is not detected)")
-    c.add_argument("--prefill-policy", default="fcfs", help="prefill policy spec (laneserve sim --list)")
-    c.add_argument("--decode-policy", default="continuous", help="decode policy spec")
+    c.add_argument("--prefill-policy", default="adaptive",
+                   help="prefill policy spec (default adaptive; laneserve sim --list)")
+    c.add_argument("--decode-policy", default="adaptive", help="decode policy spec (default adaptive)")
     c.add_argument("--router-policy", "--router", dest="router", default="round-robin", help="prefill router")
     c.add_argument("--decode-router-policy", dest="decode_router", default="least-loaded", help="decode router")
     c.add_argument("--devices", default="cpu", help="comma-separated devices, assigned to instances in turn")

@@ -1,8 +1,9 @@
 """``laneserve sim``: compare scheduling policies on a workload in the simulator.
 
 With no arguments: the first 3,000 requests of the bundled Azure 2023 conversation trace, Llama-3-8B
-on the H100 cost model, 1 prefill + 1 decode instance, FCFS vs chunked-prefill EDF (2K, 8K)
-with continuous-batching decode, at four request rates; prints a table and writes JSON, markdown
+on the H100 cost model, 1 prefill + 1 decode instance, the default ``adaptive+adaptive`` policies
+against the baselines (FCFS and chunked-prefill EDF at 2K and 8K, with continuous-batching
+decode), at four request rates; prints a table and writes JSON, markdown
 and a PNG plot into ``--output``.
 """
 
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 
-DEFAULT_POLICIES = "fcfs+continuous,cp-edf-2k+continuous,cp-edf-8k+continuous"
+DEFAULT_POLICIES = "adaptive+adaptive,fcfs+continuous,cp-edf-2k+continuous,cp-edf-8k+continuous"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

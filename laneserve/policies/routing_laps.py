@@ -45,6 +45,14 @@ term even lowers the pressure of busy instances) was stripped to its minimum and
 exploded (seen on ShareGPT: the long pool, 79% of the tokens, left with one of eight instances). A moved instance keeps its queued work and drains
 it (see :mod:`laneserve.policies.prefill.laps`); its scheduler learns its new lane through
 ``scheduler.set_lane`` when the instance object exposes one.
+
+Do no harm (``spill=True``, default; issue 18): a pool is never left idle while the other queues.
+When the lane pool's pick holds more than ``spill_tokens`` queued tokens above the least-loaded
+live instance of either pool, the request goes to that instance instead (a prefill instance runs
+both lanes, short and long never in one step, so a spilled request is served like any other).
+Without it, on chat traffic where nearly every prompt is long, the short pool (at least
+``min_pool`` instances) sat idle and the router lost 30-40% of least-loaded's goodput at 4
+instances. ``laps-pools-literal`` (``spill=False``) is the paper's router.
 """
 
 from __future__ import annotations
@@ -127,7 +135,7 @@ class _Stats:
     util: float | None = None        # busy fraction per period (EWMA)
 
 
-@register("router", "laps-pools", aliases={"laps": {}})
+@register("router", "laps-pools", aliases={"laps": {}, "laps-pools-literal": {"spill": False}})
 class LapsPoolRouter(Router):
     name = "laps-pools"
 
@@ -136,10 +144,15 @@ class LapsPoolRouter(Router):
                  a: float = 1.0, b: float = 1.0, c: float = 0.1, slo_ttft: float = 0.4,
                  cached_prefix: bool = True, controller: bool = True, q_cap: float = 2.0,
                  smoothing: float = 0.3, backlog: str = "wait", affinity: bool = True,
-                 affinity_threshold: float = 0.5, balance_tokens: int = 16384) -> None:
+                 affinity_threshold: float = 0.5, balance_tokens: int = 16384, spill: bool = True,
+                 spill_tokens: int = 2048) -> None:
         if backlog not in ("wait", "tokens"):
             raise ValueError("backlog must be 'wait' (queue waiting time) or 'tokens' (tokens / rate)")
         self.backlog = backlog
+        if spill_tokens < 0:
+            raise ValueError("spill_tokens must be >= 0")
+        self.spill, self.spill_tokens = spill, spill_tokens
+        self.spills = 0
         if not 0.0 <= affinity_threshold <= 1.0 or balance_tokens < 0:
             raise ValueError("need 0 <= affinity_threshold <= 1 and balance_tokens >= 0")
         self.affinity, self.affinity_threshold, self.balance_tokens = affinity, affinity_threshold, balance_tokens
@@ -207,7 +220,16 @@ class LapsPoolRouter(Router):
             pool = affinity_candidates(req, instances, pool, self.affinity_threshold, self.balance_tokens,
                                        hits) or pool
         last = self._last_pick
-        return min(pool, key=lambda i: (instances[i].queued_tokens, instances[i].num_waiting, last.get(i, -1), i))
+
+        def load(i: int) -> tuple:
+            return instances[i].queued_tokens, instances[i].num_waiting, last.get(i, -1), i
+        choice = min(pool, key=load)
+        if self.spill:
+            best = min(live, key=load)
+            if instances[choice].queued_tokens - instances[best].queued_tokens > self.spill_tokens:
+                self.spills += 1
+                return best
+        return choice
 
     def _init_pools(self, instances: Sequence[InstanceLoad]) -> None:
         n = len(instances)

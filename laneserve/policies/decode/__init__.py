@@ -1,6 +1,7 @@
 """Decode-instance policies. Baseline: FCFS continuous batching (vLLM). The paper policies
 (Kairos slack-guided decode, AlignedServe aligned batches) register here too."""
 
+from laneserve.policies.decode.adaptive import AdaptiveDecode  # noqa: F401
 from laneserve.policies.decode.alignedserve import AlignedServeDecode  # noqa: F401
 from laneserve.policies.decode.base import DecodeScheduler
 from laneserve.policies.decode.continuous import ContinuousBatchingDecode

@@ -34,12 +34,24 @@ the switch trigger, ``switch_evict``, the under-filled fallback, and where evict
 member of the running batch to the candidate-requests buffer; an old-batch member back to the tree,
 indexed by its grown length and keeping its starvation timer). The host pool being full at an
 eviction falls back to recompute (KV dropped, re-prefilled on this instance).
+
+Do no harm (``guard=True``, the default; issue 18). Alignment pays in two situations only: the
+decode KV memory cannot hold every request at once (continuous batching would preempt), or a
+padded attention kernel makes an everyone-decodes step slower than the TPOT target (a mixed batch
+pays for its longest member). Otherwise parking requests in the host pool only delays them: a
+parked request's first token is out, so every second it waits adds to its TPOT. So before each
+step the guarded policy checks both: with memory to spare (demand below ``cb_memory_fraction`` of
+the device blocks; back to aligned mode only above ``align_memory_fraction``, a hysteresis) and
+the predicted everyone-decodes step (the bound cost model, else the last observed step) times
+``1 + tpot_margin`` within the tightest TPOT target, it runs as continuous batching: incoming KV
+lands on the device, pooled requests are swapped in, everyone decodes. ``alignedserve-literal``
+(``guard=False``) is the paper's algorithm, used by ``benchmarks/decode_alignedserve.py``.
 """
 
 from __future__ import annotations
 
 from laneserve.core.kv import HostKVPool, KVCacheManager, blocks_for
-from laneserve.core.plan import StepPlan
+from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Phase, Request
 from laneserve.policies.base import StepOutcome
 from laneserve.policies.decode.aligned_prefetch import PrefetchStager
@@ -52,10 +64,10 @@ BATCH_TAG = "aligned_batch"
 SINCE_TAG = "aligned_since"
 
 
-@register("decode", "alignedserve", aliases={"aligned": {}, "alignedserve-nop": {"prefetch": False}})
+@register("decode", "alignedserve", aliases={"aligned": {}, "alignedserve-nop": {"prefetch": False, "guard": False},
+                                             "alignedserve-literal": {"guard": False}})
 class AlignedServeDecode(DecodeScheduler):
     name = "alignedserve"
-    kv_lands_in_host = True          # incoming KV transfers are written into the host pool
     needs_host_pool = True
 
     def __init__(self, kv: KVCacheManager, *, host_pool: HostKVPool | None = None,
@@ -63,7 +75,9 @@ class AlignedServeDecode(DecodeScheduler):
                  starvation_bound: float | None = 30.0, prefetch: bool = True,
                  prefetch_tokens_per_s: float | None = None, staging_tokens: int | None = None,
                  dynamic: bool = True, prefetch_window: int = 32, headroom: float = 0.02,
-                 leaf_width: int = 64, switch_evict: str = "all", preemption: str = "swap") -> None:
+                 leaf_width: int = 64, switch_evict: str = "all", preemption: str = "swap",
+                 guard: bool = True, tpot_margin: float = 0.2, cb_memory_fraction: float = 0.8,
+                 align_memory_fraction: float = 0.95) -> None:
         if host_pool is None:
             raise ValueError("alignedserve needs a host KV pool (ClusterConfig.host_kv_tokens / "
                              "EngineConfig.num_host_blocks)")
@@ -94,17 +108,105 @@ class AlignedServeDecode(DecodeScheduler):
         self.stats = AlignedStats()
         self._next_batch_id = 0
         self._recomputing: set[int] = set()             # device KV re-prefilled by the step
+        if not 0 < cb_memory_fraction <= align_memory_fraction <= 1 or tpot_margin < 0:
+            raise ValueError("need 0 < cb_memory_fraction <= align_memory_fraction <= 1 and tpot_margin >= 0")
+        self.guard = guard
+        self.tpot_margin = tpot_margin
+        self.cb_memory_fraction, self.align_memory_fraction = cb_memory_fraction, align_memory_fraction
+        self.aligning = not guard        # guarded: start as continuous batching
+        self._cost_model = None
+        self._last_step: tuple[int, float] | None = None  # (decodes, seconds) of the last pure step
+
+    # ---- do no harm: is alignment worth it now? ---------------------------------------------
+    @property
+    def kv_lands_in_host(self) -> bool:        # type: ignore[override]
+        """Incoming KV goes to the host pool while aligning, to the device otherwise."""
+        return self.aligning
+
+    def bind_cost_model(self, cost_model) -> None:
+        self._cost_model = cost_model
+
+    def _everyone_step_time(self, contexts: list[int]) -> float | None:
+        if not contexts:
+            return 0.0
+        if self._cost_model is not None:
+            return self._cost_model.decode_step_time(contexts)
+        if self._last_step is None:
+            return None
+        n, seconds = self._last_step       # scale the last observed step by the batch size
+        return seconds * max(1.0, len(contexts) / n)
+
+    def _alignment_pays(self) -> bool:
+        reqs = list(self.requests.values())
+        demand = sum(blocks_for(r.context_len + 1, self.kv.block_size) for r in reqs)
+        limit = self.align_memory_fraction if self.aligning else self.cb_memory_fraction
+        if demand > limit * self.kv.num_blocks:
+            return True                    # memory binds: continuous batching would preempt
+        targets = [r.slo.tpot for r in reqs if r.slo.tpot is not None]
+        if not targets:
+            return False
+        step = self._everyone_step_time([r.context_len for r in reqs])
+        return step is not None and step * (1 + self.tpot_margin) > min(targets)
+
+    def _to_continuous(self, now: float) -> None:
+        """Leave aligned mode: pooled requests queue (oldest first) to be swapped in as memory
+        allows, by :class:`DecodeScheduler`'s own swap-in rule."""
+        self.aligning = False
+        self.current = None
+        pooled = [*self.cand_reqs, *self.cand_batch]
+        entries = sorted(self.tree.iter_entries(), key=lambda e: (e.since, e.request_id))
+        pooled += [self._from_tree(e.request_id, now) for e in entries]
+        self.cand_reqs, self.cand_batch, self.cand_info = [], [], None
+        for req in pooled:
+            self.stager.unstage(req)
+            req.tags.pop(BATCH_TAG, None)
+            req.phase = Phase.SWAPPED
+            self.swapped.append(req)
+
+    def _to_aligned(self, now: float) -> None:
+        """Enter aligned mode: device-resident waiting requests join the running set (they hold
+        their blocks; case 3 evicts if needed), swapped ones go to the quad-tree."""
+        self.aligning = True
+        while self.waiting:
+            self._admit(self.waiting.popleft(), now)
+        while self.swapped:
+            req = self.swapped.popleft()
+            self._to_tree(req, req.tags.get(SINCE_TAG, now))
+
+    def _continuous_step(self, now: float) -> StepPlan | None:
+        plan = self._prepare_step(now)
+        self._recomputing = {c.request.request_id for c in plan.prefills}
+        plan.decodes = list(self.running)
+        for req in plan.decodes:
+            if req.times.decode_start is None:
+                req.times.decode_start = now
+        return None if plan.is_empty else plan
+
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
+        if result.completed and plan.decodes and not (plan.prefills or plan.swap_in or plan.swap_out):
+            self._last_step = (len(plan.decodes), result.duration)
+        return super().update(plan, result, now)
 
     # ---- arrival: the KV lands in the host pool --------------------------------------------
     def can_reserve(self, req: Request) -> bool:
+        if not self.aligning:
+            return super().can_reserve(req)
         return self.pool.can_admit(req.request_id, req.context_len)
 
     def reserve(self, req: Request) -> list[int]:
+        if not self.aligning:
+            return super().reserve(req)
         return self.pool.allocate(req.request_id, req.context_len)
 
     def _enqueue(self, req: Request, now: float) -> None:
         req.phase = Phase.DECODE_WAITING
-        self._to_tree(req, now)
+        if req.request_id in self.kv.tables:        # reserved on the device (continuous mode)
+            self.waiting.append(req)
+        elif self.aligning:
+            self._to_tree(req, now)
+        else:
+            req.phase = Phase.SWAPPED
+            self.swapped.append(req)
 
     def _to_tree(self, req: Request, since: float) -> None:
         req.tags[SINCE_TAG] = since
@@ -121,7 +223,7 @@ class AlignedServeDecode(DecodeScheduler):
         rid = req.request_id
         if rid in self.tree:
             self.tree.remove(rid)
-        for q in (self.cand_batch, self.cand_reqs, self.running):
+        for q in (self.cand_batch, self.cand_reqs, self.running, self.waiting, self.swapped):
             if req in q:
                 q.remove(req)
         if req in self.recompute:
@@ -131,10 +233,19 @@ class AlignedServeDecode(DecodeScheduler):
 
     @property
     def num_waiting(self) -> int:
-        return len(self.tree) + len(self.cand_batch) + len(self.cand_reqs) + len(self.recompute)
+        return (len(self.tree) + len(self.cand_batch) + len(self.cand_reqs) + len(self.recompute)
+                + len(self.waiting) + len(self.swapped))
 
     # ---- the iteration-end decision --------------------------------------------------------
     def schedule(self, now: float) -> StepPlan | None:
+        if self.guard:
+            pays = self._alignment_pays()
+            if not pays:
+                if self.aligning:
+                    self._to_continuous(now)
+                return self._continuous_step(now)
+            if not self.aligning or self.waiting or self.swapped:
+                self._to_aligned(now)
         plan = StepPlan(label=self.name)
         self._make_room(plan, now)                       # case 3
         if self.dynamic:
@@ -359,15 +470,18 @@ class AlignedServeDecode(DecodeScheduler):
 
     # ---- checking (tests) ------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Every request's KV lives in exactly one tier: device (running), host pool (tree and
-        buffers), or nowhere (recompute); block counts match the managers."""
+        """Every request's KV lives in exactly one tier: device (running, waiting, or reserved for
+        a transfer in flight), host pool (tree, buffers, swapped), or nowhere (recompute); block
+        counts match the managers."""
         self.tree.check()
         kv, pool = self.kv, self.pool
-        device = {r.request_id for r in self.running} | self._recomputing
-        host = {*(r.request_id for r in self.cand_batch), *(r.request_id for r in self.cand_reqs)}
+        device = {r.request_id for r in (*self.running, *self.waiting)} | self._recomputing
+        host = {*(r.request_id for r in (*self.cand_batch, *self.cand_reqs, *self.swapped))}
         host_tree = set(self.tree._entries)
         assert not (host & host_tree) and not (device & (host | host_tree)), "request in two places"
-        assert set(kv.tables) == device, (sorted(kv.tables), sorted(device))
+        in_flight = set(kv.tables) - device         # reserved for a transfer not yet arrived
+        assert device <= set(kv.tables) and not (in_flight & set(self.requests)), \
+            (sorted(kv.tables), sorted(device))
         assert set(pool.tables) >= host | host_tree
         assert kv.allocator.num_used == sum(len(t) for t in kv.tables.values())
         assert pool.allocator.num_used == sum(len(t) for t in pool.tables.values())

@@ -1,6 +1,7 @@
 """Prefill-instance policies. Baselines: FCFS (DistServe), chunked prefill with EDF.
 The paper policies (FlowPrefill S-EDF, Kairos urgency, LAPS lanes) register here too."""
 
+from laneserve.policies.prefill.adaptive import AdaptivePrefill  # noqa: F401
 from laneserve.policies.prefill.base import PrefillScheduler
 from laneserve.policies.prefill.cp_edf import ChunkedEDFPrefill
 from laneserve.policies.prefill.fcfs import FCFSPrefill

@@ -283,12 +283,17 @@ class FlowPrefillScheduler(PrefillScheduler):
                 if len(plan.prefills) >= self.max_batch_size or self._batch_closed(tokens, limit, t_remain):
                     break
                 n = tokens + self.new_tokens(r)
-                if n < limit and t_remain > self.predict(n) and self.admit(r, now):
+                if n < limit and t_remain > self.predict(n) and self._may_join(head, r) and self.admit(r, now):
                     plan.prefills.append(self.chunk(r, r.remaining_prefill))
                     self._unwait(r.request_id)
                     tokens = n
         self.running = PrefillTask(plan, head, tokens, self.predict(tokens), run_since=now)
         return plan
+
+    def _may_join(self, head: Request, req: Request) -> bool:
+        """Whether Algorithm 1 may batch ``req`` with ``head`` at all (a hook: ``adaptive``
+        keeps LAPS' lanes apart)."""
+        return True
 
     # ---- results ---------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:

@@ -37,6 +37,11 @@ prefills in lane order, the last one taking a partial chunk (``long_batch="singl
 request per step, as the paper describes; "fill" is the default so that long prefills just above
 L_m do not run in under-filled steps).
 
+Lane order (issue 18, do no harm): requests within a lane are taken in TTFT-deadline order
+(``order="edf"``, the default). With one SLO class this is arrival order, as in the paper; with
+several (FlowPrefill's task classes) arrival order let loose-SLO requests block tight ones, and
+LAPS lost two thirds of CP-EDF's goodput. ``laps-literal`` keeps ``order="fcfs"``.
+
 Spatial mode: the router tags each request with its lane (``req.tags["laps_lane"]``) and tells the
 instance its pool with :meth:`LapsPrefill.set_lane`. An instance that changes pool keeps its queued
 work and drains it by the same alternation (lanes still never mix in a step); new arrivals are only
@@ -62,17 +67,19 @@ MODES = ("temporal", "spatial")
 @register("prefill", "laps", aliases={"laps-offline": {"deadline_free": True, "long_chunk": 8192},
                                       "laps-noawd": {"awd": False},
                                       "laps-nobuckets": {"shape_buckets": False},
-                                      "laps-preempt": {"preempt": "operator"}})
+                                      "laps-preempt": {"preempt": "operator"},
+                                      "laps-literal": {"light_load": False, "order": "fcfs"}})
 class LapsPrefill(PrefillScheduler):
     name = "laps"
 
     def __init__(self, kv, *, mode: str = "temporal", boundary: int | str = 256, awd: bool = True,
-                 deadline_free: bool = False, order: str = "fcfs", long_chunk: int = 2048,
+                 deadline_free: bool = False, order: str = "edf", long_chunk: int = 2048,
                  long_batch: str = "fill", short_budget: int = 2048, shape_buckets: bool = True,
                  max_short_streak: int = 4, lane: str | None = None, sla_guard: bool = True,
                  preempt: str = "none",
                  w_min: float = 0.0, w_max: float = 0.03, delta: float = 0.02, sigma: float = 0.05,
-                 t_max: float = 0.1, short_tokens: int | None = None, **opts) -> None:
+                 t_max: float = 0.1, short_tokens: int | None = None, light_load: bool = True,
+                 **opts) -> None:
         super().__init__(kv, **opts)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -105,7 +112,8 @@ class LapsPrefill(PrefillScheduler):
         self._long_seconds = 0.0                     # last long step's observed time
         self.guard_dispatches = 0
         cfg = AWDConfig(w_min=w_min, w_max=w_max, delta=delta, sigma=sigma, t_max=t_max,
-                        deadline_free=deadline_free, token_target=short_tokens or short_budget)
+                        deadline_free=deadline_free, token_target=short_tokens or short_budget,
+                        light_load=light_load)
         self.awd = AdaptiveWaitDepth(cfg, depth_cap=min(self.grid.max_depth(short_budget),
                                                         self.max_batch_size), grid=self.grid)
         self.assigned_lane: str | None = None

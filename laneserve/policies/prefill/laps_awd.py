@@ -28,6 +28,11 @@ Choices where the paper is loose (documented here and in the report):
 * Ŝ (service time of a short batch) is an EWMA of observed short-batch step times; r̂_s is an
   EWMA of short inter-arrival times, also fed by the observed fill rate ``depth/τ`` after each
   dispatch — this is how "W is updated from the observed fill time" (τ) enters.
+* Do no harm at light load (``light_load=True``, default; issue 18): when the short arrival
+  rate is so low that the rest of the window is not expected to bring one more request
+  (``r̂_s · (t0 + W_max − t) < 1``), waiting cannot grow the batch, only delay it, so the batch
+  leaves at once (reason ``"light"``; not before ``W_min``): the wait depth collapses to what is queued. The paper's
+  rule (always wait out the window) is ``light_load=False`` (``laps-literal``).
 * Algorithm 1 only ever lowers ``D`` (``D ← d`` when the window expired first). We also raise it:
   when a batch reached ``D`` before its window expired, ``D`` moves up one grid step (up to the
   largest captured depth that fits the memory budget ``M``), so a load increase is followed.
@@ -106,6 +111,7 @@ class AWDConfig:
     service_init: float = 0.02  # s, Ŝ before any short batch ran
     deadline_free: bool = False
     token_target: int = 2048    # M_s: token-max dispatch threshold (deadline-free mode)
+    light_load: bool = True     # dispatch at once when the window cannot bring another request
 
     def __post_init__(self) -> None:
         if not 0 <= self.w_min <= self.w_max:
@@ -117,7 +123,7 @@ class AWDConfig:
 @dataclass(slots=True)
 class Decision:
     dispatch: bool
-    reason: str = ""                 # "depth" | "window" | "slack" | "t_max" | "tokens"
+    reason: str = ""                 # "depth" | "window" | "slack" | "t_max" | "tokens" | "light"
     wake_at: float | None = None     # when to decide again if nothing happens before
 
 
@@ -196,6 +202,8 @@ class AdaptiveWaitDepth:
             return Decision(False, wake_at=min(latest, t_max_at))
         if depth >= self.depth_target:
             return Decision(True, "depth")
+        if cfg.light_load and now >= t0 + cfg.w_min and self.rate * (latest - now) < 1.0:
+            return Decision(True, "light")
         slack = min_deadline - (now + self.service)
         if slack <= cfg.sigma:
             return Decision(True, "slack")

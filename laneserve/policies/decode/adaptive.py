@@ -1,0 +1,87 @@
+"""``adaptive`` decode: continuous batching that turns on Kairos' slack-guided steps and
+AlignedServe's length-aligned batches only when they pay (issue 18, item 3).
+
+Every step starts from what the instance observes: the requests it holds (their KV lengths and
+TPOT targets), its KV memory, and step times (the bound cost model, refined online by measured
+steps). Three mechanisms compose:
+
+1. **Length-aligned batches** (AlignedServe §3, :mod:`.alignedserve` with ``guard=True``) only
+   while they can pay: the decode KV memory cannot hold every request (continuous batching would
+   preempt), or the everyone-decodes step would break the tightest TPOT target (a padded kernel
+   paying for the longest member). Otherwise incoming KV lands on the device and every request
+   decodes: continuous batching, which meets TPOT whenever that step fits the target. Without a
+   host KV pool (``--host-kv-tokens 0``) nothing can be parked and alignment stays off.
+2. **Slack-guided steps** (Kairos §3.2, Algorithm 3) choose which running requests decode: the
+   requests that fit in the smallest TPOT slack join in ascending length while throughput grows;
+   when nothing fits (or there is slack to spare) everyone decodes, so with ample slack this *is*
+   continuous batching. The step table starts from the bound cost model and folds every measured
+   pure decode step into its cell (a running mean), so a predictor ~20% off converges to the
+   measured times instead of steering by its error; late requests bind ``s_min`` with a ragged
+   kernel (an everyone-decodes step costs little more) and not with a padded one.
+3. Memory admission, growth and preemption are continuous batching's (swap to the host pool when
+   there is one, else recompute).
+
+The Kairos selector is a :class:`~.kairos.KairosDecode` used only for its ``select`` rule and its
+table; it holds no requests.
+"""
+
+from __future__ import annotations
+
+from laneserve.core.kv import HostKVPool, KVCacheManager
+from laneserve.core.plan import StepPlan, StepResult
+from laneserve.policies.base import StepOutcome
+from laneserve.policies.decode.alignedserve import AlignedServeDecode
+from laneserve.policies.decode.kairos import KairosDecode
+from laneserve.policies.registry import register
+
+
+@register("decode", "adaptive")
+class AdaptiveDecode(AlignedServeDecode):
+    name = "adaptive"
+    needs_host_pool = False          # aligns only with a host pool the user gives (--host-kv-tokens)
+
+    def __init__(self, kv: KVCacheManager, *, host_pool: HostKVPool | None = None,
+                 max_batch_size: int = 256, slack_guided: bool = True, align: bool = True,
+                 tpot_margin: float = 0.2, **aligned_opts) -> None:
+        self.can_align = align and host_pool is not None and host_pool.num_blocks > 0
+        pool = host_pool if host_pool is not None else HostKVPool(0, kv.block_size)
+        super().__init__(kv, host_pool=pool, max_batch_size=max_batch_size, guard=True,
+                         tpot_margin=tpot_margin, **aligned_opts)
+        self.selector = KairosDecode(KVCacheManager(0, kv.block_size), max_batch_size=max_batch_size,
+                                     attention="ragged") if slack_guided else None
+
+    def bind_cost_model(self, cost_model) -> None:
+        super().bind_cost_model(cost_model)
+        if self.selector is not None:
+            self.selector.bind_cost_model(cost_model)
+
+    def _alignment_pays(self) -> bool:
+        return self.can_align and super()._alignment_pays()
+
+    def _continuous_step(self, now: float) -> StepPlan | None:
+        plan = super()._continuous_step(now)
+        if plan is not None and self.selector is not None and plan.decodes \
+                and not self._everyone_fits(plan.decodes, now):
+            plan.decodes = self.selector.select(plan.decodes, now)
+        return plan
+
+    def _everyone_fits(self, active: list, now: float) -> bool:
+        """The everyone-decodes step fits the smallest slack, so Algorithm 3 would take every
+        request (the table grows with batch and length): skip its per-request scan. A lower
+        bound of the smallest slack charges every request the single-request step of the longest."""
+        sel = self.selector
+        dues = [(r.times.first_token if r.times.first_token is not None else now) + tpot * r.num_output_tokens
+                for r in active if (tpot := sel.target(r)) is not None]
+        if not dues:
+            return True
+        longest = max(r.context_len for r in active)
+        s_min = min(dues) - now - sel.lut.lookup(1, longest)
+        return sel.lut.lookup(len(active), sel.batch_length(active)) <= s_min
+
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
+        sel = self.selector
+        if (sel is not None and not self.aligning and result.completed and plan.decodes
+                and not (plan.prefills or plan.swap_in or plan.swap_out)):
+            sel.lut.observe(len(plan.decodes), sel.batch_length(plan.decodes), result.duration)
+            sel.stats.lut_updates += 1
+        return super().update(plan, result, now)

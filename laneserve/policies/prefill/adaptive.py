@@ -1,0 +1,73 @@
+"""``adaptive`` prefill: S-EDF with operator preemption (FlowPrefill §5), plus LAPS' length lanes
+when the observed prompt lengths are bimodal (issue 18, item 3).
+
+Why this composition: on every workload we measured (issue 18's table, ``benchmarks/adaptive_check``)
+FlowPrefill's ordering generalises — priority ``sgn(slack)/deadline`` serves what can still make
+its TTFT first, operator-level preemption lets an urgent arrival past a running long prefill, and
+SLO-aware batching (Algorithm 1) grows a batch only while its head still meets its deadline. It
+needs no tuning to the length mix and degrades to FCFS-like batching when every request has slack.
+What it lacks is LAPS' observation that short and long prefills should not share a step: a long
+member makes every short one in its batch wait for its compute. So the policy watches the new-token
+lengths of the last ``window`` arrivals and, when they are bimodal — between ``min_share`` and
+``1 − min_share`` of them under the lane boundary L_m (``boundary``, 256 as in LAPS) and the median
+of the rest at least ``long_factor`` × L_m — Algorithm 1 batches only requests of the head's lane
+(LAPS' mutual exclusion). Ordering and preemption stay S-EDF's, so a short request behind a long
+one still preempts it at the next operator boundary.
+
+Choices for the other mechanisms, from measurement (``benchmarks/adaptive_check.py``): Kairos'
+urgency-per-token chunk ordering and LAPS' AWD windows and shape buckets add nothing over S-EDF in
+the simulator (the captured CUDA-graph shapes that make buckets pay exist only on the engine), and
+fixed-size chunking (CP-EDF, LAPS' long chunks) loses throughput on ~2K prompts, so they are not
+composed in. Predictions are the TTFT polynomial of FlowPrefill (fitted to the bound cost model,
+else learned online); the choices above use only observed lengths, and the ordering only compares
+slacks, so a predictor ~20% off moves decisions at the margin, not the regime.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from statistics import median
+
+from laneserve.core.request import Request
+from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
+from laneserve.policies.registry import register
+
+
+@register("prefill", "adaptive")
+class AdaptivePrefill(FlowPrefillScheduler):
+    name = "adaptive"
+
+    def __init__(self, kv, *, boundary: int = 256, window: int = 256, min_share: float = 0.05,
+                 long_factor: float = 4.0, lanes: bool = True, **opts) -> None:
+        super().__init__(kv, **opts)
+        if boundary < 1 or window < 1 or not 0 < min_share < 0.5 or long_factor < 1:
+            raise ValueError("need boundary, window >= 1, 0 < min_share < 0.5, long_factor >= 1")
+        self.boundary, self.min_share, self.long_factor = boundary, min_share, long_factor
+        self.lanes_on = lanes
+        self.name = "adaptive"
+        self._recent: deque[int] = deque(maxlen=window)
+        self._bimodal = False
+
+    @property
+    def bimodal(self) -> bool:
+        """Whether the recent prompt lengths are bimodal (lanes in force)."""
+        return self._bimodal
+
+    def _push(self, req: Request, now: float) -> None:
+        self._recent.append(req.prompt_len - self.cached_prefix(req))
+        self._bimodal = self.lanes_on and self._lengths_bimodal()
+        super()._push(req, now)
+
+    def _lengths_bimodal(self) -> bool:
+        recent = self._recent
+        if len(recent) < 16:
+            return False
+        long = [n for n in recent if n >= self.boundary]
+        share = 1 - len(long) / len(recent)
+        return (self.min_share <= share <= 1 - self.min_share
+                and median(long) >= self.long_factor * self.boundary)
+
+    def _may_join(self, head: Request, req: Request) -> bool:
+        if not self._bimodal:
+            return True
+        return (head.remaining_prefill < self.boundary) == (req.remaining_prefill < self.boundary)

@@ -1,0 +1,151 @@
+"""The ``adaptive`` prefill and decode policies (issue 18, item 3) and their place as the default."""
+
+import argparse
+import random
+
+import pytest
+
+from laneserve.bench.metrics import summarize
+from laneserve.core import SLO, Request, RequestSpec
+from laneserve.core.kv import KVCacheManager
+from laneserve.core.plan import StepResult
+from laneserve.costmodel import PolynomialTTFT
+from laneserve.costmodel.linear import LinearCostModel
+from laneserve.policies import make
+from laneserve.sim import ClusterConfig, Simulator
+
+COST = LinearCostModel(prefill_fixed=0.005, prefill_per_token=6e-5, decode_fixed=0.01,
+                       decode_per_context_token=1e-8, kv_capacity=400_000, attention="ragged")
+
+
+def specs_of(lengths, rate, seed=0, ttft=0.4, tpot=0.05, out=(2, 40)):
+    rng = random.Random(seed)
+    t, specs = 0.0, []
+    for i, n in enumerate(lengths):
+        t += rng.expovariate(rate)
+        specs.append(RequestSpec(i, t, n, rng.randint(*out), slo=SLO(ttft, tpot)))
+    return specs
+
+
+def bimodal(n, seed=0):
+    rng = random.Random(seed)
+    return [rng.randint(3000, 6000) if rng.random() < 0.2 else rng.randint(16, 200) for _ in range(n)]
+
+
+def chat(n, seed=0):
+    rng = random.Random(seed)
+    return [rng.randint(800, 3500) for _ in range(n)]
+
+
+def attainment(specs, prefill, decode, cost=COST, **cfg):
+    res = Simulator(ClusterConfig(prefill_policy=prefill, decode_policy=decode, **cfg), cost).run(specs)
+    assert res.unfinished == 0
+    return summarize(res.requests, duration=res.duration)["attainment_both"]
+
+
+# ---- the default ------------------------------------------------------------------------------------
+def test_adaptive_is_the_default_of_sim_and_serve():
+    from laneserve.commands import serve, sim
+    assert sim.DEFAULT_POLICIES.split(",")[0] == "adaptive+adaptive"
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", "x"])
+    assert (args.prefill_policy, args.decode_policy) == ("adaptive", "adaptive")
+
+
+# ---- prefill: lanes only when lengths are bimodal ----------------------------------------------------
+@pytest.mark.parametrize("lengths,expect", [(bimodal(200), True), (chat(200), False),
+                                            ([64] * 200, False)])
+def test_adaptive_prefill_detects_bimodal_lengths(lengths, expect):
+    pol = make("prefill", "adaptive", KVCacheManager(1 << 16))
+    for i, n in enumerate(lengths):
+        pol.add_request(Request(i, 0.0, n, 1, SLO(1.0, None)), 0.0)
+    assert pol.bimodal is expect
+
+
+def test_adaptive_prefill_never_batches_short_with_long_when_bimodal():
+    pol = make("prefill", "adaptive", KVCacheManager(1 << 18), token_budget=1 << 14)
+    pol.bind_cost_model(COST)
+    lengths = bimodal(120, seed=2)
+    for i, n in enumerate(lengths):
+        pol.add_request(Request(i, 0.0, n, 1, SLO(5.0, None)), 0.0)
+    assert pol.bimodal
+    mixed = steps = 0
+    while (plan := pol.schedule(0.0)) is not None:
+        lanes = {c.request.prompt_len < 256 for c in plan.prefills}
+        mixed += len(lanes) > 1
+        steps += 1
+        pol.update(plan, StepResult(completed=True, duration=0.01), 0.0)
+    assert steps > 1 and mixed == 0
+
+
+def test_adaptive_prefill_keeps_flowprefills_preemption():
+    pol = make("prefill", "adaptive", KVCacheManager(1 << 16))
+    pol.bind_cost_model(COST)
+    pol.add_request(Request(0, 0.0, 8000, 1, SLO(10.0, None)), 0.0)
+    running = pol.schedule(0.0)
+    assert running.preemptible
+    pol.add_request(Request(1, 0.01, 50, 1, SLO(0.05, None)), 0.01)
+    assert pol.should_preempt(running, 0.01)
+
+
+# ---- decode ---------------------------------------------------------------------------------------------
+def test_adaptive_decode_runs_without_a_host_pool_as_slack_guided_continuous_batching():
+    pol = make("decode", "adaptive", KVCacheManager(1000))
+    assert not pol.can_align and not pol.kv_lands_in_host
+    specs = specs_of(chat(150), rate=8.0)
+    assert attainment(specs, "fcfs", "adaptive") >= attainment(specs, "fcfs", "continuous")
+
+
+def test_adaptive_decode_aligns_only_when_memory_binds():
+    specs = specs_of(chat(150, seed=1), rate=40.0, tpot=0.2, out=(50, 200))
+    roomy = Simulator(ClusterConfig(num_prefill=2, decode_policy="adaptive", host_kv_tokens=1_000_000), COST)
+    roomy.run(specs)
+    tight = Simulator(ClusterConfig(num_prefill=2, decode_policy="adaptive:n_min=4", decode_kv_tokens=30_000,
+                                    host_kv_tokens=1_000_000), COST)
+    res = tight.run(specs)
+    assert res.unfinished == 0
+    assert roomy.back[0].scheduler.stats.batches_formed == 0
+    assert tight.back[0].scheduler.stats.batches_formed > 0
+
+
+# ---- the composition -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lengths,rate", [(chat(300), 14.0), (bimodal(300), 20.0)],
+                         ids=["chat", "bimodal"])
+def test_adaptive_beats_fcfs_under_load(lengths, rate):
+    specs = specs_of(lengths, rate=rate)
+    fcfs = attainment(specs, "fcfs", "continuous")
+    ours = attainment(specs, "adaptive", "adaptive")
+    assert fcfs < 0.9 and ours > fcfs
+
+
+@pytest.mark.parametrize("factor", [0.8, 1.2])
+def test_adaptive_holds_up_with_a_ttft_predictor_20_percent_off(factor):
+    specs = specs_of(bimodal(300, seed=4), rate=20.0, seed=4)
+    poly = PolynomialTTFT.from_cost_model(COST)
+    skewed = attainment(specs, "adaptive", "adaptive",
+                        prefill_opts={"predictor": lambda n: factor * poly.predict(n)})
+    assert skewed > attainment(specs, "fcfs", "continuous")
+    assert skewed >= 0.9 * attainment(specs, "adaptive", "adaptive")
+
+
+# ---- the engine -------------------------------------------------------------------------------------------
+def test_engine_adaptive_greedy_tokens_equal_fcfs_and_continuous_batching():
+    from engine_support import prompts, tiny_checkpoint
+    from laneserve.cluster import LocalCluster
+    from laneserve.core import SamplingParams
+    from laneserve.engine import EngineConfig
+
+    path = tiny_checkpoint("qwen3")
+    ps = prompts([12, 50, 3, 70, 25, 9], seed=5)
+    outs = {}
+    for prefill, decode in (("fcfs", "continuous"), ("adaptive", "adaptive")):
+        reqs = [Request(i, 0.005 * i, len(p), 16, SLO(5.0, 1.0), prompt_token_ids=list(p),
+                        sampling=SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+                for i, p in enumerate(ps)]
+        cluster = LocalCluster(path, prefill_policy=prefill, decode_policy=decode, kv_tokens=4096,
+                               config=EngineConfig(num_threads=1, num_host_blocks=128))
+        done = cluster.run(reqs, timeout=60)
+        outs[decode] = {r.request_id: r.output_token_ids for r in done}
+        assert len(outs[decode]) == len(ps)
+    assert outs["adaptive"] == outs["continuous"]
