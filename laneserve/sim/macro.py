@@ -1,0 +1,176 @@
+"""Runs of a stable decode batch, simulated as one event (issue 12, "a fast simulator").
+
+A decode instance whose policy declares ``stable_decode_batch`` decodes its whole running set every
+step, and that set changes only at an event: a KV transfer offered or arriving, a request
+finishing, a growth that does not fit memory. So once the simulator has started a decode-only
+step, the ``k`` steps from it are known: each context grows by one token a step, their durations
+come from the cost model, their end times are the same float sums the step-by-step loop makes, and
+the KV blocks they grow into are counted against the free blocks now. ``k`` stops at the first
+step that finishes a request, before the first growth that would not fit, and at the instance's
+horizon (adapted run by run: :func:`next_horizon`).
+
+The simulator pushes only the end of step ``k``. Whatever reads or changes the instance earlier
+first calls :meth:`DecodeRun.sync`, which brings it to the state the step-by-step loop would show at
+that time: the token counters, token times, ITL and busy-time figures of the steps ended by then,
+and the block allocations of the step running then, made in the loop's order (step by step, in
+batch order), so the block tables are identical too. An event that changes the batch
+(:meth:`DecodeRun.truncate`) ends the run at the end of the running step; the last step of a run
+is ended by the ordinary ``Instance.end_step`` path.
+
+Ties: the simulator processes step ends of decode instances before other events at the same time
+(arrivals come first, as always), so "step ``j`` has ended at ``t``" is ``ends[j] <= t`` here and
+in the step-by-step loop alike.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from itertools import accumulate
+
+from laneserve.core.plan import StepPlan
+from laneserve.core.request import Request
+from laneserve.costmodel.base import CostModel
+from laneserve.runtime import Instance
+
+#: steps one run covers at most: it starts at FIRST_HORIZON, doubles after a run that reached it and
+#: halves after a run cut short (a transfer arrives), since a cut run wastes the durations past it
+FIRST_HORIZON, MIN_HORIZON, MAX_HORIZON = 32, 8, 1024
+
+
+def stable_decode_plan(inst: Instance, plan: StepPlan) -> bool:
+    """Whether ``plan`` may start a run: a decode-only step of a policy whose batch is stable."""
+    return (inst.scheduler.stable_decode_batch and bool(plan.decodes) and not plan.prefills
+            and not plan.swap_in and not plan.swap_out and not plan.preemptible)
+
+
+def next_horizon(run: DecodeRun) -> int:
+    """The step cap of the instance's next run after ``run`` ended."""
+    if run.cut:
+        return max(run.cap // 2, MIN_HORIZON)
+    return min(run.cap * 2, MAX_HORIZON) if run.steps == run.cap else run.cap
+
+
+@dataclass(slots=True, eq=False)
+class DecodeRun:
+    inst: Instance
+    batch: list[Request]
+    contexts: list[int]                    # each request's context in step 1
+    ends: list[float]                      # ends[j]: end of step j (ends[0]: start of step 1)
+    growth: list[tuple[int, int]]          # (step, batch index) of each block allocation, in order
+    cap: int                               # the step cap it was made with
+    cut: bool = False                      # ended early by a change to the batch
+    applied: int = 0                       # steps whose tokens are counted
+    grown: int = 1                         # steps whose KV growth is allocated (step 1: by the policy)
+    cursor: int = 0                        # allocations in ``growth`` made so far
+
+    @property
+    def steps(self) -> int:
+        return len(self.ends) - 1
+
+    @property
+    def end_time(self) -> float:
+        return self.ends[-1]
+
+    @classmethod
+    def start(cls, inst: Instance, plan: StepPlan, duration: float, now: float, cost: CostModel,
+              max_steps: int) -> DecodeRun | None:
+        """The run from ``plan`` (step 1, just begun at ``now``, lasting ``duration``), or None when
+        it would be a single step."""
+        batch = plan.decodes
+        k = min(max_steps, min(r.max_output_tokens - r.num_output_tokens for r in batch))
+        if k < 2:
+            return None
+        kv = inst.scheduler.kv
+        tables, bs = kv.tables, kv.block_size
+        contexts = [r.prompt_len + r.num_output_tokens for r in batch]
+        growth = []
+        for i, r in enumerate(batch):
+            # step j needs a new block when context + j - 1 first exceeds what the table holds
+            first = len(tables[r.request_id]) * bs - contexts[i] + 2
+            growth.extend((j, i) for j in range(first, k + 1, bs))
+        if growth:
+            growth.sort()
+            free = kv.num_free_blocks
+            if len(growth) > free:          # the growth of this step would not fit: stop before it
+                k = growth[free][0] - 1
+                if k < 2:
+                    return None
+        times = getattr(cost, "decode_step_times", None)
+        if times is not None:     # the same floats as decode_step_time, from the summed and longest context
+            n = len(batch)
+            durations = times(n, sum(contexts) + n, max(contexts) + 1, k - 1)
+        else:
+            durations = [cost.decode_step_time([c + j for c in contexts]) for j in range(1, k)]
+        ends = [now, *accumulate(durations, initial=now + duration)]   # the loop's float sums
+        return cls(inst, batch, contexts, ends, growth, max_steps)
+
+    def sync(self, now: float) -> None:
+        """Bring the instance to ``now``: the running step's KV grown, the steps ended before it
+        counted (the last step is left to ``end_step``)."""
+        self.grow(now)
+        self.count()
+
+    def grow(self, now: float) -> None:
+        """Allocate the KV of the step running at ``now`` and of those before it, all that a
+        memory figure (``kv_usage``) depends on; their counters can wait for :meth:`count`."""
+        step = bisect_right(self.ends, now, self.grown, len(self.ends) - 1)
+        if step > self.grown:
+            self._grow(step)
+
+    def count(self) -> None:
+        """Count the steps before the running one (as of the last :meth:`grow`)."""
+        if self.grown - 1 > self.applied:
+            self._count(self.grown - 1)
+
+    def truncate(self, now: float) -> bool:
+        """End the run with the step running at ``now`` (after :meth:`sync`); True if its end
+        moved earlier (the caller pushes the new end)."""
+        self.sync(now)
+        k = self.applied + 1
+        if k == self.steps:
+            return False
+        del self.ends[k + 1:]
+        self.cut = True
+        return True
+
+    # ---- catch-up --------------------------------------------------------------------------
+    def _count(self, done: int) -> None:
+        """Steps ``applied + 1 .. done`` ended: each request got one token at each step's end."""
+        ends, a = self.ends, self.applied
+        m = done - a
+        first, last = ends[a + 1], ends[done]
+        gaps = [ends[j] - ends[j - 1] for j in range(a + 1, done + 1)]
+        inner = max(gaps[1:]) if m > 1 else None
+        for r in self.batch:
+            r.num_computed_tokens += m
+            r.num_output_tokens += m
+            times = r.times
+            if times.first_token is None:
+                times.first_token = first
+            elif first - times.last_token > times.max_itl:
+                times.max_itl = first - times.last_token
+            if inner is not None and inner > times.max_itl:
+                times.max_itl = inner
+            times.last_token = last
+            if times.token_times is not None:
+                times.token_times.extend(ends[a + 1:done + 1])
+        inst = self.inst
+        inst.steps += m
+        busy = inst.busy_time
+        for g in gaps:
+            busy += g
+        inst.busy_time = busy
+        inst.step_start = last
+        self.applied = done
+
+    def _grow(self, step: int) -> None:
+        """Allocate the blocks steps ``grown + 1 .. step`` grow into, in the loop's order."""
+        growth, i, kv = self.growth, self.cursor, self.inst.scheduler.kv
+        batch, contexts = self.batch, self.contexts
+        while i < len(growth) and growth[i][0] <= step:
+            j, b = growth[i]
+            kv.allocate(batch[b].request_id, contexts[b] + j - 1)
+            i += 1
+        self.cursor = i
+        self.grown = step
