@@ -3,18 +3,20 @@
 A decode instance whose policy declares ``stable_decode_batch`` decodes its whole running set every
 step, and that set changes only at an event: a KV transfer offered or arriving, a request
 finishing, a growth that does not fit memory. So once the simulator has started a decode-only
-step, the ``k`` steps from it are known: each context grows by one token a step, their durations
-come from the cost model, their end times are the same float sums the step-by-step loop makes, and
-the KV blocks they grow into are counted against the free blocks now. ``k`` stops at the first
-step that finishes a request, before the first growth that would not fit, and at the instance's
-horizon (adapted run by run: :func:`next_horizon`).
+step, the steps after it are known: each context grows by one token a step, their durations come
+from the cost model, their end times are the same float sums the step-by-step loop makes, and the
+KV blocks they grow into are counted against the free blocks now. A run stops at the first step
+that finishes a request and before the first growth that would not fit. Its steps are computed in
+chunks (:meth:`DecodeRun.extend`: the first ``FIRST_CHUNK`` steps, then as many again as it has,
+up to ``MAX_CHUNK``), so a run cut short wastes little; at the end of a chunk the simulator extends
+the run with one event instead of one per step.
 
-The simulator pushes only the end of step ``k``. Whatever reads or changes the instance earlier
-first calls :meth:`DecodeRun.sync`, which brings it to the state the step-by-step loop would show at
-that time: the token counters, token times, ITL and busy-time figures of the steps ended by then,
-and the block allocations of the step running then, made in the loop's order (step by step, in
-batch order), so the block tables are identical too. An event that changes the batch
-(:meth:`DecodeRun.truncate`) ends the run at the end of the running step; the last step of a run
+The simulator pushes only the end of the last computed step. Whatever reads or changes the
+instance earlier first brings it to the state the step-by-step loop would show at that time:
+:meth:`DecodeRun.grow` makes the block allocations of the steps begun by then, in the loop's order
+(step by step, in batch order: the block tables are identical), and :meth:`DecodeRun.count` the
+token counters, token times, ITL and busy-time figures of the steps ended. An event that changes
+the batch (:meth:`DecodeRun.truncate`) ends the run with the running step; the last step of a run
 is ended by the ordinary ``Instance.end_step`` path.
 
 Ties: the simulator processes step ends of decode instances before other events at the same time
@@ -25,7 +27,7 @@ in the step-by-step loop alike.
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 from laneserve.core.plan import StepPlan
@@ -33,9 +35,8 @@ from laneserve.core.request import Request
 from laneserve.costmodel.base import CostModel
 from laneserve.runtime import Instance
 
-#: steps one run covers at most: it starts at FIRST_HORIZON, doubles after a run that reached it and
-#: halves after a run cut short (a transfer arrives), since a cut run wastes the durations past it
-FIRST_HORIZON, MIN_HORIZON, MAX_HORIZON = 32, 8, 1024
+#: steps computed when a run starts, and the most added at once (a run adds as many as it has)
+FIRST_CHUNK, MAX_CHUNK = 16, 1024
 
 
 def stable_decode_plan(inst: Instance, plan: StepPlan) -> bool:
@@ -44,21 +45,17 @@ def stable_decode_plan(inst: Instance, plan: StepPlan) -> bool:
             and not plan.swap_in and not plan.swap_out and not plan.preemptible)
 
 
-def next_horizon(run: DecodeRun) -> int:
-    """The step cap of the instance's next run after ``run`` ended."""
-    if run.cut:
-        return max(run.cap // 2, MIN_HORIZON)
-    return min(run.cap * 2, MAX_HORIZON) if run.steps == run.cap else run.cap
-
-
 @dataclass(slots=True, eq=False)
 class DecodeRun:
     inst: Instance
     batch: list[Request]
     contexts: list[int]                    # each request's context in step 1
+    firsts: list[int]                      # the step at which each request first needs a new block
+    limit: int                             # the step that finishes a request
     ends: list[float]                      # ends[j]: end of step j (ends[0]: start of step 1)
-    growth: list[tuple[int, int]]          # (step, batch index) of each block allocation, in order
-    cap: int                               # the step cap it was made with
+    growth: list[tuple[int, int]] = field(default_factory=list)  # (step, batch index) of each
+    #                                        block allocation the computed steps make, in order
+    blocked: bool = False                  # the next step's growth would not fit memory
     cut: bool = False                      # ended early by a change to the batch
     applied: int = 0                       # steps whose tokens are counted
     grown: int = 1                         # steps whose KV growth is allocated (step 1: by the policy)
@@ -73,37 +70,49 @@ class DecodeRun:
         return self.ends[-1]
 
     @classmethod
-    def start(cls, inst: Instance, plan: StepPlan, duration: float, now: float, cost: CostModel,
-              max_steps: int) -> DecodeRun | None:
+    def start(cls, inst: Instance, plan: StepPlan, duration: float, now: float,
+              cost: CostModel) -> DecodeRun | None:
         """The run from ``plan`` (step 1, just begun at ``now``, lasting ``duration``), or None when
         it would be a single step."""
         batch = plan.decodes
-        k = min(max_steps, min(r.max_output_tokens - r.num_output_tokens for r in batch))
-        if k < 2:
-            return None
         kv = inst.scheduler.kv
         tables, bs = kv.tables, kv.block_size
         contexts = [r.prompt_len + r.num_output_tokens for r in batch]
-        growth = []
-        for i, r in enumerate(batch):
-            # step j needs a new block when context + j - 1 first exceeds what the table holds
-            first = len(tables[r.request_id]) * bs - contexts[i] + 2
-            growth.extend((j, i) for j in range(first, k + 1, bs))
-        if growth:
-            growth.sort()
-            free = kv.num_free_blocks
-            if len(growth) > free:          # the growth of this step would not fit: stop before it
-                k = growth[free][0] - 1
-                if k < 2:
-                    return None
+        # step j needs a new block when context + j - 1 first exceeds what the table holds
+        firsts = [len(tables[r.request_id]) * bs - c + 2 for r, c in zip(batch, contexts)]
+        limit = min(r.max_output_tokens - r.num_output_tokens for r in batch)
+        run = cls(inst, batch, contexts, firsts, limit, [now, now + duration])
+        return run if run.extend(cost, FIRST_CHUNK) else None
+
+    def extend(self, cost: CostModel, steps: int | None = None) -> bool:
+        """Compute up to ``steps`` more steps (default: as many as the run has, at most
+        ``MAX_CHUNK``), fewer at the run's limit or memory; False when none can be added."""
+        k = len(self.ends) - 1
+        if self.cut or self.blocked or k >= self.limit:
+            return False
+        last = min(self.limit, k + (steps or min(k, MAX_CHUNK)))
+        kv = self.inst.scheduler.kv
+        bs = kv.block_size
+        added = sorted((j, i) for i, first in enumerate(self.firsts)
+                       for j in range(first if first > k else first + ((k - first) // bs + 1) * bs, last + 1, bs))
+        free = kv.num_free_blocks - (len(self.growth) - self.cursor)   # less what earlier steps take
+        if len(added) > free:               # that step's growth would not fit: stop before it
+            last = added[free][0] - 1
+            added = [a for a in added if a[0] <= last]
+            self.blocked = True
+        if last <= k:
+            return False
+        contexts = self.contexts
         times = getattr(cost, "decode_step_times", None)
         if times is not None:     # the same floats as decode_step_time, from the summed and longest context
-            n = len(batch)
-            durations = times(n, sum(contexts) + n, max(contexts) + 1, k - 1)
+            n = len(contexts)
+            durations = times(n, sum(contexts) + n * k, max(contexts) + k, last - k)
         else:
-            durations = [cost.decode_step_time([c + j for c in contexts]) for j in range(1, k)]
-        ends = [now, *accumulate(durations, initial=now + duration)]   # the loop's float sums
-        return cls(inst, batch, contexts, ends, growth, max_steps)
+            durations = [cost.decode_step_time([c + j for c in contexts]) for j in range(k, last)]
+        self.ends += accumulate(durations, initial=self.ends[-1])   # the loop's float sums
+        del self.ends[k + 1]                                          # (the initial, repeated)
+        self.growth += added
+        return True
 
     def sync(self, now: float) -> None:
         """Bring the instance to ``now``: the running step's KV grown, the steps ended before it
@@ -124,14 +133,14 @@ class DecodeRun:
             self._count(self.grown - 1)
 
     def truncate(self, now: float) -> bool:
-        """End the run with the step running at ``now`` (after :meth:`sync`); True if its end
-        moved earlier (the caller pushes the new end)."""
+        """End the run with the step running at ``now`` (brought up to date first); True if its
+        end moved earlier (the caller pushes the new end)."""
         self.sync(now)
+        self.cut = True
         k = self.applied + 1
         if k == self.steps:
             return False
         del self.ends[k + 1:]
-        self.cut = True
         return True
 
     # ---- catch-up --------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from laneserve.policies import registry
 from laneserve.runtime import Instance
 from laneserve.sim.config import ClusterConfig, kv_capacity_tokens
 from laneserve.sim.executor import SimExecutor
-from laneserve.sim.macro import FIRST_HORIZON, DecodeRun, next_horizon, stable_decode_plan
+from laneserve.sim.macro import DecodeRun, stable_decode_plan
 
 _STEP, _TRANSFER, _WAKEUP = 0, 1, 2
 _DECODE_FIRST = 1 << 62      # taken off the sequence number of a decode instance's step end
@@ -50,7 +50,6 @@ class SimInstance(Instance):
         self.wakeup_at: float | None = None
         self.link_free_at = 0.0                  # incoming KV link (decode instances)
         self.run: DecodeRun | None = None
-        self.horizon = FIRST_HORIZON             # step cap of the next run
         self.tie = _DECODE_FIRST if role == "decode" else 0
 
     @property
@@ -164,7 +163,7 @@ class Simulator:
             seq += 1
             end = t + result.duration
             if macro and stable_decode_plan(inst, plan):
-                run = DecodeRun.start(inst, plan, result.duration, t, cost, inst.horizon)
+                run = DecodeRun.start(inst, plan, result.duration, t, cost)
                 if run is not None:
                     inst.run, end = run, run.end_time
             push(heap, (end, seq - inst.tie, _STEP, inst, inst.step_token))
@@ -248,10 +247,13 @@ class Simulator:
                 if payload != inst.step_token:
                     continue                      # superseded by a preemption or a shorter run
                 run = inst.run
-                if run is not None:               # the last step of a run: count the ones before
-                    run.sync(now)
+                if run is not None:
+                    if run.extend(cost):          # the end of a chunk, the batch unchanged: go on
+                        seq += 1
+                        push(heap, (run.end_time, seq - inst.tie, _STEP, inst, payload))
+                        continue
+                    run.sync(now)                 # the last step of the run: count the ones before
                     inst.run = None
-                    inst.horizon = next_horizon(run)
                 plan, result = inst.plan, inst.result
                 if inst.preempt_at is not None:   # stopped at an operator boundary
                     result = StepResult(duration=now - inst.step_start, completed=False)
