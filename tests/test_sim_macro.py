@@ -8,6 +8,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from laneserve.core import SLO, RequestSpec
+from laneserve.core.kv import KVCacheManager
 from laneserve.costmodel import make_cost_model
 from laneserve.costmodel.linear import LinearCostModel
 from laneserve.policies.routing import LeastLoadedRouter
@@ -106,13 +107,16 @@ def test_macro_runs_are_deterministic():
 
 def test_routers_read_the_same_figures_mid_run(monkeypatch):
     """The decode router reads every decode instance while their runs are in flight: the figures
-    it sees (memory, queued tokens, counts) are those of the step-by-step loop."""
+    it sees (memory, queued tokens, counts, block tables down to the block ids) are those of the
+    step-by-step loop."""
     seen: list[list] = []
     route = LeastLoadedRouter.route
 
     def recording(self, req, instances, now):
         if instances[0].role == "decode":
-            seen[-1].append([(i.kv_usage, i.queued_tokens, i.num_running, i.num_waiting) for i in instances])
+            seen[-1].append([(i.kv_usage, i.queued_tokens, i.num_running, i.num_waiting,
+                              sorted((rid, tuple(t)) for rid, t in i.scheduler.kv.tables.items()))
+                             for i in instances])
         return route(self, req, instances, now)
 
     monkeypatch.setattr(LeastLoadedRouter, "route", recording)
@@ -135,3 +139,15 @@ def test_decode_step_times_are_the_decode_step_time_floats(cost):
         for steps in (5, 60):        # the scalar and the array path
             want = [cost.decode_step_time([c + j for c in contexts]) for j in range(steps)]
             assert cost.decode_step_times(batch, sum(contexts), max(contexts), steps) == want
+
+
+def test_append_blocks_gives_what_one_block_allocations_give():
+    a, b = KVCacheManager(64, 4), KVCacheManager(64, 4)
+    for kv in (a, b):
+        for rid, tokens in ((1, 9), (2, 3), (3, 20)):
+            kv.allocate(rid, tokens)
+    order = [2, 1, 2, 3, 1]
+    a.append_blocks(order)
+    for rid in order:
+        b.allocate(rid, (b.num_allocated(rid) + 1) * 4)
+    assert a.tables == b.tables and a.num_free_blocks == b.num_free_blocks
