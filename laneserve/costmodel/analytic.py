@@ -331,7 +331,8 @@ class AnalyticCostModel:
         if steps < _ARRAY_STEPS:
             return [fixed + layers * attention(total + batch * j, longest + j) for j in range(steps)]
         grown = np.arange(steps)
-        return (fixed + layers * attention(total + batch * grown, longest + grown, np.ceil, np.maximum)).tolist()
+        times = fixed + layers * attention(total + batch * grown, longest + grown, np.ceil, np.maximum)
+        return times.tolist()
 
     def mixed_step_time(self, prefill: PrefillBatch, context_lens: Sequence[int]) -> float:
         prefill = list(prefill)

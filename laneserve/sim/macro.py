@@ -41,13 +41,17 @@ FIRST_CHUNK, MAX_CHUNK = 128, 1024
 
 
 def stable_decode_plan(inst: Instance, plan: StepPlan) -> bool:
-    """Whether ``plan`` may start a run: a decode-only step of a policy whose batch is stable."""
-    return (inst.scheduler.stable_decode_batch and bool(plan.decodes) and not plan.prefills
-            and not plan.swap_in and not plan.swap_out and not plan.preemptible)
+    """Whether ``plan`` may start a run: a decode-only step of a decode instance whose policy
+    keeps its batch stable."""
+    return (inst.scheduler.stable_decode_batch and inst.role == "decode" and bool(plan.decodes)
+            and not plan.prefills and not plan.swap_in and not plan.swap_out and not plan.preemptible)
 
 
 @dataclass(slots=True, eq=False)
 class DecodeRun:
+    """The steps of one stable decode batch on ``inst`` from step 1 (begun by the ordinary path),
+    computed so far, with how far the instance has been brought up to date."""
+
     inst: Instance
     batch: list[Request]
     contexts: list[int]                    # each request's context in step 1
@@ -94,8 +98,10 @@ class DecodeRun:
         last = min(self.limit, k + (steps or min(k, MAX_CHUNK)))
         kv = self.inst.scheduler.kv
         bs = kv.block_size
+        # each request's allocations after step k: ``first``, then every ``bs`` steps
         added = sorted((j, i) for i, first in enumerate(self.firsts)
-                       for j in range(first if first > k else first + ((k - first) // bs + 1) * bs, last + 1, bs))
+                       for j in range(first if first > k else first + ((k - first) // bs + 1) * bs,
+                                      last + 1, bs))
         free = kv.num_free_blocks - (len(self.growth) - self.cursor)   # less what earlier steps take
         if len(added) > free:               # that step's growth would not fit: stop before it
             last = added[free][0] - 1
