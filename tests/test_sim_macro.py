@@ -2,6 +2,7 @@
 step-by-step loop gives: every request's counters and timestamps, every instance's figures, on
 baselines, SLO-aware and colocated policies, prefix caching, memory pressure and exact time ties."""
 
+import pickle
 import random
 from dataclasses import asdict, replace
 
@@ -151,3 +152,9 @@ def test_append_blocks_gives_what_one_block_allocations_give():
     for rid in order:
         b.allocate(rid, (b.num_allocated(rid) + 1) * 4)
     assert a.tables == b.tables and a.num_free_blocks == b.num_free_blocks
+
+
+def test_a_used_cost_model_still_pickles_for_sweep_workers():
+    cost = make_cost_model(model="llama-3-8b", hardware="h100")
+    want = cost.decode_step_times(4, 4000, 1500, 30)           # memoises a closure
+    assert pickle.loads(pickle.dumps(cost)).decode_step_times(4, 4000, 1500, 30) == want

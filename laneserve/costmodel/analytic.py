@@ -100,6 +100,10 @@ class AnalyticCostModel:
         self._fixed_cache: dict[tuple[float, int], float] = {}
         self._decode_attention_fns: dict[int, Callable[..., Any]] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable for sweep workers: the memoised decode-attention closures are left behind."""
+        return {**self.__dict__, "_decode_attention_fns": {}}
+
     # --- building blocks (per layer, seconds) ----------------------------------------------------
 
     def gemm_time(self, tokens: float, d_in: int, d_out: int, *, split_out: bool = True) -> float:
