@@ -119,6 +119,13 @@ class KVCacheManager:
         table.extend(new)
         return new
 
+    def append_blocks(self, request_ids: list[int]) -> None:
+        """One more block for each of ``request_ids`` (each holding blocks already), in turn: the
+        blocks as many one-block :meth:`allocate` calls would give, in one allocation."""
+        tables = self.tables
+        for rid, block in zip(request_ids, reversed(self.allocator.allocate(len(request_ids)))):
+            tables[rid].append(block)
+
     def free(self, request_id: int) -> int:
         """Release every block of ``request_id``; returns how many (0 if it held none). With
         prefix caching its named blocks stay cached until an allocation needs them."""

@@ -45,7 +45,10 @@ calibrated ones in :mod:`laneserve.costmodel.fitted_constants` (re-run ``laneser
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
 
 from .base import LAYER_OPERATORS, PrefillBatch
 from .specs import HardwareSpec, ModelSpec
@@ -63,6 +66,9 @@ ATTENTION_KINDS = ("ragged", "padded")
 DECODE_KERNELS = ("gqa_packed", "per_query_head")
 #: query rows per FlashAttention thread block
 ATTN_BLOCK_ROWS = 128
+#: runs of decode steps at least this long are timed with numpy arrays (its call overhead is
+#: about that of 20 scalar steps)
+_ARRAY_STEPS = 24
 
 
 class AnalyticCostModel:
@@ -92,6 +98,11 @@ class AnalyticCostModel:
         self._host = hw.host if host_overhead else None
         self._allreduce = hw.allreduce_link(tp) if tp > 1 else None
         self._fixed_cache: dict[tuple[float, int], float] = {}
+        self._decode_attention_fns: dict[int, Callable[..., Any]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable for sweep workers: the memoised decode-attention closures are left behind."""
+        return {**self.__dict__, "_decode_attention_fns": {}}
 
     # --- building blocks (per layer, seconds) ----------------------------------------------------
 
@@ -190,16 +201,40 @@ class AnalyticCostModel:
         per query head, by ``decode_kernel``; no split-KV), plus the kernel floor."""
         if not context_lens:
             return 0.0
-        batch, longest = len(context_lens), max(context_lens)
-        kv_tokens = batch * longest if self.attention == "padded" else sum(context_lens)
-        dtype, hw = self.model.dtype_bytes, self.hw
-        nbytes = dtype * (kv_tokens * 2 * self._kv_local
-                          + batch * 2 * (self._q_local + self._kv_local))
-        flops = 4.0 * self._q_local * kv_tokens
-        roofline = max(flops / (hw.peak_flops * hw.attention_efficiency),
-                       nbytes / (hw.hbm_bandwidth * hw.memory_efficiency))
-        kernel = self.attention_kernel_time(batch * self._decode_blocks, longest, kv_tokens / batch)
-        return max(roofline, kernel) + hw.attn_floor_s
+        return self._decode_attention(len(context_lens))(sum(context_lens), max(context_lens))
+
+    def _decode_attention(self, batch: int) -> Callable[..., Any]:
+        """:meth:`decode_attention_time` of ``batch`` requests as a function of their summed and
+        longest context (all it depends on), the terms fixed by the batch size computed once. It
+        takes numpy arrays of both too (with ``ceil=np.ceil, maximum=np.maximum``): the same
+        operations in the same order, so the same floats."""
+        fn = self._decode_attention_fns.get(batch)
+        if fn is not None:
+            return fn
+        hw, kv_local = self.hw, self._kv_local
+        padded, dtype = self.attention == "padded", self.model.dtype_bytes
+        per_request_bytes = batch * 2 * (self._q_local + kv_local)
+        flops_per_key = 4.0 * self._q_local
+        flop_rate = hw.peak_flops * hw.attention_efficiency
+        byte_rate = hw.hbm_bandwidth * hw.memory_efficiency
+        # attention_kernel_time's schedule, unrolled: one walk, or waves of the mean walk
+        blocks, tile, block_s = batch * self._decode_blocks, hw.attn_tile_keys, hw.attn_block_s
+        tile_s = hw.attn_key_s * tile
+        queued = blocks > hw.num_sms
+        waves = hw.attn_shared_factor * math.ceil(blocks / hw.num_sms)
+        floor = hw.attn_floor_s
+
+        def attention(total, longest, ceil=math.ceil, maximum=max):
+            kv_tokens = batch * longest if padded else total
+            roofline = maximum(flops_per_key * kv_tokens / flop_rate,
+                               dtype * (kv_tokens * 2 * kv_local + per_request_bytes) / byte_rate)
+            kernel = block_s + tile_s * ceil(longest / tile)
+            if queued:
+                kernel = maximum(kernel, waves * (block_s + tile_s * ceil(kv_tokens / batch / tile)))
+            return maximum(roofline, kernel) + floor
+
+        self._decode_attention_fns[batch] = attention
+        return attention
 
     def allreduce_time(self, tokens: float) -> float:
         """One all-reduce of the hidden states of ``tokens`` tokens among the ``tp`` GPUs."""
@@ -284,8 +319,24 @@ class AnalyticCostModel:
         return self._step_ops(tokens, self.prefill_attention_time(batch), len(batch))
 
     def decode_step_time(self, context_lens: Sequence[int]) -> float:
-        return self._step_time(len(context_lens), self.decode_attention_time(context_lens),
-                               len(context_lens))
+        if not context_lens:
+            return 0.0
+        batch = len(context_lens)
+        return self._step_time(batch, self._decode_attention(batch)(sum(context_lens), max(context_lens)),
+                               batch)
+
+    def decode_step_times(self, batch: int, total: int, longest: int, steps: int) -> list[float]:
+        """:meth:`decode_step_time` of ``steps`` consecutive steps of the same ``batch`` requests,
+        the first with contexts summing to ``total``, the longest ``longest``, each later one a
+        token longer per request: the same floats, computed as arrays (the simulator's runs of a
+        stable decode batch)."""
+        fixed, layers = self._step_time(batch, 0.0, batch), self.num_layers
+        attention = self._decode_attention(batch)
+        if steps < _ARRAY_STEPS:
+            return [fixed + layers * attention(total + batch * j, longest + j) for j in range(steps)]
+        grown = np.arange(steps)
+        times = fixed + layers * attention(total + batch * grown, longest + grown, np.ceil, np.maximum)
+        return times.tolist()
 
     def mixed_step_time(self, prefill: PrefillBatch, context_lens: Sequence[int]) -> float:
         prefill = list(prefill)

@@ -42,6 +42,10 @@ class InstanceScheduler(ABC):
     prefix_cache = None                   # the prefill side's prefix cache, if bound
     prefix_caching: bool = False          # the policy reuses cached prompt prefixes
     needs_host_pool: bool = False         # refuses to run without a host KV pool (the simulator gives a default)
+    #: a decode-only plan runs every running request, and the next plans stay the same batch until
+    #: an event (KV arrival, abort), a request finishing or a KV growth that does not fit: a
+    #: simulator may run such steps as one event (sim/macro.py); policies deciding per step opt out
+    stable_decode_batch: bool = False
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv

@@ -6,7 +6,9 @@ and policy wake-ups. Each instance is the shared runtime (:class:`~laneserve.run
 steps, arrivals, preemption questions, KV intake, counters) driven in virtual time: this module
 only turns its answers into future events. KV transfers queue per destination link; every
 instance has a KV memory limit (prefill admission waits for memory, decode reservations wait,
-decode growth preempts). Deterministic: ties break by event sequence number, and nothing here
+decode growth preempts). Consecutive decode steps of a stable batch run as one event
+(:mod:`laneserve.sim.macro`, ``macro_steps``; exact). Deterministic: at equal times arrivals come
+first, then step ends of decode instances, then the rest by event sequence number; nothing here
 draws random numbers.
 """
 
@@ -28,14 +30,17 @@ from laneserve.runtime import Instance
 from laneserve.policies.predictors import PredictorSource
 from laneserve.sim.config import ClusterConfig, context_limit, default_host_kv_tokens, kv_capacity_tokens
 from laneserve.sim.executor import SimExecutor
+from laneserve.sim.macro import DecodeRun, stable_decode_plan
 
 _STEP, _TRANSFER, _WAKEUP = 0, 1, 2
+_DECODE_FIRST = 1 << 62      # taken off the sequence number of a decode instance's step end
 
 
 class SimInstance(Instance):
     """The runtime plus what the simulator's events need: the running step's precomputed result
     and start, a token that invalidates its end event when a preemption moves it, the operator
-    count it will stop at, the pending wake-up and the incoming KV link's next free time."""
+    count it will stop at, the pending wake-up, the incoming KV link's next free time and the run
+    of decode steps in progress (one event for many steps)."""
 
     def __init__(self, instance_id: int, role: str, scheduler, learner=None) -> None:
         super().__init__(instance_id, scheduler, learner)
@@ -46,6 +51,14 @@ class SimInstance(Instance):
         self.preempt_at: int | None = None       # op count at which the running step will stop
         self.wakeup_at: float | None = None
         self.link_free_at = 0.0                  # incoming KV link (decode instances)
+        self.run: DecodeRun | None = None
+        self.tie = _DECODE_FIRST if role == "decode" else 0
+
+    @property
+    def queued_tokens(self) -> int:
+        if self.run is not None:      # the tokens of the steps a run has ended are counted lazily
+            self.run.count()
+        return super().queued_tokens
 
 
 @dataclass(slots=True)
@@ -64,10 +77,14 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, config: ClusterConfig, cost: CostModel) -> None:
+    """``macro_steps=False`` runs every decode step as its own event (the reference the macro
+    runs are checked against; identical results, several times slower)."""
+
+    def __init__(self, config: ClusterConfig, cost: CostModel, *, macro_steps: bool = True) -> None:
         self.config = config
         self.cost = cost
         self.executor = SimExecutor(cost, swap_link=config.swap_link)
+        self.macro_steps = macro_steps
 
     # ---- set-up ----------------------------------------------------------------------------
     def _make_instances(self) -> tuple[list[SimInstance], list[SimInstance]]:
@@ -124,6 +141,7 @@ class Simulator:
         decode_router = registry.make("router", cfg.decode_router)
         executor, cost, link = self.executor, self.cost, cfg.kv_link
         limit = context_limit(cfg, cost)
+        macro = self.macro_steps
         heap: list[tuple] = []
         seq = 0
         push = heapq.heappush
@@ -156,7 +174,12 @@ class Simulator:
             inst.step_token += 1
             inst.preempt_at = None
             seq += 1
-            push(heap, (t + result.duration, seq, _STEP, inst, inst.step_token))
+            end = t + result.duration
+            if macro and stable_decode_plan(inst, plan):
+                run = DecodeRun.start(inst, plan, result.duration, t, cost)
+                if run is not None:
+                    inst.run, end = run, run.end_time
+            push(heap, (end, seq - inst.tie, _STEP, inst, inst.step_token))
             if plan.preemptible:          # a wake-up may preempt it (FlowPrefill suspension bound)
                 schedule_wakeup(inst, t)
 
@@ -175,7 +198,7 @@ class Simulator:
                     inst.preempt_at = k
                     inst.step_token += 1
                     seq += 1
-                    push(heap, (end, seq, _STEP, inst, inst.step_token))
+                    push(heap, (end, seq - inst.tie, _STEP, inst, inst.step_token))
                     return
 
         def try_transfers(dec: SimInstance, t: float) -> None:
@@ -187,6 +210,16 @@ class Simulator:
                 req.times.transfer_start = start
                 seq += 1
                 push(heap, (end, seq, _TRANSFER, dec, req))
+
+        def touch(dec: SimInstance, t: float) -> None:
+            """Something changes ``dec``'s batch or memory at ``t``: its run ends with the step
+            running now."""
+            nonlocal seq
+            run = dec.run
+            if run is not None and run.truncate(t):
+                dec.step_token += 1
+                seq += 1
+                push(heap, (run.end_time, seq - dec.tie, _STEP, dec, dec.step_token))
 
         def release_source(req: Request, _payload) -> None:
             """A transfer that can never fit its decode instance: its prefill KV is let go."""
@@ -228,7 +261,15 @@ class Simulator:
             events += 1
             if kind == _STEP:
                 if payload != inst.step_token:
-                    continue                      # superseded by a preemption
+                    continue                      # superseded by a preemption or a shorter run
+                run = inst.run
+                if run is not None:
+                    if run.extend(cost):          # the end of a chunk, the batch unchanged: go on
+                        seq += 1
+                        push(heap, (run.end_time, seq - inst.tie, _STEP, inst, payload))
+                        continue
+                    run.sync(now)                 # the last step of the run: count the ones before
+                    inst.run = None
                 plan, result = inst.plan, inst.result
                 if inst.preempt_at is not None:   # stopped at an operator boundary
                     result = StepResult(duration=now - inst.step_start, completed=False)
@@ -237,8 +278,12 @@ class Simulator:
                 outcome = inst.end_step(plan, result, now, now - inst.step_start)
                 for req in outcome.prefilled:
                     req.phase = Phase.TRANSFERRING
+                    for dec in back:               # the router reads their memory as of now
+                        if dec.run is not None:
+                            dec.run.grow(now)
                     d = decode_router.route(req, back, now)
                     req.decode_instance = back[d].instance_id
+                    touch(back[d], now)
                     back[d].offer_kv(req)
                     try_transfers(back[d], now)
                 if inst.role != "prefill" and outcome.finished:
@@ -251,6 +296,7 @@ class Simulator:
                 src.scheduler.release(req.request_id)
                 if src.plan is None:
                     start_step(src, now)
+                touch(inst, now)
                 inst.arrive(req, now)
                 if inst.plan is None:
                     start_step(inst, now)

@@ -12,6 +12,7 @@ from laneserve.policies.registry import register
 @register("decode", "continuous", aliases={"cb": {}, "fcfs": {}, "vllm": {}})
 class ContinuousBatchingDecode(DecodeScheduler):
     name = "continuous"
+    stable_decode_batch = True
 
     def schedule(self, now: float) -> StepPlan | None:
         plan = self._prepare_step(now)

@@ -1,0 +1,191 @@
+"""Runs of a stable decode batch, simulated as one event (issue 12, "a fast simulator").
+
+A decode instance whose policy declares ``stable_decode_batch`` decodes its whole running set every
+step, and that set changes only at an event: a KV transfer offered or arriving, a request
+finishing, a growth that does not fit memory. So once the simulator has started a decode-only
+step, the steps after it are known: each context grows by one token a step, their durations come
+from the cost model, their end times are the same float sums the step-by-step loop makes, and the
+KV blocks they grow into are counted against the free blocks now. A run stops at the first step
+that finishes a request and before the first growth that would not fit. Its steps are computed in
+chunks (:meth:`DecodeRun.extend`: the first ``FIRST_CHUNK`` steps, then as many again as it has,
+up to ``MAX_CHUNK``), so a run cut short wastes little; at the end of a chunk the simulator extends
+the run with one event instead of one per step.
+
+The simulator pushes only the end of the last computed step. Whatever reads or changes the
+instance earlier first brings it to the state the step-by-step loop would show at that time:
+:meth:`DecodeRun.grow` makes the block allocations of the steps begun by then, in the loop's order
+(step by step, in batch order: the block tables are identical), and :meth:`DecodeRun.count` the
+token counters, token times, ITL and busy-time figures of the steps ended. An event that changes
+the batch (:meth:`DecodeRun.truncate`) ends the run with the running step; the last step of a run
+is ended by the ordinary ``Instance.end_step`` path.
+
+Ties: the simulator processes step ends of decode instances before other events at the same time
+(arrivals come first, as always), so "step ``j`` has ended at ``t``" is ``ends[j] <= t`` here and
+in the step-by-step loop alike.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+from laneserve.core.plan import StepPlan
+from laneserve.core.request import Request
+from laneserve.costmodel.base import CostModel
+from laneserve.runtime import Instance
+
+#: steps computed when a run starts, and the most added at once (a run adds as many as it has);
+#: 128 was the fastest of 8-512 on the Azure trace (4P+4D): a cut run wastes only cheap array steps
+FIRST_CHUNK, MAX_CHUNK = 128, 1024
+
+
+def stable_decode_plan(inst: Instance, plan: StepPlan) -> bool:
+    """Whether ``plan`` may start a run: a decode-only step of a decode instance whose policy
+    keeps its batch stable."""
+    return (inst.scheduler.stable_decode_batch and inst.role == "decode" and bool(plan.decodes)
+            and not plan.prefills and not plan.swap_in and not plan.swap_out and not plan.preemptible)
+
+
+@dataclass(slots=True, eq=False)
+class DecodeRun:
+    """The steps of one stable decode batch on ``inst`` from step 1 (begun by the ordinary path),
+    computed so far, with how far the instance has been brought up to date."""
+
+    inst: Instance
+    batch: list[Request]
+    contexts: list[int]                    # each request's context in step 1
+    firsts: list[int]                      # the step at which each request first needs a new block
+    limit: int                             # the step that finishes a request
+    ends: list[float]                      # ends[j]: end of step j (ends[0]: start of step 1)
+    growth: list[tuple[int, int]] = field(default_factory=list)  # (step, batch index) of each
+    #                                        block allocation the computed steps make, in order
+    blocked: bool = False                  # the next step's growth would not fit memory
+    cut: bool = False                      # ended early by a change to the batch
+    applied: int = 0                       # steps whose tokens are counted
+    grown: int = 1                         # steps whose KV growth is allocated (step 1: by the policy)
+    cursor: int = 0                        # allocations in ``growth`` made so far
+
+    @property
+    def steps(self) -> int:
+        return len(self.ends) - 1
+
+    @property
+    def end_time(self) -> float:
+        return self.ends[-1]
+
+    @classmethod
+    def start(cls, inst: Instance, plan: StepPlan, duration: float, now: float,
+              cost: CostModel) -> DecodeRun | None:
+        """The run from ``plan`` (step 1, just begun at ``now``, lasting ``duration``), or None when
+        it would be a single step."""
+        batch = plan.decodes
+        kv = inst.scheduler.kv
+        tables, bs = kv.tables, kv.block_size
+        contexts = [r.prompt_len + r.num_output_tokens for r in batch]
+        # step j needs a new block when context + j - 1 first exceeds what the table holds
+        firsts = [len(tables[r.request_id]) * bs - c + 2 for r, c in zip(batch, contexts)]
+        limit = min(r.max_output_tokens - r.num_output_tokens for r in batch)
+        run = cls(inst, batch, contexts, firsts, limit, [now, now + duration])
+        return run if run.extend(cost, FIRST_CHUNK) else None
+
+    def extend(self, cost: CostModel, steps: int | None = None) -> bool:
+        """Compute up to ``steps`` more steps (default: as many as the run has, at most
+        ``MAX_CHUNK``), fewer at the run's limit or memory; False when none can be added."""
+        k = len(self.ends) - 1
+        if self.cut or self.blocked or k >= self.limit:
+            return False
+        last = min(self.limit, k + (steps or min(k, MAX_CHUNK)))
+        kv = self.inst.scheduler.kv
+        bs = kv.block_size
+        # each request's allocations after step k: ``first``, then every ``bs`` steps
+        added = sorted((j, i) for i, first in enumerate(self.firsts)
+                       for j in range(first if first > k else first + ((k - first) // bs + 1) * bs,
+                                      last + 1, bs))
+        free = kv.num_free_blocks - (len(self.growth) - self.cursor)   # less what earlier steps take
+        if len(added) > free:               # that step's growth would not fit: stop before it
+            last = added[free][0] - 1
+            added = [a for a in added if a[0] <= last]
+            self.blocked = True
+        if last <= k:
+            return False
+        contexts = self.contexts
+        times = getattr(cost, "decode_step_times", None)
+        if times is not None:     # the same floats as decode_step_time, from the summed and longest context
+            n = len(contexts)
+            durations = times(n, sum(contexts) + n * k, max(contexts) + k, last - k)
+        else:
+            durations = [cost.decode_step_time([c + j for c in contexts]) for j in range(k, last)]
+        self.ends += accumulate(durations, initial=self.ends[-1])   # the loop's float sums
+        del self.ends[k + 1]                                          # (the initial, repeated)
+        self.growth += added
+        return True
+
+    def sync(self, now: float) -> None:
+        """Bring the instance to ``now``: the running step's KV grown, the steps ended before it
+        counted (the last step is left to ``end_step``)."""
+        self.grow(now)
+        self.count()
+
+    def grow(self, now: float) -> None:
+        """Allocate the KV of the step running at ``now`` and of those before it, all that a
+        memory figure (``kv_usage``) depends on; their counters can wait for :meth:`count`."""
+        step = bisect_right(self.ends, now, self.grown, len(self.ends) - 1)
+        if step > self.grown:
+            self._grow(step)
+
+    def count(self) -> None:
+        """Count the steps before the running one (as of the last :meth:`grow`)."""
+        if self.grown - 1 > self.applied:
+            self._count(self.grown - 1)
+
+    def truncate(self, now: float) -> bool:
+        """End the run with the step running at ``now`` (brought up to date first); True if its
+        end moved earlier (the caller pushes the new end)."""
+        self.sync(now)
+        self.cut = True
+        k = self.applied + 1
+        if k == self.steps:
+            return False
+        del self.ends[k + 1:]
+        return True
+
+    # ---- catch-up --------------------------------------------------------------------------
+    def _count(self, done: int) -> None:
+        """Steps ``applied + 1 .. done`` ended: each request got one token at each step's end."""
+        ends, a = self.ends, self.applied
+        m = done - a
+        first, last = ends[a + 1], ends[done]
+        gaps = [ends[j] - ends[j - 1] for j in range(a + 1, done + 1)]
+        inner = max(gaps[1:]) if m > 1 else None
+        for r in self.batch:
+            r.num_computed_tokens += m
+            r.num_output_tokens += m
+            times = r.times
+            if times.first_token is None:
+                times.first_token = first
+            elif first - times.last_token > times.max_itl:
+                times.max_itl = first - times.last_token
+            if inner is not None and inner > times.max_itl:
+                times.max_itl = inner
+            times.last_token = last
+            if times.token_times is not None:
+                times.token_times.extend(ends[a + 1:done + 1])
+        inst = self.inst
+        inst.steps += m
+        busy = inst.busy_time
+        for g in gaps:
+            busy += g
+        inst.busy_time = busy
+        inst.step_start = last
+        self.applied = done
+
+    def _grow(self, step: int) -> None:
+        """Allocate the blocks steps ``grown + 1 .. step`` grow into, in the loop's order."""
+        growth, i = self.growth, self.cursor
+        end = bisect_right(growth, (step, len(self.batch)), i)
+        if end > i:
+            batch = self.batch
+            self.inst.scheduler.kv.append_blocks([batch[b].request_id for _, b in growth[i:end]])
+        self.cursor = end
+        self.grown = step
