@@ -22,7 +22,7 @@ from pathlib import Path
 BASELINE = "fcfs+continuous"
 PAPER_POLICIES = ("sedf+continuous", "kairos+kairos", "laps+continuous", "fcfs+alignedserve")
 DEFAULT = "adaptive+adaptive"
-REQUESTS = 800
+REQUESTS = 500
 RATES = "8,16,24,32"          # req/s; the goodput search spans RATES' min / 4 .. max * 4
 HOST_KV_TOKENS = 1_000_000    # AlignedServe parks requests in a host pool; every policy gets it
 
