@@ -267,7 +267,7 @@ def league_metrics(rows: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], dict
 
 def plot_heatmap(path, rows: Sequence[dict[str, Any]], *, shapes: Sequence[str], mode: str,
                  title: str = "") -> None:
-    """Workloads x entries per shape; colour = goodput / best baseline's goodput (1 = white)."""
+    """Workloads x entries per shape; colour = goodput / best baseline's goodput (red < 1 < green)."""
     import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import TwoSlopeNorm
