@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -116,6 +116,9 @@ def test_idle_multiple_slo_rule(cost):
         assert s.slo.ttft == pytest.approx(max(0.4, 3.0 * idle_prefill_time(s, cost)))
         assert s.slo.tpot == 0.05
     assert {s.slo.ttft == 0.4 for s in ruled.specs} == {True, False}   # short ones floored, long ones not
+    # a prefix counts only when prefix caching is on: without it the whole prompt is prefilled
+    long = replace(max(wl.specs, key=lambda s: s.prompt_len), prefix_len=16000)
+    assert idle_prefill_time(long, cost) > 10 * idle_prefill_time(long, cost, cached=True)
 
 
 def test_predictor_axis_follows_the_sim_config():

@@ -121,25 +121,27 @@ def entry_config(entry: Entry, shape: str, workload: LeagueWorkload, mode: str, 
     return cfg if mode == "default" else replace(cfg, predictor=mode)
 
 
-def idle_prefill_time(spec, cost: CostModel) -> float:
-    """A request's prefill alone on an idle instance (its new tokens after its prefix)."""
-    new = max(spec.prompt_len - spec.prefix_len, 1)
-    return cost.prefill_time([(new, spec.prefix_len)])
+def idle_prefill_time(spec, cost: CostModel, *, cached: bool = False) -> float:
+    """A request's prefill alone on an idle instance: the whole prompt, or with ``cached`` (prefix
+    caching on) only its new tokens after ``prefix_len``."""
+    done = spec.prefix_len if cached else 0
+    return cost.prefill_time([(max(spec.prompt_len - done, 1), done)])
 
 
 def idle_multiple_slo(workload: Workload, cost: CostModel, *, multiple: float, floor: float,
-                      tpot: float) -> Workload:
+                      tpot: float, cached: bool = False) -> Workload:
     """Every request's TTFT target = ``max(floor, multiple x its idle prefill time)``; TPOT ``tpot``."""
-    specs = [replace(s, slo=SLO(ttft=max(floor, multiple * idle_prefill_time(s, cost)), tpot=tpot))
+    specs = [replace(s, slo=SLO(ttft=max(floor, multiple * idle_prefill_time(s, cost, cached=cached)),
+                                tpot=tpot))
              for s in workload.specs]
     return Workload.from_specs(workload.name, specs, {**workload.meta, "slo_rule": (
         f"TTFT = max({floor:g} s, {multiple:g} x idle prefill time), TPOT {tpot * 1e3:g} ms")})
 
 
-def capacity_estimate(workload: Workload, cost: CostModel, num_prefill: int) -> float:
-    """Requests/s the prefill instances could take if every prompt ran alone on an idle instance
-    (new tokens only): the centre of the goodput search range."""
-    mean = sum(idle_prefill_time(s, cost) for s in workload.specs) / max(len(workload), 1)
+def capacity_estimate(workload: Workload, cost: CostModel, num_prefill: int, *, cached: bool = False) -> float:
+    """Requests/s the prefill instances could take if every prompt ran alone on an idle instance:
+    the anchor of the goodput search range."""
+    mean = sum(idle_prefill_time(s, cost, cached=cached) for s in workload.specs) / max(len(workload), 1)
     return num_prefill / max(mean, 1e-6)
 
 
@@ -172,7 +174,8 @@ def run_league(workloads: Sequence[LeagueWorkload], entries: Sequence[Entry], co
     for lw in workloads:
         for shape in shapes:
             wl = lw.build(sizes[shape], cost)
-            cap = capacity_estimate(wl, cost, SHAPES[shape][0])
+            cap = capacity_estimate(wl, cost, SHAPES[shape][0],
+                                    cached=bool(lw.prefill_opts.get("prefix_caching")))
             lo, hi = cap / 4, cap * 32
             ranges[f"{lw.name} {shape}"] = {"lo": lo, "hi": hi, "requests": len(wl)}
             for entry in runnable:
