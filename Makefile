@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/laneserve sim --output out/demo
+	$(BIN)/python -m laneserve.bench.demo --output out/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

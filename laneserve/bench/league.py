@@ -1,0 +1,309 @@
+"""The policy league (issue 18): goodput of every policy entry on every workload and cluster shape.
+
+A league is workloads x shapes x entries (x predictor modes when the simulator has them). Each
+cell is a goodput search (:func:`laneserve.bench.experiment.goodput`: the highest request rate at
+which >= 90% of the requests meet both their TTFT and TPOT targets), and the cells run in parallel
+over :func:`laneserve.bench.parallel.map_jobs`. The harness is data-driven:
+
+- :class:`LeagueWorkload` — a named workload with its SLO rule written down (the rule is also
+  applied by the builder, so the text and the run cannot disagree silently: the builder sets the
+  SLOs and the text is printed with the results);
+- :class:`Entry` — one policy set (``prefill+decode``, a router, a kind: baseline, paper,
+  composition, router or adaptive). An entry whose prefill/decode policy or router is not
+  registered is *skipped* and reported as such, so adding ``adaptive+adaptive`` to a list is one
+  line that activates when the policy exists;
+- :func:`run_league` runs the cells; :func:`league_metrics` reduces them to the issue's ratios
+  (adaptive vs the best baseline and the best other entry, the worst paper policy vs the best
+  baseline, the worst router vs least-loaded), each a minimum over workloads, shapes and modes,
+  with where it was reached; :func:`plot_heatmap` draws goodput / best baseline per cell.
+
+A goodput that is never met (not even at the bottom of the search range, after one retry an
+order of magnitude lower) counts as 0 in the ratios; a ratio whose denominator is 0 is left out
+of the minimum and listed under ``undefined``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from laneserve.bench.experiment import goodput
+from laneserve.core.slo import SLO
+from laneserve.costmodel.base import CostModel
+from laneserve.sim import ClusterConfig
+from laneserve.workloads import Workload
+
+#: cluster shapes: name -> (prefill instances, decode instances)
+SHAPES: dict[str, tuple[int, int]] = {"1P+1D": (1, 1), "4P+4D": (4, 4)}
+KINDS = ("baseline", "paper", "composition", "router", "adaptive")
+DEFAULT_ROUTER = "least-loaded"
+
+
+@dataclass(slots=True, frozen=True)
+class LeagueWorkload:
+    """A league workload: ``build(n, cost)`` returns its first ``n`` requests with SLOs set by
+    the rule that ``slo_rule`` states; ``prefill_opts`` go to every entry's prefill policy."""
+
+    name: str
+    slo_rule: str
+    build: Callable[[int, CostModel], Workload]
+    description: str = ""
+    prefill_opts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class Entry:
+    """One contender. ``router`` None means the shape's default (least-loaded); ``reference`` names
+    the entry a router entry is held against (least-loaded with the same policies)."""
+
+    prefill: str
+    decode: str
+    kind: str
+    router: str | None = None
+    shapes: tuple[str, ...] = tuple(SHAPES)
+    paper: str = ""
+    reference: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"entry kind must be one of {KINDS}, got {self.kind!r}")
+
+    @property
+    def name(self) -> str:
+        base = f"{self.prefill}+{self.decode}"
+        return f"{base}@{self.router}" if self.router else base
+
+
+@dataclass(slots=True)
+class Cell:
+    """One goodput search's outcome."""
+
+    workload: str
+    shape: str
+    entry: str
+    kind: str
+    mode: str
+    goodput: float | None
+    evals: int
+    saturated: bool
+    monotone: bool
+    points: list[tuple[float, float]]
+    wall_s: float
+
+
+def predictor_modes() -> tuple[str, ...]:
+    """The predictor axis: ``("online", "oracle")`` when the simulator's config has a ``predictor``
+    field, else one mode, ``"default"`` (whatever the policies do today)."""
+    return ("online", "oracle") if "predictor" in {f.name for f in fields(ClusterConfig)} else ("default",)
+
+
+def missing_policy(entry: Entry) -> str | None:
+    """Why ``entry`` cannot run (an unregistered policy or router), or None."""
+    from laneserve.policies import registry
+    for kind, spec in (("prefill", entry.prefill), ("decode", entry.decode),
+                       ("router", entry.router or DEFAULT_ROUTER)):
+        try:
+            registry.resolve(kind, spec)
+        except ValueError:
+            return f"{kind} policy {registry.parse_spec(spec)[0]!r} is not registered"
+    return None
+
+
+def entry_config(entry: Entry, shape: str, workload: LeagueWorkload, mode: str, *,
+                 host_kv_tokens: int) -> ClusterConfig:
+    n_prefill, n_decode = SHAPES[shape]
+    cfg = ClusterConfig(num_prefill=n_prefill, num_decode=n_decode, prefill_policy=entry.prefill,
+                        decode_policy=entry.decode, router=entry.router or DEFAULT_ROUTER,
+                        host_kv_tokens=host_kv_tokens, prefill_opts=dict(workload.prefill_opts))
+    return cfg if mode == "default" else replace(cfg, predictor=mode)
+
+
+def idle_prefill_time(spec, cost: CostModel, *, cached: bool = False) -> float:
+    """A request's prefill alone on an idle instance: the whole prompt, or with ``cached`` (prefix
+    caching on) only its new tokens after ``prefix_len``."""
+    done = spec.prefix_len if cached else 0
+    return cost.prefill_time([(max(spec.prompt_len - done, 1), done)])
+
+
+def idle_multiple_slo(workload: Workload, cost: CostModel, *, multiple: float, floor: float,
+                      tpot: float, cached: bool = False) -> Workload:
+    """Every request's TTFT target = ``max(floor, multiple x its idle prefill time)``; TPOT ``tpot``."""
+    specs = [replace(s, slo=SLO(ttft=max(floor, multiple * idle_prefill_time(s, cost, cached=cached)),
+                                tpot=tpot))
+             for s in workload.specs]
+    return Workload.from_specs(workload.name, specs, {**workload.meta, "slo_rule": (
+        f"TTFT = max({floor:g} s, {multiple:g} x idle prefill time), TPOT {tpot * 1e3:g} ms")})
+
+
+def capacity_estimate(workload: Workload, cost: CostModel, num_prefill: int, *, cached: bool = False) -> float:
+    """Requests/s the prefill instances could take if every prompt ran alone on an idle instance:
+    the anchor of the goodput search range."""
+    mean = sum(idle_prefill_time(s, cost, cached=cached) for s in workload.specs) / max(len(workload), 1)
+    return num_prefill / max(mean, 1e-6)
+
+
+def search_cell(workload: Workload, config: ClusterConfig, cost: CostModel, lo: float, hi: float,
+                rel_tol: float, max_evals: int) -> dict[str, Any]:
+    """One goodput search (module level: it runs in worker processes). Not met at ``lo``: one
+    more search, over ``[lo/16, lo]``."""
+    t0 = time.perf_counter()
+    res = goodput(workload, config, cost, lo=lo, hi=hi, rel_tol=rel_tol, max_evals=max_evals)
+    points = list(res.points)
+    if not res.met:
+        res = goodput(workload, config, cost, lo=lo / 16, hi=lo, rel_tol=rel_tol, max_evals=max_evals)
+        points += res.points
+    return {"goodput": res.value, "evals": len(points), "saturated": res.saturated,
+            "monotone": res.monotone, "points": sorted(points), "wall_s": time.perf_counter() - t0}
+
+
+def run_league(workloads: Sequence[LeagueWorkload], entries: Sequence[Entry], cost: CostModel, *,
+               sizes: dict[str, int], shapes: Sequence[str] = tuple(SHAPES),
+               modes: Sequence[str] | None = None, jobs: int = 1, rel_tol: float = 0.04,
+               max_evals: int = 14, host_kv_tokens: int = 1_000_000,
+               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every (workload, shape, entry, mode) cell; ``sizes`` gives the requests per evaluation for
+    each shape. Returns ``{"cells", "skipped", "modes", "ranges", "wall_s"}``."""
+    from laneserve.bench.parallel import map_jobs
+    modes = tuple(modes or predictor_modes())
+    skipped = {e.name: why for e in entries if (why := missing_policy(e)) is not None}
+    runnable = [e for e in entries if e.name not in skipped]
+    tasks, keys, ranges = [], [], {}
+    for lw in workloads:
+        for shape in shapes:
+            wl = lw.build(sizes[shape], cost)
+            cap = capacity_estimate(wl, cost, SHAPES[shape][0],
+                                    cached=bool(lw.prefill_opts.get("prefix_caching")))
+            lo, hi = cap / 4, cap * 32
+            ranges[f"{lw.name} {shape}"] = {"lo": lo, "hi": hi, "requests": len(wl)}
+            for entry in runnable:
+                if shape not in entry.shapes:
+                    continue
+                for mode in modes:
+                    cfg = entry_config(entry, shape, lw, mode, host_kv_tokens=host_kv_tokens)
+                    tasks.append((wl, cfg, cost, lo, hi, rel_tol, max_evals))
+                    keys.append((lw.name, shape, entry, mode))
+    t0 = time.perf_counter()
+    done = [0]
+
+    def on_done(i: int) -> None:
+        done[0] += 1
+        if progress is not None:
+            w, shape, entry, mode = keys[i]
+            elapsed = time.perf_counter() - t0
+            eta = elapsed / done[0] * (len(tasks) - done[0])
+            progress(f"[{done[0]}/{len(tasks)}] {w} {shape} {entry.name}"
+                     f"{'' if mode == 'default' else f' ({mode})'} "
+                     f"({elapsed:.0f} s elapsed, ~{eta:.0f} s left)")
+
+    results = map_jobs(search_cell, tasks, jobs, on_done=on_done)
+    cells = [Cell(workload=w, shape=shape, entry=entry.name, kind=entry.kind, mode=mode, **res)
+             for (w, shape, entry, mode), res in zip(keys, results)]
+    return {"cells": cells, "skipped": skipped, "modes": list(modes), "ranges": ranges,
+            "wall_s": time.perf_counter() - t0}
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if den is None or den <= 0:
+        return None
+    return (num or 0.0) / den
+
+
+def cell_ratios(cells: Iterable[Cell], entries: Sequence[Entry]) -> list[dict[str, Any]]:
+    """One row per cell: goodput, the best baseline's goodput on its (workload, shape, mode), the
+    ratio to it, and for router entries the ratio to their reference entry."""
+    cells = list(cells)
+    by_key = {(c.workload, c.shape, c.mode, c.entry): c for c in cells}
+    refs = {e.name: e.reference for e in entries}
+    best_base: dict[tuple, float] = {}
+    for c in cells:
+        if c.kind == "baseline":
+            k = (c.workload, c.shape, c.mode)
+            best_base[k] = max(best_base.get(k, 0.0), c.goodput or 0.0)
+    rows = []
+    for c in cells:
+        k = (c.workload, c.shape, c.mode)
+        base = best_base.get(k)
+        best_other = max((o.goodput or 0.0 for o in cells if (o.workload, o.shape, o.mode) == k
+                          and o.entry != c.entry and o.kind != "adaptive"), default=None)
+        ref = by_key.get((*k, refs.get(c.entry))) if refs.get(c.entry) else None
+        rows.append({"workload": c.workload, "shape": c.shape, "mode": c.mode, "entry": c.entry,
+                     "kind": c.kind, "goodput": c.goodput, "best_baseline": base,
+                     "ratio_vs_best_baseline": _ratio(c.goodput, base),
+                     "best_other": best_other, "ratio_vs_best_other": _ratio(c.goodput, best_other),
+                     "reference": ref.entry if ref else None,
+                     "ratio_vs_reference": _ratio(c.goodput, ref.goodput) if ref else None,
+                     "evals": c.evals, "saturated": c.saturated, "monotone": c.monotone})
+    return rows
+
+
+def _min_over(rows: Iterable[dict[str, Any]], key: str) -> dict[str, Any]:
+    rows = list(rows)
+    defined = [r for r in rows if r[key] is not None]
+    undefined = [f"{r['workload']} {r['shape']} {r['entry']}" for r in rows if r[key] is None]
+    if not defined:
+        return {"value": None, "where": None, "cells": 0, "undefined": undefined}
+    worst = min(defined, key=lambda r: r[key])
+    where = f"{worst['entry']} on {worst['workload']} {worst['shape']}" + (
+        "" if worst["mode"] == "default" else f" ({worst['mode']})")
+    return {"value": worst[key], "where": where, "cells": len(defined), "undefined": undefined}
+
+
+def league_metrics(rows: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The issue's headline ratios (each a minimum over workloads, shapes and modes; None when
+    no cell qualifies, e.g. adaptive not registered) and, beside them, where each was reached."""
+    specs = {
+        "adaptive_min_ratio_vs_best_baseline": ("adaptive", "ratio_vs_best_baseline"),
+        "adaptive_min_ratio_vs_best_policy": ("adaptive", "ratio_vs_best_other"),
+        "worst_paper_policy_ratio_vs_best_baseline": ("paper", "ratio_vs_best_baseline"),
+        "worst_router_ratio_vs_least_loaded": ("router", "ratio_vs_reference"),
+    }
+    metrics, detail = {}, {}
+    for name, (kind, key) in specs.items():
+        found = _min_over((r for r in rows if r["kind"] == kind), key)
+        metrics[name] = found["value"]
+        detail[name] = found
+    return metrics, detail
+
+
+def plot_heatmap(path, rows: Sequence[dict[str, Any]], *, shapes: Sequence[str], mode: str,
+                 title: str = "") -> None:
+    """Workloads x entries per shape; colour = goodput / best baseline's goodput (red < 1 < green)."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.figure import Figure
+
+    rows = [r for r in rows if r["mode"] == mode]
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    per_shape = {s: list(dict.fromkeys(r["entry"] for r in rows if r["shape"] == s)) for s in shapes}
+    finite = [r["ratio_vs_best_baseline"] for r in rows if r["ratio_vs_best_baseline"] is not None]
+    vmax = max(2.0, max(finite, default=2.0))
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=vmax)
+    widths = [max(len(per_shape[s]), 1) for s in shapes]
+    fig = Figure(figsize=(2.0 + 0.62 * sum(widths), 1.6 + 0.42 * len(workloads)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(shapes), squeeze=False, gridspec_kw={"width_ratios": widths})[0]
+    image = None
+    for ax, shape in zip(axes, shapes):
+        entries = per_shape[shape]
+        grid = np.full((len(workloads), len(entries)), np.nan)
+        for r in rows:
+            if r["shape"] == shape and r["ratio_vs_best_baseline"] is not None:
+                grid[workloads.index(r["workload"]), entries.index(r["entry"])] = r["ratio_vs_best_baseline"]
+        image = ax.imshow(grid, cmap="RdYlGn", norm=norm, aspect="auto")
+        for i in range(grid.shape[0]):
+            for j in range(grid.shape[1]):
+                if not math.isnan(grid[i, j]):
+                    ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=6)
+        ax.set_xticks(range(len(entries)), entries, rotation=60, ha="right", fontsize=7)
+        ax.set_yticks(range(len(workloads)), workloads if ax is axes[0] else [""] * len(workloads),
+                      fontsize=7)
+        ax.set_title(shape, fontsize=9)
+    if image is not None:
+        fig.colorbar(image, ax=list(axes), shrink=0.8, label="goodput / best baseline")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=120)
