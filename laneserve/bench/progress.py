@@ -49,12 +49,6 @@ class _NullBar:
     def update(self, n: float = 1) -> None:
         self.n += n
 
-    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
-        pass
-
-    def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
-        pass
-
     def close(self) -> None:
         pass
 

@@ -36,9 +36,6 @@ class SearchResult:
     monotone: bool = True            # the evaluations agree with the monotonicity assumption
     target: float = 0.9
 
-    def sorted_points(self) -> list[tuple[float, float]]:
-        return sorted(self.points)
-
 
 def _search(f: Callable[[float], float], *, start: float, end: float, target: float,
             rel_tol: float, max_evals: int, growth: float,

@@ -23,7 +23,7 @@ class WallClock:
 
 
 class VirtualClock:
-    """Simulated time; only the event loop advances it, and never backwards."""
+    """A clock that reads a fixed time (``start``): drives an instance without wall time in tests."""
 
     __slots__ = ("_t",)
 
@@ -32,8 +32,3 @@ class VirtualClock:
 
     def now(self) -> float:
         return self._t
-
-    def advance_to(self, t: float) -> None:
-        if t < self._t:
-            raise ValueError(f"virtual time cannot go backwards: {t} < {self._t}")
-        self._t = t

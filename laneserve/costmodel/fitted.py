@@ -306,11 +306,6 @@ class FittedCostModel(LinearStepModel):
             raise ValueError(f"unknown link {link!r}; valid: {sorted(self.links) + ['rdma']}")
         return self.links[key].transfer_time(tokens * self.kv_bytes_per_token)
 
-    @classmethod
-    def from_file(cls, path: str, **kwargs) -> FittedCostModel:
-        from .profile import load_profile
-        return cls(load_profile(path), **kwargs)
-
 
 def _fit_relative(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     """Non-negative least squares of relative error; columns constant across samples (other than

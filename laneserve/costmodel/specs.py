@@ -110,12 +110,6 @@ class ModelSpec:
     def lm_head_flops_per_token(self) -> int:
         return 2 * self.embedding_params
 
-    def attention_flops(self, new_tokens: int, cached_tokens: int) -> float:
-        """Causal attention FLOPs of one request over all layers: QK^T and PV, each
-        2*heads*head_dim per (query, key) pair, new*(cached + new/2) pairs."""
-        pairs = new_tokens * (cached_tokens + new_tokens / 2)
-        return 4.0 * self.num_layers * self.q_dim * pairs
-
 
 @dataclass(frozen=True, slots=True)
 class LinkSpec:
@@ -216,9 +210,6 @@ class HardwareSpec:
             return self.allreduce[fitted[-1]]
         link = self.link("nvlink")
         return LinkSpec(bandwidth=link.bandwidth * gpus / (2 * (gpus - 1)), latency=link.latency)
-
-    def with_calibration(self, **terms: float) -> HardwareSpec:
-        return replace(self, **terms)
 
 
 def fit_link(samples: Iterable[tuple[float, float]]) -> LinkSpec:

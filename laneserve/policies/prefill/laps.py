@@ -397,6 +397,3 @@ class LapsPrefill(PrefillScheduler):
     @property
     def num_running(self) -> int:
         return 0
-
-    def lane_sizes(self) -> dict[str, int]:
-        return {name: len(lane) for name, lane in self.lanes.items()}
