@@ -128,9 +128,40 @@ def test_echo_puts_the_prompt_before_the_completion(client):
     chunks = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, echo=True,
                                        stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
-    with pytest.raises(openai.BadRequestError) as e:
-        _complete(client, echo=True, logprobs=1)
-    assert e.value.body["param"] == "echo"
+
+
+def test_echo_with_logprobs_and_prompt_logprobs_are_the_engines(client):
+    """``echo`` + ``logprobs``: the prompt's tokens lead the logprobs (the first without one), and
+    their values are the engine's own prompt logprobs for the same token ids (an in-process LLM on
+    the same smoke model); vLLM's ``prompt_logprobs`` field gives the same values per token, and a
+    streamed answer carries the same prompt part in each choice's first chunk."""
+    from laneserve.core import SamplingParams
+    from laneserve.engine.llm import LLM
+    out = _complete(client, temperature=0, echo=True, logprobs=2, extra_body={"prompt_logprobs": 1})
+    choice = out.choices[0]
+    ids = choice.prompt_token_ids
+    lp = choice.logprobs
+    assert choice.text.startswith(PROMPT)
+    assert len(lp.tokens) == len(ids) + 8 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    plp = choice.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert [e[str(t)]["logprob"] for t, e in zip(ids[1:], plp[1:])] == lp.token_logprobs[1:len(ids)]
+
+    llm = LLM(quiet=True)
+    req = llm._make_request(list(ids), SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    llm.instance.submit(req)
+    llm.instance.run_until_idle()
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx([e[0] for e in req.prompt_logprobs], abs=1e-4)
+
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, echo=True,
+                                            logprobs=2, stream=True, extra_body={"ignore_eos": True}))
+    first = chunks[0].choices[0]
+    assert first.text.startswith(PROMPT) and first.logprobs.token_logprobs[0] is None
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
 
 
 _PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},

@@ -43,7 +43,7 @@ from laneserve.core.structured import StructuredSpec
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
                     "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "logit_bias", "min_tokens", "structured", "n")
+                    "logit_bias", "min_tokens", "structured", "n", "prompt_logprobs")
 
 
 class EpochClock:

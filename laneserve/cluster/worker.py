@@ -405,6 +405,8 @@ class InstanceWorker:
             if fin is not None or sent == 0:
                 info = {"prefill_start": req.times.prefill_start, "preemptions": req.num_preemptions,
                         "cached": req.num_cached_tokens}
+                if sent == 0 and req.sampling.prompt_logprobs is not None:
+                    info["plp"] = req.prompt_logprobs or []
             items.append([rid, new, fin.finish_reason if fin is not None else None, lp, info])
             if fin is not None:
                 self._forget(rid)
@@ -474,7 +476,9 @@ class InstanceWorker:
                         "lp": _logprobs(lp) if req.sampling.logprobs is not None else None,
                         **({"samples": samples} if samples is not None else {}),
                         "info": {"prefill_start": t.prefill_start, "prefill_end": t.prefill_end,
-                                 "preemptions": req.num_preemptions, "cached": req.num_cached_tokens}})
+                                 "preemptions": req.num_preemptions, "cached": req.num_cached_tokens,
+                                 **({"plp": req.prompt_logprobs or []}
+                                    if req.sampling.prompt_logprobs is not None else {})}})
         self._forget(rid)
 
     def _stats(self, force: bool = False) -> None:

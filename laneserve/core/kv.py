@@ -185,6 +185,8 @@ class KVCacheManager:
         step computing the rest yields logits. Empty without prefix caching or token ids."""
         if not self.prefix_caching or req.prompt_token_ids is None:
             return []
+        if req.sampling is not None and req.sampling.prompt_logprobs is not None:
+            return []                    # every prompt position's logits are wanted
         n = req.prompt_len if num_tokens is None else num_tokens
         limit = (n - 1) // self.block_size
         if limit <= 0:

@@ -95,6 +95,9 @@ class Request:
     sampling: SamplingParams | None = None   # engine only; the simulator samples nothing
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0           # prompt tokens found cached when prefill started
+    #: engine, with ``sampling.prompt_logprobs``: ``[logprob, [[id, logprob], ...]]`` of prompt
+    #: tokens 1, 2, ... as the prefill computes them (token 0 has none)
+    prompt_logprobs: list | None = None
     num_output_tokens: int = 0
     phase: Phase = Phase.WAITING
     finish_reason: str | None = None     # "length" | "stop" | "abort" | "error"

@@ -68,6 +68,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # return the top-n logprobs of each sampled token
+    #: return, for every prompt token after the first, its logprob and the top-n of its position
+    #: (vLLM's ``prompt_logprobs``; ``echo`` with ``logprobs``): its prefill skips the prefix cache
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -94,8 +97,10 @@ class SamplingParams:
             raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not (is_int(v) and 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not is_real(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:

@@ -36,7 +36,7 @@ from laneserve.core.plan import StepPlan, StepResult
 from laneserve.engine.config import EngineConfig
 from laneserve.engine.kv_cache import KVPayload, PagedKVCache
 from laneserve.engine.models.llama import LlamaModel
-from laneserve.engine.runner import ModelRunner, SeqInput, plan_sequences
+from laneserve.engine.runner import ModelRunner, SeqInput, plan_sequences, prompt_logprob_rows
 from laneserve.engine.sampler import GREEDY, Sampler, TokenHistory, TokenLogprobs, UnsampleableRows, token_stops
 from laneserve.engine.structured import ConstraintState, ConstraintViolation, UnsupportedSpec, compile_constraint
 
@@ -142,6 +142,11 @@ class EngineExecutor:
                 if logits is None:
                     self._sync()
                     return EngineStepResult(time.perf_counter() - t0, completed=False)
+            asked = prompt_logprob_rows(seqs)
+            if asked:
+                n_sampled = sum(1 for s in seqs if s.sample)
+                self._prompt_logprobs(asked, logits[n_sampled:])
+                logits = logits[:n_sampled]
             sampled, stop_hit, logprobs, failed, forks = self._sample(seqs, logits)
         self._sync()
         return EngineStepResult(time.perf_counter() - t0, True, sampled, stop_hit, logprobs or None, failed or None,
@@ -176,6 +181,33 @@ class EngineExecutor:
                         return None
         except StopIteration as done:
             return done.value
+
+    @staticmethod
+    def _prompt_logprobs(asked: list[tuple[SeqInput, int, int]], logits: torch.Tensor) -> None:
+        """Record the prompt logprobs these rows give (the raw model distribution, as vLLM's
+        ``prompt_logprobs``): entry ``i`` of ``req.prompt_logprobs`` is prompt token ``i + 1``'s
+        ``[logprob, top-k]``. Positions already recorded (a recompute) are skipped."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        row = 0
+        for s, first, count in asked:
+            req = s.request
+            k = req.sampling.prompt_logprobs
+            have = req.prompt_logprobs if req.prompt_logprobs is not None else []
+            skip = max(0, len(have) - first)
+            if skip < count:
+                block = lp[row + skip:row + count]
+                targets = torch.tensor(req.prompt_token_ids[first + 1 + skip:first + 1 + count],
+                                       dtype=torch.long, device=block.device)
+                chosen = block.gather(1, targets[:, None])[:, 0].tolist()
+                if k:
+                    top_v, top_i = torch.topk(block, k, dim=-1)
+                    tops = [[[int(t), float(v)] for t, v in zip(ti, tv)]
+                            for ti, tv in zip(top_i.tolist(), top_v.tolist())]
+                else:
+                    tops = [[] for _ in chosen]
+                have.extend([float(c), top] for c, top in zip(chosen, tops))
+            req.prompt_logprobs = have
+            row += count
 
     def _sample(self, seqs: list[SeqInput], logits: torch.Tensor):
         sampled_seqs = [s for s in seqs if s.sample]

@@ -83,6 +83,21 @@ def plan_sequences(plan: StepPlan, kv: KVCacheManager) -> list[SeqInput]:
     return seqs
 
 
+def prompt_logprob_rows(seqs: list[SeqInput]) -> list[tuple[SeqInput, int, int]]:
+    """Positions whose logits give prompt logprobs (``sampling.prompt_logprobs``): for each prefill
+    sequence that asks, ``(seq, first position, count)`` of its positions ``p`` whose next token
+    ``p + 1`` is a prompt token. Their logits follow the sampled rows' (:meth:`ModelRunner.prepare`)."""
+    out = []
+    for s in seqs:
+        p = s.request.sampling
+        if s.is_decode or p is None or p.prompt_logprobs is None:
+            continue
+        end = min(s.start + len(s.token_ids), s.request.prompt_len - 1)
+        if end > s.start:
+            out.append((s, s.start, end - s.start))
+    return out
+
+
 def _token_slice(prompt: list[int], outputs: list[int], start: int, end: int) -> list[int]:
     """Tokens ``[start, end)`` of ``prompt + outputs`` without building the concatenation."""
     if end <= len(prompt):
@@ -124,7 +139,9 @@ class ModelRunner:
     def select_bucket(self, plan: StepPlan, seqs: list[SeqInput]) -> BucketKey | None:
         """The shape bucket of this step, or None for the resumable eager path (always None
         without ``cuda_graphs``)."""
-        return None if self.graphs is None else self.graphs.select(plan, seqs)
+        if self.graphs is None or prompt_logprob_rows(seqs):
+            return None          # prompt logprobs need more logit rows than a bucket returns
+        return self.graphs.select(plan, seqs)
 
     def run_bucket(self, key: BucketKey, seqs: list[SeqInput]) -> torch.Tensor:
         """Run a step in its bucket; returns the logits of the sampled sequences."""
@@ -139,7 +156,9 @@ class ModelRunner:
         slots: list[int] = []
         logit_rows: list[int] = []
         tables: list[list[int]] = []
+        row_of: dict[int, int] = {}
         for s in seqs:
+            row_of[id(s)] = len(ids)
             table = self.kv_manager.table(s.request.request_id)
             tables.append(table)
             n = len(s.token_ids)
@@ -148,6 +167,9 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(s.start, s.start + n))
             if s.sample:
                 logit_rows.append(len(ids) - 1)
+        for s, first, count in prompt_logprob_rows(seqs):     # after the sampled rows
+            row = row_of[id(s)] + first - s.start
+            logit_rows.extend(range(row, row + count))
         num_tokens = len(ids)
         if padded_shape is not None:   # LAPS shape bucket: pad the token rows (linear layers pay for them)
             rows = padded_shape[0] * padded_shape[1]

@@ -172,6 +172,7 @@ class _Run:
         self.t_last: float | None = None
         self.queue_time: float | None = None
         self.cached_tokens = 0                   # prompt tokens the prefill found in its prefix cache
+        self.prompt_lps: list | None = None      # prompt logprobs (entries for prompt tokens 1, 2, ...)
 
     @property
     def done(self) -> bool:
@@ -198,6 +199,8 @@ class _Run:
             m.queue.observe(self.queue_time)
         if info and info.get("cached"):
             self.cached_tokens = int(info["cached"])
+        if info and info.get("plp") is not None and self.prompt_lps is None:
+            self.prompt_lps = info["plp"]
         self.detok.add(toks)
         if self.detok.stopped and finish is None:
             finish = "stop"
@@ -229,6 +232,41 @@ class _Run:
             for name, ok in (("ttft", ok_ttft), ("tpot", ok_tpot), ("both", ok_ttft and ok_tpot)):
                 if ok:
                     m.slo_met.labels(m.model, req.slo_class, name).inc()
+
+    def echo_logprobs(self, completion: dict | None) -> dict | None:
+        """OpenAI's logprobs of an echoed completion: the prompt's tokens first (the first one has
+        no logprob), then ``completion``'s (its offsets already past the prompt text)."""
+        if self.gi.logprobs is None or self.prompt_lps is None:
+            return completion
+        tok, k = self.state.tokenizer, self.gi.logprobs
+        tokens = [token_text(tok, t) for t in self.prompt.ids]
+        offsets, pos = [], 0
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        block = {"tokens": tokens, "token_logprobs": [None] + [e[0] for e in self.prompt_lps],
+                 "top_logprobs": [None] + [{token_text(tok, i): v for i, v in e[1][:k]} for e in self.prompt_lps],
+                 "text_offset": offsets}
+        if completion is not None:
+            for key in block:
+                block[key] = block[key] + completion[key]
+        return block
+
+    def vllm_prompt_logprobs(self) -> list | None:
+        """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else a map from token id
+        to ``{logprob, rank, decoded_token}`` holding the token itself and the top ``prompt_logprobs``."""
+        k, tok = self.gi.prompt_logprobs, self.state.tokenizer
+        if k is None or self.prompt_lps is None:
+            return None
+        out: list = [None]
+        for t, (logprob, top) in zip(self.prompt.ids[1:], self.prompt_lps):
+            entry: dict[str, dict] = {}
+            ranks = {i: r for r, (i, _) in enumerate(top, 1)}
+            entry[str(t)] = {"logprob": logprob, "rank": ranks.get(t), "decoded_token": token_text(tok, t)}
+            for i, v in top[:k]:
+                entry.setdefault(str(i), {"logprob": v, "rank": ranks[i], "decoded_token": token_text(tok, i)})
+            out.append(entry)
+        return out
 
     def logprobs_block(self, toks: list[int], lp: list | None, offset: int) -> Any:
         """The OpenAI logprobs of ``toks`` (``lp`` entries ``[logprob, [[id, logprob], ...]]``)."""
@@ -431,7 +469,9 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
     def _choice(gi: GenerateInput, run: _Run, index: int) -> dict[str, Any]:
         """One choice of a complete (not streamed) answer."""
         text = run.detok.delta(final=True)
-        choice: dict[str, Any] = {"index": index, "logprobs": run.logprobs_block(run.toks, run.lps or None, 0),
+        head = _prompt_text(run.prompt) if gi.echo else ""
+        lpb = run.logprobs_block(run.toks, run.lps or None, len(head))
+        choice: dict[str, Any] = {"index": index, "logprobs": run.echo_logprobs(lpb) if gi.echo else lpb,
                                   "finish_reason": run.finish, "stop_reason": None}
         if gi.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
@@ -444,7 +484,9 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
                 except ValueError:          # not a complete call (cannot happen under the constraint)
                     pass
         else:
-            choice["text"] = _prompt_text(run.prompt) + text if gi.echo else text
+            choice["text"] = head + text
+            if gi.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = run.vllm_prompt_logprobs()
         if gi.return_token_ids:
             choice["token_ids"] = run.toks
             choice["prompt_token_ids"] = run.prompt.ids
@@ -463,18 +505,28 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
                 if chat:
                     yield _sse({**head, "choices": [{"index": run.index, "delta": {"role": "assistant", "content": ""},
                                                      "logprobs": None, "finish_reason": None}]})
-                elif gi.echo:
+                elif gi.echo and gi.logprobs is None:
                     text = _prompt_text(run.prompt)
                     offsets[run.index] = len(text)
                     yield _sse({**head, "choices": [{"index": run.index, "text": text, "logprobs": None,
                                                      "finish_reason": None}]})
+            # echo with logprobs: the prompt (and its logprobs) goes with each choice's first tokens
+            echo_due = {run.index for run in runs} if gi.echo and gi.logprobs is not None and not chat else set()
+            plp_due = {run.index for run in runs} if gi.prompt_logprobs is not None and not chat else set()
             async for run, toks, lp in _merged_events(runs):
                 if run.error is not None:
                     yield _sse({"error": {"message": run.error, "code": run.error_status,
                                           "type": _ERROR_TYPES.get(run.error_status, "InternalServerError")}})
                     break
                 text = run.detok.delta(final=run.finish is not None)
-                lpb = run.logprobs_block(toks, lp, offsets[run.index])
+                if run.index in echo_due:
+                    echo_due.discard(run.index)
+                    prompt_text = _prompt_text(run.prompt)
+                    lpb = run.echo_logprobs(run.logprobs_block(toks, lp, len(prompt_text)))
+                    text = prompt_text + text
+                    offsets[run.index] = 0
+                else:
+                    lpb = run.logprobs_block(toks, lp, offsets[run.index])
                 offsets[run.index] += len(text)
                 choice: dict[str, Any] = {"index": run.index, "logprobs": lpb, "finish_reason": run.finish}
                 if tool:
@@ -485,6 +537,9 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
                     choice["delta"] = {"content": text} if text or run.finish is None else {}
                 else:
                     choice["text"] = text
+                    if run.index in plp_due and run.prompt_lps is not None:
+                        plp_due.discard(run.index)
+                        choice["prompt_logprobs"] = run.vllm_prompt_logprobs()
                 if gi.return_token_ids:
                     choice["token_ids"] = toks
                 chunk = {**head, "choices": [choice]}

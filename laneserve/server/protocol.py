@@ -25,8 +25,9 @@ Several choices (issue 14, item 2): ``n`` samples of each prompt; on completions
 samples of which the n with the highest cumulative logprob are returned (as vLLM; not with
 ``stream``), and a batch of prompts (a list of strings or of token-id lists, at most
 ``MAX_BATCH_PROMPTS``): choice ``i * n + j`` is sample j of prompt i. ``echo`` puts the prompt
-before each completion; prompt logprobs (``echo`` with ``logprobs``, vLLM's ``prompt_logprobs``)
-are not supported yet (400).
+before each completion; with ``logprobs`` its logprobs cover the prompt's tokens too (the first
+has none), and vLLM's ``prompt_logprobs`` (top-n) returns them per prompt token; either way the
+prefill computes the whole prompt (no prefix-cache hit) and keeps each position's logprobs.
 
 Structured output (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``, ``tools``
 with ``tool_choice``) becomes ``SamplingParams.structured``; the constraint is compiled here, over
@@ -217,6 +218,7 @@ class GenerateInput:
     skip_special_tokens: bool = True
     n: int = 1                             # choices returned per prompt (the best n of sampling.n)
     echo: bool = False
+    prompt_logprobs: int | None = None     # vLLM's prompt_logprobs field asked (top-n), else None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -581,15 +583,17 @@ def parse_completion(body: Any, *, tokenizer, max_model_len: int, vocab_size: in
     checked = _check_common(req, vocab_size, headers, defaults, tokenizer is not None, req.logprobs, max_tokens,
                             "max_tokens", structured, best_of)
     echo = bool(req.echo)
-    # prompt logprobs (echo with logprobs, vLLM's prompt_logprobs) need the prefill to keep the
-    # logits of every prompt position: not built yet
-    if echo and req.logprobs is not None:
-        raise BadRequest("'echo' with 'logprobs' is not supported by laneserve yet (prompt logprobs)", "echo")
-    _neutral(req.prompt_logprobs, None, "prompt_logprobs", "not yet")
+    # prompt logprobs: echo with logprobs (OpenAI) and vLLM's prompt_logprobs; the prefill then
+    # computes every prompt position (no prefix-cache hit) and keeps their logprobs
+    wanted = [k for k in (req.prompt_logprobs, req.logprobs if echo else None) if k is not None]
+    if wanted:
+        checked.sampling["prompt_logprobs"] = max(wanted)
     prompts = [PromptInput(list(tokenizer.encode(p)), p) if isinstance(p, str) else PromptInput(list(p))
                for p in batch]
-    return _finish(req, "completion", checked, prompts, max_model_len, vocab_size, kv_tokens, defaults, max_tokens,
-                   "max_tokens", n, echo)
+    gi = _finish(req, "completion", checked, prompts, max_model_len, vocab_size, kv_tokens, defaults, max_tokens,
+                 "max_tokens", n, echo)
+    gi.prompt_logprobs = req.prompt_logprobs
+    return gi
 
 
 def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
