@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from server_support import TIMEOUT, Server, wait_all_free
+from server_support import TIMEOUT, Server, wait_all_free, wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -51,6 +51,8 @@ def test_n_greedy_samples_equal_n1_and_seeded_samples_follow_derived_seeds(serve
     assert all(_tokens(c) == one for c in four.choices)
     assert four.usage.completion_tokens == 4 * 8 and four.usage.prompt_tokens == len(four.choices[0].model_dump()[
         "prompt_token_ids"])
+    # the decode instance imported the prompt KV once: samples 1-3 forked sample 0's blocks
+    wait_for(lambda: (server.state()["instances"][1]["kv_forks"] or 0) >= 3, 10, "the decode instance's fork count")
     three = _complete(client, temperature=1.0, seed=11, n=3)
     got = [_tokens(c) for c in three.choices]
     # sample k draws with seed + k (vLLM's derivation): each equals an n=1 request with that seed

@@ -655,5 +655,6 @@ class ProcessCluster:
                                "live_requests": h.stats.get("live"), "preemptions": h.stats.get("preemptions"),
                                "kv_held": h.stats.get("kv_held"),
                                "prefix_blocks": len(h.prefix) if h.prefix is not None else None,
+                               "kv_forks": h.stats.get("kv_forks"),
                                "lane": h.lane,
                                "steps": h.stats.get("steps")} for h in self.instances]}

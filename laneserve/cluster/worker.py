@@ -129,11 +129,12 @@ class _SharedKV:
     (fetched once, on the first take) or a payload already here (colocated). Discarded once every
     sample took it or was dropped."""
 
-    __slots__ = ("transport", "source", "payload", "users")
+    __slots__ = ("transport", "source", "payload", "users", "leader")
 
     def __init__(self, transport, source, users: int) -> None:
         self.transport, self.source, self.users = transport, source, users
         self.payload = None if isinstance(source, dict) else source
+        self.leader: int | None = None       # the sample whose blocks the others fork (EngineInstance)
 
     def take(self):
         if self.payload is None:
@@ -286,9 +287,9 @@ class InstanceWorker:
         descriptor, or a payload here): each ``[rid, index, first_token]`` becomes a request of its
         own (sample ``index``'s seed), offered to the instance with a share of ``kv``.
 
-        This is the one place where n sequences use one prompt's KV. For now each sample's blocks
-        get their own copy (the KV is fetched once and imported once per sample); with a refcounted
-        block manager (issue 15) this becomes a fork of the prompt's block table."""
+        The KV is fetched once; the first sample admitted imports it and the others share its full
+        prompt blocks (``EngineInstance._share_prompt``: a refcounted fork of its table, the partial
+        last block copied), or import their own copy when the leader no longer holds them."""
         ok = isinstance(samples, list) and all(
             isinstance(e, list) and len(e) == 3 and all(map(is_int, e)) for e in samples)
         if not ok or not samples:
@@ -498,7 +499,7 @@ class InstanceWorker:
                     "prefix_queries": kv.query_tokens, "prefix_hits": kv.hit_tokens,
                     "steps": inst.steps, "busy": inst.busy_time, "live": len(self.live),
                     "incoming": len(inst.pending), "kv_held": self.transport.held(),
-                    "kv_events": kv.allocator.take_events()})
+                    "kv_events": kv.allocator.take_events(), "kv_forks": inst.kv_forks})
         self._last_stats = now
         self._dirty = False
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from laneserve.core.kv import HostKVPool, KVCacheManager
+from laneserve.core.kv import BlockCopy, HostKVPool, KVCacheManager
 from laneserve.core.plan import StepPlan, StepResult
 from laneserve.engine.config import EngineConfig
 from laneserve.engine.kv_cache import KVPayload, PagedKVCache
@@ -368,6 +368,11 @@ class EngineExecutor:
             num_tokens = len(table) * manager.block_size
         self._sync()
         return cache.export_tokens(table, num_tokens)
+
+    def copy_block(self, copy: BlockCopy) -> None:
+        """Perform a device-to-device block copy (the partial last block of a forked table)."""
+        with torch.inference_mode():
+            self.runner.cache.apply_copy(self.runner.cache, copy)
 
     def import_kv(self, request_id: int, payload: KVPayload, *, into_host: bool = False) -> None:
         """Write ``payload`` into the blocks already allocated for ``request_id`` (device KV, or

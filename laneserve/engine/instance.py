@@ -40,6 +40,7 @@ class EngineInstance(Instance):
         self._seq = count()
         self._lock = threading.Lock()
         self.failed: dict[int, str] = {}               # requests the last step failed (rid -> why)
+        self.kv_forks = 0                              # samples that shared another's prompt blocks
 
     # ---- input ---------------------------------------------------------------------------
     def submit(self, req: Request, at: float | None = None) -> None:
@@ -87,6 +88,11 @@ class EngineInstance(Instance):
         in_host = sched.kv_lands_in_host
         taken = 0
         for req, payload in self.admit_kv(self.clock.now(), on_drop=on_drop):
+            if not in_host and self._share_prompt(req, payload):
+                req.times.transfer_end = self.clock.now()
+                self.arrive(req, req.times.transfer_end)
+                taken += 1
+                continue
             try:
                 self.executor.import_kv(req.request_id, fetch(payload), into_host=in_host)
             except Exception as exc:
@@ -99,6 +105,27 @@ class EngineInstance(Instance):
             self.arrive(req, req.times.transfer_end)
             taken += 1
         return taken
+
+    def _share_prompt(self, req: Request, payload: Any) -> bool:
+        """The samples of an n-sample request share one prompt KV (``payload`` has a ``leader``
+        slot: the worker's shared transfer). The first sample admitted imports it and becomes the
+        leader; each later one, while the leader still holds its blocks, gets the leader's full
+        prompt blocks by reference (``KVCacheManager.fork``) and a copy of the partial last one,
+        instead of an import of its own. Returns True when ``req`` got its KV that way."""
+        if not hasattr(payload, "leader"):
+            return False
+        kv, rid = self.scheduler.kv, req.request_id
+        leader = payload.leader
+        if leader is None or leader not in kv.tables or kv.num_allocated(leader) * kv.block_size < req.num_computed_tokens:
+            payload.leader = rid                 # this one imports: later samples fork from it
+            return False
+        kv.free(rid)                             # the reservation: the fork takes what it needs
+        copy = kv.fork(leader, rid, req.num_computed_tokens)
+        if copy is not None:
+            self.executor.copy_block(copy)
+        payload.drop()
+        self.kv_forks += 1
+        return True
 
     def release_dropped(self) -> int:
         """Free the executor state of preempted plans the scheduler gave up (a member was
