@@ -13,7 +13,7 @@ from laneserve.costmodel.linear import LinearCostModel
 from laneserve.policies import make
 from laneserve.policies.prefill.laps import LapsPrefill
 from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig, ShapeGrid
-from laneserve.policies.prefill.laps_lanes import LANE_TAG, LONG, SHORT
+from laneserve.policies.prefill.laps_lanes import LONG, SHORT
 from laneserve.policies.routing_laps import LapsPoolRouter, PoolController
 from laneserve.sim import ClusterConfig, Simulator
 
@@ -83,7 +83,7 @@ def test_lanes_never_mix_and_padded_shapes_are_grid_shapes():
     plans = drain(s, now=reqs[-1].arrival_time)
     assert {r.request_id for p in plans for c in p.prefills for r in [c.request]} == set(range(300))
     for p in plans:
-        lanes = {c.request.tags[LANE_TAG] for c in p.prefills}
+        lanes = {c.request.policy_state.lane for c in p.prefills}
         assert len(lanes) == 1
         if p.padded_shape is not None:
             length, batch = p.padded_shape
@@ -166,7 +166,7 @@ def test_long_prefills_run_in_chunks_between_short_batches():
     for i in range(1, 4):
         s.add_request(req(i, 0.0, 10 * i), 0.0)
     first = s.schedule(0.0)                                   # short lane first when due
-    assert first.prefills[0].request.tags[LANE_TAG] == SHORT
+    assert first.prefills[0].request.policy_state.lane == SHORT
 
 
 def test_sla_guard_runs_a_squeezed_short_batch_before_the_next_long_chunk():
@@ -180,7 +180,7 @@ def test_sla_guard_runs_a_squeezed_short_batch_before_the_next_long_chunk():
         s.add_request(req(0, 0.0, 4096, ttft=10.0), 0.0)
         s.add_request(req(1, 0.0, 64, ttft=ttft), 0.0)
         assert s._short_due(0.0)[0] is False                 # AWD alone would keep waiting
-        return s.schedule(0.0).prefills[0].request.tags[LANE_TAG], s
+        return s.schedule(0.0).prefills[0].request.policy_state.lane, s
 
     lane, s = first_lane(0.25)                               # 0.25 − (0.2048 + Ŝ 0.02) ≤ σ 0.05
     assert lane == SHORT and s.guard_dispatches == 1 and s.awd.reasons == {"sla_guard": 1}
@@ -190,10 +190,10 @@ def test_sla_guard_runs_a_squeezed_short_batch_before_the_next_long_chunk():
     s = sched(w_min=0.1, w_max=0.1)
     s.add_request(req(0, 0.0, 4096, ttft=10.0), 0.0)
     plan = s.schedule(0.0)
-    assert plan.prefills[0].request.tags[LANE_TAG] == LONG
+    assert plan.prefills[0].request.policy_state.lane == LONG
     s.update(plan, StepResult(duration=0.2), 0.2)
     s.add_request(req(1, 0.2, 64, ttft=0.25), 0.2)
-    assert s.schedule(0.2).prefills[0].request.tags[LANE_TAG] == SHORT
+    assert s.schedule(0.2).prefills[0].request.policy_state.lane == SHORT
 
 
 def test_preempt_parks_the_long_chunk_and_resumes_the_same_plan():
@@ -233,7 +233,7 @@ def test_preempt_parks_the_long_chunk_and_resumes_the_same_plan():
     assert forced.prefills[0].request.request_id == 0 and not s.should_preempt(forced, 0.02)
     s.update(forced, StepResult(duration=0.2), 0.21)
     s.add_request(req(3, 0.21, 64), 0.21)
-    assert s.schedule(0.21).prefills[0].request.tags[LANE_TAG] == SHORT
+    assert s.schedule(0.21).prefills[0].request.policy_state.lane == SHORT
     # LAPS alone never preempts
     plain = sched()
     plain.add_request(req(0, 0.0, 4096), 0.0)

@@ -174,9 +174,10 @@ class KVCacheManager:
         """Names of ``req``'s full prompt blocks under this manager's chain (memoised on the
         request: routers and policies ask about every request often)."""
         key = (self._root, self.block_size)
-        memo = req.tags.get(_HASH_TAG)
+        memo = req.policy_state.block_hashes
         if memo is None or memo[0] != key:
-            memo = req.tags[_HASH_TAG] = (key, chain_hashes(req.prompt_token_ids or (), self.block_size, self._root))
+            memo = req.policy_state.block_hashes = (key, chain_hashes(req.prompt_token_ids or (), self.block_size,
+                                                                     self._root))
         return memo[1]
 
     def match(self, req: Request, num_tokens: int | None = None) -> list[int]:
@@ -235,7 +236,6 @@ class KVCacheManager:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-_HASH_TAG = "kv_prompt_hashes"
 
 
 def _tokens(req: Request, n: int) -> list[int]:

@@ -31,18 +31,17 @@ from laneserve.core.block_pool import BlockPool
 SESSION_BLOCK_TOKENS = 64
 #: tokens per ``hash_ids`` entry (Mooncake traces name 512-token blocks)
 HASH_BLOCK_TOKENS = 512
-_TAG = "prefix_blocks"
 
 Block = tuple[Hashable, int]          # (content name, tokens)
 
 
 def prefix_blocks(req, *, block_tokens: int = SESSION_BLOCK_TOKENS,
                   hash_block_tokens: int = HASH_BLOCK_TOKENS) -> tuple[Block, ...]:
-    """The named full blocks of ``req``'s prompt, in order (memoised in ``req.tags`` when the
-    request has tags). ``req`` is a :class:`~laneserve.core.request.Request` or a ``RequestSpec``."""
-    tags = getattr(req, "tags", None)
-    if tags is not None and _TAG in tags:
-        return tags[_TAG]
+    """The named full blocks of ``req``'s prompt, in order (memoised in ``req.policy_state`` when
+    ``req`` is a :class:`~laneserve.core.request.Request`; a ``RequestSpec`` has none)."""
+    state = getattr(req, "policy_state", None)
+    if state is not None and state.prefix_blocks is not None:
+        return state.prefix_blocks
     n = req.prompt_len
     hash_ids = getattr(req, "hash_ids", None)
     if hash_ids:
@@ -53,8 +52,8 @@ def prefix_blocks(req, *, block_tokens: int = SESSION_BLOCK_TOKENS,
         blocks = tuple((("s", sid, i), block_tokens) for i in range(n // block_tokens))
     else:
         blocks = ()
-    if tags is not None:
-        tags[_TAG] = blocks
+    if state is not None:
+        state.prefix_blocks = blocks
     return blocks
 
 

@@ -20,7 +20,6 @@ from collections.abc import Hashable, Iterable
 from laneserve.core.block_pool import STORED, chain_hashes
 from laneserve.core.request import Request
 
-_TAG = "prefix_summary_names"
 
 
 class PrefixSummary:
@@ -55,9 +54,10 @@ class PrefixSummary:
     def block_names(self, req: Request) -> list[bytes]:
         """Names of ``req``'s full prompt blocks under this summary's chain (memoised on the request)."""
         key = (self.root, self.block_size)
-        memo = req.tags.get(_TAG)
+        memo = req.policy_state.block_hashes          # the same chain as the instance's KV manager's
         if memo is None or memo[0] != key:
-            memo = req.tags[_TAG] = (key, chain_hashes(req.prompt_token_ids or (), self.block_size, self.root))
+            memo = req.policy_state.block_hashes = (key, chain_hashes(req.prompt_token_ids or (), self.block_size,
+                                                                     self.root))
         return memo[1]
 
     def cached_tokens(self, req: Request) -> int:

@@ -77,6 +77,22 @@ class RequestTimes:
     token_times: list[float] | None = None   # every delivered token, when recording is on
 
 
+@dataclass(slots=True)
+class PolicyState:
+    """What the scheduling policies and routers keep on a request, one typed field per use (the
+    owner is named in each comment); reset by nobody else."""
+
+    lane: str | None = None              # LAPS lane ("short" | "long"): laps-pools router or LAPS prefill
+    prefix_memo: tuple | None = None     # prefill: (cache, cache version, cached tokens) of the last lookup
+    prefix_blocks: tuple | None = None   # core.prefix_cache: the prompt's workload-named blocks
+    block_hashes: tuple | None = None    # core.kv / core.prefix_summary: ((root, block size), chain names)
+    kairos_delay: int = 0                # Kairos decode: consecutive steps this request was held back
+    aligned_batch: int | None = None     # AlignedServe: the aligned batch it was picked into
+    aligned_since: float | None = None   # AlignedServe: when it started waiting in the length tree
+    prefetch_ready: float = 0.0          # AlignedServe prefetch: when its staged KV is on the device
+    prefetch_staged: int = 0             # AlignedServe prefetch: KV tokens staged for it
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: int
@@ -105,8 +121,7 @@ class Request:
     prefill_instance: int | None = None
     decode_instance: int | None = None
     times: RequestTimes = field(default=None)  # type: ignore[assignment]
-    #: free-form per-policy state (e.g. LAPS lane, AlignedServe tree node); policies own their keys
-    tags: dict = field(default_factory=dict)
+    policy_state: PolicyState = field(default_factory=PolicyState)
 
     def __post_init__(self) -> None:
         if self.times is None:

@@ -99,6 +99,7 @@ class SortedKeys:
         the walk are not yielded once deleted; keys added during it may be."""
         i, j = (0, 0) if after is None else self._locate_after(after)
         version = self._version
+        last = after              # the last key yielded (the version only changes after a yield)
         while True:
             if version != self._version:
                 i, j = self._locate_after(last)

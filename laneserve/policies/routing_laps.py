@@ -5,7 +5,7 @@ lightweight instance-pressure controller that moves one instance between pools a
 Router side (``laps-pools``): each arrival is classified by its new tokens against L_m: the prompt
 minus the longest prefix an accepting instance holds (``cached_prefix``; with the simulator's
 idealised flag-mode caching that is the request's ``prefix_len``; ``cached_prefix=false`` counts
-the whole prompt), tagged ``req.tags["laps_lane"]`` and sent to an instance of that lane's pool:
+the whole prompt), tagged ``req.policy_state.lane`` and sent to an instance of that lane's pool:
 with ``affinity`` (default) to the pool instances that hold the longest cached prefix when it
 covers ≥ ``affinity_threshold`` of the prompt and their queue is within ``balance_tokens`` of the
 pool's shortest, and among those (or else among the whole pool) to the least-loaded (fewest queued
@@ -62,7 +62,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from laneserve.core.request import Phase, Request
-from laneserve.policies.prefill.laps_lanes import LANE_TAG, LONG, SHORT
+from laneserve.policies.prefill.laps_lanes import LONG, SHORT
 from laneserve.policies.registry import register
 from laneserve.policies.routing import InstanceLoad, Router, affinity_candidates, cached_prefix
 
@@ -198,7 +198,7 @@ class LapsPoolRouter(Router):
         live = self._candidates(instances)
         # one cache lookup per instance serves the lane, the affinity and the re-check below
         hits = {i: cached_prefix(instances[i], req) for i in live}
-        tagged = req.tags.get(LANE_TAG)
+        tagged = req.policy_state.lane
         lane = tagged or self._lane(req, max(hits.values()) if self.cached_prefix else 0)
         choice = self._pick(instances, live, lane, req, hits)
         if lane == SHORT and self.cached_prefix and not tagged and self._lane(req, hits[choice]) == LONG:
@@ -206,7 +206,7 @@ class LapsPoolRouter(Router):
             # instance it would run on it is a long prefill
             lane = LONG
             choice = self._pick(instances, live, lane, req, hits)
-        req.tags[LANE_TAG] = lane
+        req.policy_state.lane = lane
         last = self._last_pick
         self._picks += 1
         last[choice] = self._picks

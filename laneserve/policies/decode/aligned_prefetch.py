@@ -23,9 +23,6 @@ from dataclasses import dataclass
 
 from laneserve.core.request import Request
 
-READY_TAG = "aligned_ready"
-STAGED_TAG = "aligned_staged"
-
 
 @dataclass(slots=True)
 class PrefetchStager:
@@ -48,17 +45,17 @@ class PrefetchStager:
             start = self.link_free_at if self.link_free_at > now else now
             ready = start + tokens / self.tokens_per_s
             self.link_free_at = ready
-        req.tags[READY_TAG] = ready
-        req.tags[STAGED_TAG] = tokens
+        req.policy_state.prefetch_ready = ready
+        req.policy_state.prefetch_staged = tokens
         self.staged_tokens += tokens
         self.staged_total += tokens
         return ready
 
     def unstage(self, req: Request) -> None:
-        tokens = req.tags.pop(STAGED_TAG, 0)
-        req.tags.pop(READY_TAG, None)
+        state = req.policy_state
+        tokens, state.prefetch_staged, state.prefetch_ready = state.prefetch_staged, 0, 0.0
         self.staged_tokens -= tokens
 
     @staticmethod
     def ready_at(req: Request) -> float:
-        return req.tags.get(READY_TAG, 0.0)
+        return req.policy_state.prefetch_ready

@@ -60,8 +60,11 @@ from laneserve.policies.decode.base import DecodeScheduler
 from laneserve.policies.decode.quadtree import KVLengthQuadTree, Selection
 from laneserve.policies.registry import register
 
-BATCH_TAG = "aligned_batch"
-SINCE_TAG = "aligned_since"
+
+def _since(req: Request, now: float) -> float:
+    """When ``req`` started waiting in the length tree (``now`` if it has not yet)."""
+    since = req.policy_state.aligned_since
+    return now if since is None else since
 
 
 @register("decode", "alignedserve", aliases={"aligned": {}, "alignedserve-nop": {"prefetch": False, "guard": False},
@@ -159,7 +162,7 @@ class AlignedServeDecode(DecodeScheduler):
         self.cand_reqs, self.cand_batch, self.cand_info = [], [], None
         for req in pooled:
             self.stager.unstage(req)
-            req.tags.pop(BATCH_TAG, None)
+            req.policy_state.aligned_batch = None
             req.phase = Phase.SWAPPED
             self.swapped.append(req)
 
@@ -171,7 +174,7 @@ class AlignedServeDecode(DecodeScheduler):
             self._admit(self.waiting.popleft(), now)
         while self.swapped:
             req = self.swapped.popleft()
-            self._to_tree(req, req.tags.get(SINCE_TAG, now))
+            self._to_tree(req, _since(req, now))
 
     def _continuous_step(self, now: float) -> StepPlan | None:
         plan = self._prepare_step(now)
@@ -209,8 +212,8 @@ class AlignedServeDecode(DecodeScheduler):
             self.swapped.append(req)
 
     def _to_tree(self, req: Request, since: float) -> None:
-        req.tags[SINCE_TAG] = since
-        req.tags.pop(BATCH_TAG, None)
+        req.policy_state.aligned_since = since
+        req.policy_state.aligned_batch = None
         self.tree.insert(req.request_id, req.context_len, self.pool.num_allocated(req.request_id), since)
 
     def _from_tree(self, request_id: int, now: float) -> Request:
@@ -280,7 +283,7 @@ class AlignedServeDecode(DecodeScheduler):
 
     def _victim(self) -> Request:
         cur = self.current.batch_id if self.current else None
-        old = [r for r in self.running if r.tags.get(BATCH_TAG) != cur]
+        old = [r for r in self.running if r.policy_state.aligned_batch != cur]
         return max(old or self.running, key=lambda r: (r.context_len, r.request_id))
 
     def _evict(self, req: Request, plan: StepPlan, now: float) -> None:
@@ -298,18 +301,18 @@ class AlignedServeDecode(DecodeScheduler):
         plan.swap_out.append(self.pool.swap_out(self.kv, rid, tokens))
         self.stats.swap_out_tokens += tokens
         req.phase = Phase.SWAPPED
-        if self.current is not None and req.tags.get(BATCH_TAG) == self.current.batch_id:
+        if self.current is not None and req.policy_state.aligned_batch == self.current.batch_id:
             self.cand_reqs.append(req)                # evicted to the peer GPU buffer: staged now
             if self.prefetch:
                 self.stager.stage(req, tokens, now, immediate=True)
         else:                                         # old batch: back to the pool, keeping its timer
-            self._to_tree(req, req.tags.get(SINCE_TAG, now))
+            self._to_tree(req, _since(req, now))
 
     def _dynamic_prefetch(self, now: float) -> None:
         cur = self.current
         if cur is None or cur.start_iter is None or (self.cand_info is not None and self.cand_info.starving):
             return
-        room = self.prefetch_window - sum(1 for r in self.cand_reqs if r.tags.get(BATCH_TAG) == cur.batch_id)
+        room = self.prefetch_window - sum(1 for r in self.cand_reqs if r.policy_state.aligned_batch == cur.batch_id)
         if room <= 0 or not len(self.tree):
             return
         shift = self.iteration - cur.start_iter
@@ -317,7 +320,7 @@ class AlignedServeDecode(DecodeScheduler):
             if self.prefetch and not self.stager.can_stage(entry.length):
                 break
             req = self._from_tree(entry.request_id, now)
-            req.tags[BATCH_TAG] = cur.batch_id
+            req.policy_state.aligned_batch = cur.batch_id
             if self.prefetch:
                 self.stager.stage(req, req.num_computed_tokens, now)
             self.cand_reqs.append(req)
@@ -329,7 +332,7 @@ class AlignedServeDecode(DecodeScheduler):
         if leaf is not None and self.cand_batch and not self.cand_info.starving:   # type: ignore[union-attr]
             for req in self.cand_batch:               # priority to the starving subtree
                 self.stager.unstage(req)
-                self._to_tree(req, req.tags.get(SINCE_TAG, now))
+                self._to_tree(req, _since(req, now))
             self.cand_batch, self.cand_info = [], None
         if self.cand_batch or not len(tree):
             return
@@ -346,7 +349,7 @@ class AlignedServeDecode(DecodeScheduler):
 
     def _undersaturated(self) -> bool:
         cur = self.current.batch_id if self.current else None
-        queued = sum(1 for r in self.cand_reqs if r.tags.get(BATCH_TAG) == cur)
+        queued = sum(1 for r in self.cand_reqs if r.policy_state.aligned_batch == cur)
         return len(self.running) + queued < self.n_min
 
     def _form(self, sel: Selection, now: float, *, starving: bool) -> None:
@@ -357,7 +360,7 @@ class AlignedServeDecode(DecodeScheduler):
         batch = []
         for rid in sel.request_ids:
             req = self._from_tree(rid, now)
-            req.tags[BATCH_TAG] = info.batch_id
+            req.policy_state.aligned_batch = info.batch_id
             if self.prefetch:
                 self.stager.stage(req, req.num_computed_tokens, now)
             batch.append(req)
@@ -380,7 +383,7 @@ class AlignedServeDecode(DecodeScheduler):
         keep: list[Request] = []
         blocked = False
         for req in self.cand_reqs:
-            if blocked or req.tags.get(BATCH_TAG) != cur:
+            if blocked or req.policy_state.aligned_batch != cur:
                 keep.append(req)
                 continue
             if len(self.running) >= self.max_batch_size or not self._fits(req):
@@ -407,13 +410,13 @@ class AlignedServeDecode(DecodeScheduler):
 
     def _should_switch(self) -> bool:
         cur = self.current.batch_id if self.current else None
-        if any(r.tags.get(BATCH_TAG) == cur for r in self.cand_reqs):
+        if any(r.policy_state.aligned_batch == cur for r in self.cand_reqs):
             return False                              # case 1 still has requests of this batch
         if self.current is None or not self.running:
             return True
         # the running batch no longer saturates the GPU: below n_min, or (a batch formed
         # smaller than n_min: starvation, memory-bound long requests) below half its peak
-        members = sum(1 for r in self.running if r.tags.get(BATCH_TAG) == cur)
+        members = sum(1 for r in self.running if r.policy_state.aligned_batch == cur)
         return members < min(self.n_min, (self.current.peak + 1) // 2)
 
     def _switch(self, plan: StepPlan, now: float) -> None:
@@ -428,12 +431,12 @@ class AlignedServeDecode(DecodeScheduler):
             self.stager.unstage(req)
             self._to_tree(req, now)
         self.cand_reqs, self.cand_batch, self.cand_info = self.cand_batch, [], None
-        old = [r for r in self.running if r.tags.get(BATCH_TAG) != info.batch_id]
+        old = [r for r in self.running if r.policy_state.aligned_batch != info.batch_id]
         if old and self.switch_evict == "all" and (info.full or info.starving):
             lo, hi = info.lo, info.hi
             for req in old:
                 if lo <= req.context_len <= hi:       # aligned with the new batch: it stays
-                    req.tags[BATCH_TAG] = info.batch_id
+                    req.policy_state.aligned_batch = info.batch_id
                 else:
                     self.running.remove(req)
                     self._evict(req, plan, now)
@@ -459,13 +462,13 @@ class AlignedServeDecode(DecodeScheduler):
         self._recomputing = set()
         cur = self.current
         if cur is not None:
-            members = sum(1 for r in self.running if r.tags.get(BATCH_TAG) == cur.batch_id)
+            members = sum(1 for r in self.running if r.policy_state.aligned_batch == cur.batch_id)
             cur.peak = max(cur.peak, members)
         if plan.decodes:
             self.iteration += 1
             self.stats.decode_steps += 1
-            first = plan.decodes[0].tags.get(BATCH_TAG)
-            if any(r.tags.get(BATCH_TAG) != first for r in plan.decodes):
+            first = plan.decodes[0].policy_state.aligned_batch
+            if any(r.policy_state.aligned_batch != first for r in plan.decodes):
                 self.stats.mixed_steps += 1
 
     # ---- checking (tests) ------------------------------------------------------------------

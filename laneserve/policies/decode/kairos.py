@@ -69,7 +69,6 @@ from laneserve.policies.decode.base import DecodeScheduler
 from laneserve.policies.decode.pacing import TokenPacer
 from laneserve.policies.registry import register
 
-_DELAY_TAG = "kairos_delayed"
 SLACK_RESERVES = ("single", "batch")
 LENGTH_KEYS = ("max", "mean")
 
@@ -232,16 +231,16 @@ class KairosDecode(DecodeScheduler):
             batch = list(active)
         chosen = {r.request_id for r in batch}
         if len(batch) < len(active) and any(
-                r.tags.get(_DELAY_TAG, 0) + 1 >= self.max_delay_steps
+                r.policy_state.kairos_delay + 1 >= self.max_delay_steps
                 for r in active if r.request_id not in chosen):
             stats.forced_steps += 1
             batch = list(active)
             chosen = {r.request_id for r in batch}
         for req in active:
             if req.request_id in chosen:
-                req.tags[_DELAY_TAG] = 0
+                req.policy_state.kairos_delay = 0
             else:
-                req.tags[_DELAY_TAG] = req.tags.get(_DELAY_TAG, 0) + 1
+                req.policy_state.kairos_delay += 1
                 stats.delayed += 1
         if len(batch) < len(active):
             stats.partial_steps += 1
@@ -268,5 +267,5 @@ class KairosDecode(DecodeScheduler):
         super()._advance_decode(req, sampled, stop_hit, self.pacer.release_time(req, now), outcome)
 
     def _remove(self, req: Request) -> None:
-        req.tags.pop(_DELAY_TAG, None)
+        req.policy_state.kairos_delay = 0
         super()._remove(req)

@@ -10,7 +10,6 @@ from laneserve.core.request import Phase, Request
 from laneserve.policies.base import InstanceScheduler, StepOutcome
 
 
-_MEMO = "prefix_hit_memo"
 
 
 class PrefillScheduler(InstanceScheduler):
@@ -99,12 +98,12 @@ class PrefillScheduler(InstanceScheduler):
         elif touch:
             hit = cache.match(prefix_blocks(req), touch=True)
         else:                    # schedulers ask often between changes of the cache: memoise
-            memo = req.tags.get(_MEMO)
+            memo = req.policy_state.prefix_memo
             if memo is not None and memo[0] is cache and memo[1] == cache.version:
                 hit = memo[2]
             else:
                 hit = cache.match(prefix_blocks(req))
-                req.tags[_MEMO] = (cache, cache.version, hit)
+                req.policy_state.prefix_memo = (cache, cache.version, hit)
         hit = min(hit, req.prompt_len - 1)
         if touch and cache is not None:
             cache.record(req.prompt_len, hit)

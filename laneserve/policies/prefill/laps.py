@@ -42,7 +42,7 @@ Lane order (issue 18, do no harm): requests within a lane are taken in TTFT-dead
 several (FlowPrefill's task classes) arrival order let loose-SLO requests block tight ones, and
 LAPS lost two thirds of CP-EDF's goodput. ``laps-literal`` keeps ``order="fcfs"``.
 
-Spatial mode: the router tags each request with its lane (``req.tags["laps_lane"]``) and tells the
+Spatial mode: the router tags each request with its lane (``req.policy_state.lane``) and tells the
 instance its pool with :meth:`LapsPrefill.set_lane`. An instance that changes pool keeps its queued
 work and drains it by the same alternation (lanes still never mix in a step); new arrivals are only
 of its new lane. Without a tag the instance classifies the request itself.
@@ -56,7 +56,7 @@ from laneserve.core.plan import PrefillChunk, StepPlan
 from laneserve.core.request import Request
 from laneserve.policies.prefill.base import PrefillScheduler
 from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig, ShapeGrid
-from laneserve.policies.prefill.laps_lanes import (LANE_TAG, LONG, SHORT, Classifier, Lane, LaneOrder,
+from laneserve.policies.prefill.laps_lanes import (LONG, SHORT, Classifier, Lane, LaneOrder,
                                                    lane_order)
 from laneserve.policies.prefill.priority import make_predictor, priority_key
 from laneserve.policies.registry import register
@@ -136,11 +136,11 @@ class LapsPrefill(PrefillScheduler):
         self.assigned_lane = lane
 
     def lane_of(self, req: Request) -> str:
-        lane = req.tags.get(LANE_TAG)
+        lane = req.policy_state.lane
         if lane is None:
             history = req.prompt_len - self.new_tokens(req)
             lane = self.classifier.classify(self.new_tokens(req), history)
-            req.tags[LANE_TAG] = lane
+            req.policy_state.lane = lane
         return lane
 
     def _push(self, req: Request, now: float) -> None:

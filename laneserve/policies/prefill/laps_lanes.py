@@ -27,7 +27,6 @@ from laneserve.costmodel.laps_fit import LapsPrefillModel
 
 SHORT, LONG = "short", "long"
 LANES = (SHORT, LONG)
-LANE_TAG = "laps_lane"          # request tag: the lane a router (or this instance) assigned
 
 
 @dataclass(frozen=True, slots=True)
