@@ -99,9 +99,10 @@ def test_adaptive_decode_runs_without_a_host_pool_as_slack_guided_continuous_bat
 
 def test_adaptive_decode_aligns_only_when_memory_binds():
     specs = specs_of(chat(150, seed=1), rate=40.0, tpot=0.2, out=(50, 200))
-    roomy = Simulator(ClusterConfig(num_prefill=2, decode_policy="adaptive", host_kv_tokens=1_000_000), COST)
+    roomy = Simulator(ClusterConfig(num_prefill=2, decode_policy="adaptive:align=true", host_kv_tokens=1_000_000),
+                      COST)
     roomy.run(specs)
-    tight = Simulator(ClusterConfig(num_prefill=2, decode_policy="adaptive:n_min=4", decode_kv_tokens=30_000,
+    tight = Simulator(ClusterConfig(num_prefill=2, decode_policy="adaptive:align=true,n_min=4", decode_kv_tokens=30_000,
                                     host_kv_tokens=1_000_000), COST)
     res = tight.run(specs)
     assert res.unfinished == 0
