@@ -16,7 +16,7 @@ from laneserve.core import SLO, RequestSpec
 from laneserve.core.prefix_cache import prefix_blocks
 from laneserve.costmodel.linear import LinearCostModel
 from laneserve.sim import ClusterConfig, Simulator
-from server_support import TIMEOUT, Server
+from server_support import TIMEOUT, serving
 
 INF = float("inf")
 
@@ -134,13 +134,8 @@ def test_stream_parser_reads_chat_deltas_and_cached_tokens():
 # ---- live: a 1P+1D smoke server ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--prefill", "1", "--decode", "1", "--kv-tokens", "16384")
-    try:
-        srv.wait_ready()
+    with serving("--prefill", "1", "--decode", "1", "--kv-tokens", "16384") as srv:
         yield srv
-    finally:
-        srv.interrupt()
-        srv.stop()
 
 
 def _prompt_ids(server, model, messages):

@@ -218,7 +218,7 @@ def test_switch_iterations_are_rare_on_a_95_percent_short_mix():
 
 # ---- the engine --------------------------------------------------------------------------
 def test_engine_alignedserve_greedy_tokens_equal_continuous_batching():
-    from engine_support import prompts, tiny_checkpoint
+    from engine_support import hf_logits, prompts, tiny_checkpoint
     from laneserve.cluster import LocalCluster
     from laneserve.core import Request, SamplingParams
     from laneserve.engine import EngineConfig
@@ -243,4 +243,13 @@ def test_engine_alignedserve_greedy_tokens_equal_continuous_batching():
         if isinstance(dec, AlignedServeDecode):
             assert dec.pool.num_free_blocks == dec.pool.num_blocks
             assert dec.stats.swap_in_tokens >= sum(lengths)
-    assert outs["continuous"] == outs["alignedserve-literal:n_min=2,threshold=1.0,headroom=0"]
+    # the same greedy tokens, except where two runs part at a near-tie of the model's own logits
+    # (batches of different shapes round fp32 sums differently; a wrong swap would part anywhere)
+    aligned = outs["alignedserve-literal:n_min=2,threshold=1.0,headroom=0"]
+    for rid, p in enumerate(ps):
+        a, b = outs["continuous"][rid], aligned[rid]
+        if a == b:
+            continue
+        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        top2 = hf_logits("qwen3", list(p) + a[:k])[-1].float().topk(2).values
+        assert float(top2[0] - top2[1]) < 1e-3, f"request {rid} parts at token {k}, not at a near-tie"

@@ -14,7 +14,7 @@ from laneserve.core.prefix_summary import PrefixSummary
 from laneserve.core.request import Request
 from laneserve.core.slo import SLO
 
-from server_support import Server, wait_for
+from server_support import serving, wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -69,12 +69,8 @@ def test_summary_events_order_and_restart():
 
 @pytest.fixture(scope="module")
 def cache_aware_server():
-    server = Server("--prefill", "2", "--decode", "1", "--router", "cache-aware", "--kv-tokens", "16384")
-    try:
-        server.wait_ready()
+    with serving("--prefill", "2", "--decode", "1", "--router", "cache-aware", "--kv-tokens", "16384") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_cache_aware_router_sends_later_turns_to_the_instance_holding_their_history(cache_aware_server):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from server_support import TIMEOUT, Server, wait_all_free
+from server_support import TIMEOUT, serving, wait_all_free
 from test_server_openai import _PERSON, _check
 
 openai = pytest.importorskip("openai")
@@ -20,13 +20,8 @@ PROMPT = "serve the model token serve the model token prefill decode serve"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--colocated", "--kv-tokens", "16384")
-    try:
-        srv.wait_ready()
+    with serving("--colocated", "--kv-tokens", "16384") as srv:
         yield srv
-    finally:
-        srv.interrupt()
-        srv.stop()
 
 
 @pytest.mark.parametrize("seed", [1, 2])

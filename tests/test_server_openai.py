@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 from engine_support import OutputPenalty
-from server_support import TIMEOUT, Server, wait_all_free
+from server_support import TIMEOUT, serving, wait_all_free
 
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -31,13 +31,8 @@ PENALTY_PROMPT = "hello the world hello the world"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--prefill", "1", "--decode", "1", "--kv-tokens", "16384")
-    try:
-        srv.wait_ready()
+    with serving("--prefill", "1", "--decode", "1", "--kv-tokens", "16384") as srv:
         yield srv
-    finally:
-        srv.interrupt()
-        srv.stop()
 
 
 @functools.cache

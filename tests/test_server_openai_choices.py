@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from server_support import TIMEOUT, Server, wait_all_free, wait_for
+from server_support import TIMEOUT, serving, wait_all_free, wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -20,13 +20,8 @@ OTHER = "hello the world hello"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--prefill", "1", "--decode", "1", "--kv-tokens", "16384")
-    try:
-        srv.wait_ready()
+    with serving("--prefill", "1", "--decode", "1", "--kv-tokens", "16384") as srv:
         yield srv
-    finally:
-        srv.interrupt()
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ start-up and shutdown, the ``/debug/state`` snapshot, an ``openai`` client, and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -70,6 +71,17 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def serving(*args: str, **kwargs):
+    """``laneserve serve ARGS`` started, healthy, and stopped on leaving the block (whatever happens)."""
+    server = Server(*args, **kwargs)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
 
 
 def wait_all_free(server: Server, timeout: float = 15.0) -> dict:
