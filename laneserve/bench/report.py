@@ -109,8 +109,9 @@ def plot_curves(path: Path | str, rows: Sequence[Mapping[str, Any]], *, x_key: s
     if groups:
         axes[0].legend(fontsize="small")
     if title:
-        fig.suptitle(title)
-    fig.savefig(path, dpi=120)
+        import textwrap
+        fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize="medium")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     return Path(path)
 
 
