@@ -2,3 +2,13 @@
 :mod:`laneserve.bench.live_server`)."""
 
 from laneserve.bench.live_server import TIMEOUT, Server, free_port, serving, wait_all_free, wait_for  # noqa: F401
+
+#: two tools for the tool-call tests: a weather lookup (arguments constrained by a schema) and a ping
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "ping", "parameters": {
+        "type": "object", "properties": {"n": {"type": "boolean"}}, "required": ["n"]}}},
+]

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 from engine_support import OutputPenalty
-from server_support import TIMEOUT, serving, wait_all_free
+from server_support import TIMEOUT, WEATHER_TOOLS, serving, wait_all_free
 
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -268,12 +268,7 @@ def test_vllm_guided_fields_constrain_completions(server):
 def test_named_and_required_tool_calls(server):
     import json
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=TIMEOUT)
-    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                               "unit": {"enum": ["celsius", "fahrenheit"]}},
-              "required": ["city", "unit"]}
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}},
-             {"type": "function", "function": {"name": "ping", "parameters": {
-                 "type": "object", "properties": {"n": {"type": "boolean"}}, "required": ["n"]}}}]
+    tools = WEATHER_TOOLS
     msgs = [{"role": "user", "content": "weather?"}]
     out = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, temperature=1.0, seed=3,
                                          max_tokens=120,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from server_support import TIMEOUT, serving, wait_all_free, wait_for
+from server_support import TIMEOUT, WEATHER_TOOLS, serving, wait_all_free, wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -161,19 +161,11 @@ def test_echo_with_logprobs_and_prompt_logprobs_are_the_engines(client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
 
 
-_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"]}
-_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": _PARAMS}},
-          {"type": "function", "function": {"name": "ping", "parameters": {
-              "type": "object", "properties": {"n": {"type": "boolean"}}, "required": ["n"]}}}]
-
-
 def _streamed_calls(client, **kw) -> tuple[dict[int, dict], str | None, int]:
     calls: dict[int, dict] = {}
     finish, chunks = None, 0
     for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
-                                                tools=_TOOLS, temperature=1.0, max_tokens=200, stream=True, **kw):
+                                                tools=WEATHER_TOOLS, temperature=1.0, max_tokens=200, stream=True, **kw):
         for c in chunk.choices:
             for d in c.delta.tool_calls or ():
                 call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from laneserve.bench.experiment import goodput
-from laneserve.core.slo import SLO
 from laneserve.costmodel.base import CostModel
 from laneserve.sim import ClusterConfig
 from laneserve.workloads import Workload
+from laneserve.workloads.traces import IdleLatencySLO
 
 #: cluster shapes: name -> (prefill instances, decode instances)
 SHAPES: dict[str, tuple[int, int]] = {"1P+1D": (1, 1), "4P+4D": (4, 4)}
@@ -129,13 +129,10 @@ def idle_prefill_time(spec, cost: CostModel, *, cached: bool = False) -> float:
 
 
 def idle_multiple_slo(workload: Workload, cost: CostModel, *, multiple: float, floor: float,
-                      tpot: float, cached: bool = False) -> Workload:
-    """Every request's TTFT target = ``max(floor, multiple x its idle prefill time)``; TPOT ``tpot``."""
-    specs = [replace(s, slo=SLO(ttft=max(floor, multiple * idle_prefill_time(s, cost, cached=cached)),
-                                tpot=tpot))
-             for s in workload.specs]
-    return Workload.from_specs(workload.name, specs, {**workload.meta, "slo_rule": (
-        f"TTFT = max({floor:g} s, {multiple:g} x idle prefill time), TPOT {tpot * 1e3:g} ms")})
+                      tpot: float) -> Workload:
+    """Every request's TTFT target = ``max(floor, multiple x its idle prefill time)``; TPOT ``tpot``
+    (the ``--trace`` rule of :class:`~laneserve.workloads.traces.IdleLatencySLO`, a fixed TPOT)."""
+    return IdleLatencySLO(ttft_multiple=multiple, ttft_floor=floor).apply(workload, cost, tpot=tpot)
 
 
 def capacity_estimate(workload: Workload, cost: CostModel, num_prefill: int, *, cached: bool = False) -> float:

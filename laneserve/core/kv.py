@@ -171,14 +171,8 @@ class KVCacheManager:
 
     # ---- prefix caching ------------------------------------------------------------------
     def prompt_hashes(self, req: Request) -> list[bytes]:
-        """Names of ``req``'s full prompt blocks under this manager's chain (memoised on the
-        request: routers and policies ask about every request often)."""
-        key = (self._root, self.block_size)
-        memo = req.policy_state.block_hashes
-        if memo is None or memo[0] != key:
-            memo = req.policy_state.block_hashes = (key, chain_hashes(req.prompt_token_ids or (), self.block_size,
-                                                                     self._root))
-        return memo[1]
+        """Names of ``req``'s full prompt blocks under this manager's chain."""
+        return prompt_block_hashes(req, self.block_size, self._root)
 
     def match(self, req: Request, num_tokens: int | None = None) -> list[int]:
         """The cached blocks holding ``req``'s leading tokens (prompt, then outputs), leaving at
@@ -236,6 +230,17 @@ class KVCacheManager:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
+
+
+def prompt_block_hashes(req: Request, block_size: int, root: bytes) -> list[bytes]:
+    """Names of ``req``'s full prompt blocks under the chain from ``root``, memoised on the request
+    (routers and policies ask about every request often; an instance's KV manager and the router's
+    summary of it use the same chain, so they share the memo)."""
+    key = (root, block_size)
+    memo = req.policy_state.block_hashes
+    if memo is None or memo[0] != key:
+        memo = req.policy_state.block_hashes = (key, chain_hashes(req.prompt_token_ids or (), block_size, root))
+    return memo[1]
 
 
 def _tokens(req: Request, n: int) -> list[int]:

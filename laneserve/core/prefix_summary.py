@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 
-from laneserve.core.block_pool import STORED, chain_hashes
+from laneserve.core.block_pool import STORED
+from laneserve.core.kv import prompt_block_hashes
 from laneserve.core.request import Request
 
 
@@ -51,22 +52,13 @@ class PrefixSummary:
         """Forget everything (the instance restarted with an empty cache)."""
         self.names.clear()
 
-    def block_names(self, req: Request) -> list[bytes]:
-        """Names of ``req``'s full prompt blocks under this summary's chain (memoised on the request)."""
-        key = (self.root, self.block_size)
-        memo = req.policy_state.block_hashes          # the same chain as the instance's KV manager's
-        if memo is None or memo[0] != key:
-            memo = req.policy_state.block_hashes = (key, chain_hashes(req.prompt_token_ids or (), self.block_size,
-                                                                     self.root))
-        return memo[1]
-
     def cached_tokens(self, req: Request) -> int:
         """Prompt tokens of ``req`` the instance would not compute if it started it now: its leading
         held blocks, leaving at least one token to compute (as ``KVCacheManager.match`` does)."""
         if not self.names or not req.prompt_token_ids:
             return 0
         limit = (req.prompt_len - 1) // self.block_size
-        names, held = self.block_names(req), self.names
+        names, held = prompt_block_hashes(req, self.block_size, self.root), self.names
         k = 0
         for name in names[:limit]:
             if name not in held:

@@ -127,13 +127,16 @@ class EngineExecutor:
                 if not seqs:
                     self._sync()
                     return EngineStepResult(time.perf_counter() - t0, True, {}, set())
-                bucket = self.runner.select_bucket(plan, seqs)
+                asked = prompt_logprob_rows(seqs)
+                # prompt logprobs need more logit rows than a shape bucket returns
+                bucket = None if asked else self.runner.select_bucket(plan, seqs)
                 if bucket is None:
-                    forward = self.runner.forward(self.runner.prepare(seqs, plan.padded_shape))
+                    forward = self.runner.forward(self.runner.prepare(seqs, plan.padded_shape, asked))
             else:
                 if parked.plan is not plan:
                     raise ValueError(f"plan {plan.plan_id} resumed with a different plan object")
                 seqs, forward, bucket = parked.seqs, parked.forward, None
+                asked = prompt_logprob_rows(seqs)
             if bucket is not None:     # a shape bucket: not preemptible, no operator boundaries
                 logits = self.runner.run_bucket(bucket, seqs)
                 plan.ops_done = self.model.num_operators
@@ -142,7 +145,6 @@ class EngineExecutor:
                 if logits is None:
                     self._sync()
                     return EngineStepResult(time.perf_counter() - t0, completed=False)
-            asked = prompt_logprob_rows(seqs)
             if asked:
                 n_sampled = sum(1 for s in seqs if s.sample)
                 self._prompt_logprobs(asked, logits[n_sampled:])

@@ -139,9 +139,7 @@ class ModelRunner:
     def select_bucket(self, plan: StepPlan, seqs: list[SeqInput]) -> BucketKey | None:
         """The shape bucket of this step, or None for the resumable eager path (always None
         without ``cuda_graphs``)."""
-        if self.graphs is None or prompt_logprob_rows(seqs):
-            return None          # prompt logprobs need more logit rows than a bucket returns
-        return self.graphs.select(plan, seqs)
+        return None if self.graphs is None else self.graphs.select(plan, seqs)
 
     def run_bucket(self, key: BucketKey, seqs: list[SeqInput]) -> torch.Tensor:
         """Run a step in its bucket; returns the logits of the sampled sequences."""
@@ -149,7 +147,10 @@ class ModelRunner:
         tables = [self.kv_manager.table(s.request.request_id) for s in seqs]
         return self.graphs.run(key, seqs, tables)
 
-    def prepare(self, seqs: list[SeqInput], padded_shape: tuple[int, int] | None = None) -> StepTensors:
+    def prepare(self, seqs: list[SeqInput], padded_shape: tuple[int, int] | None = None,
+                prompt_rows: list[tuple[SeqInput, int, int]] = ()) -> StepTensors:
+        """The step's tensors; ``prompt_rows`` (:func:`prompt_logprob_rows` of ``seqs``) add the
+        logit rows of prompt positions after the sampled rows'."""
         bs = self.kv_manager.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -167,7 +168,7 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(s.start, s.start + n))
             if s.sample:
                 logit_rows.append(len(ids) - 1)
-        for s, first, count in prompt_logprob_rows(seqs):     # after the sampled rows
+        for s, first, count in prompt_rows:                    # after the sampled rows
             row = row_of[id(s)] + first - s.start
             logit_rows.extend(range(row, row + count))
         num_tokens = len(ids)

@@ -238,15 +238,11 @@ class _Run:
         no logprob), then ``completion``'s (its offsets already past the prompt text)."""
         if self.gi.logprobs is None or self.prompt_lps is None:
             return completion
-        tok, k = self.state.tokenizer, self.gi.logprobs
-        tokens = [token_text(tok, t) for t in self.prompt.ids]
-        offsets, pos = [], 0
-        for s in tokens:
-            offsets.append(pos)
-            pos += len(s)
-        block = {"tokens": tokens, "token_logprobs": [None] + [e[0] for e in self.prompt_lps],
-                 "top_logprobs": [None] + [{token_text(tok, i): v for i, v in e[1][:k]} for e in self.prompt_lps],
-                 "text_offset": offsets}
+        k, ids = self.gi.logprobs, self.prompt.ids
+        first = token_text(self.state.tokenizer, ids[0])
+        rest = self.logprobs_block(ids[1:], [[v, top[:k]] for v, top in self.prompt_lps], len(first))
+        block = {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+                 "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
         if completion is not None:
             for key in block:
                 block[key] = block[key] + completion[key]
