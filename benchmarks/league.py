@@ -148,9 +148,11 @@ ENTRIES = [
     Entry("kairos", "kairos", "paper", paper="Kairos"),
     Entry("laps", "continuous", "paper", paper="LAPS"),
     Entry("fcfs", "alignedserve", "paper", paper="AlignedServe"),
+    Entry("cp-edf-2k", "alignedserve", "paper", paper="AlignedServe"),
     Entry("sedf", "kairos", "composition", shapes=ONE),   # Kairos decode is ~4x slower to simulate
     Entry("sedf", "alignedserve", "composition"),
-    Entry("fcfs", "continuous", "router", router="round-robin", shapes=FOUR, reference="fcfs+continuous"),
+    Entry("fcfs", "continuous", "baseline-router", router="round-robin", shapes=FOUR,
+          reference="fcfs+continuous"),
     Entry("fcfs", "continuous", "router", router="cache-aware", shapes=FOUR, reference="fcfs+continuous"),
     Entry("fcfs", "continuous", "router", router="laps-pools", shapes=FOUR, reference="fcfs+continuous"),
     Entry("sedf", "continuous", "router", router="laps-pools", shapes=FOUR, reference="sedf+continuous"),
@@ -158,6 +160,17 @@ ENTRIES = [
           paper="LAPS spatial", reference="laps+continuous"),
     Entry("adaptive", "adaptive", "adaptive"),
 ]
+
+
+def select_entries(entries: list[Entry], names: list[str] | None) -> list[Entry]:
+    """``names`` and what their ratios need: every baseline and each named router's reference."""
+    if not names:
+        return entries
+    unknown = set(names) - {e.name for e in entries}
+    if unknown:
+        raise SystemExit(f"unknown entries {sorted(unknown)}; known: {[e.name for e in entries]}")
+    keep = set(names) | {e.reference for e in entries if e.name in names and e.reference}
+    return [e for e in entries if e.kind == "baseline" or e.name in keep]
 
 
 def _fmt(v) -> str:
@@ -188,6 +201,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_SIZES} requests, coarse search")
     ap.add_argument("--jobs", "-j", type=int, default=default_jobs(), help="worker processes")
     ap.add_argument("--workloads", help="comma-separated subset of workloads")
+    ap.add_argument("--entries", help="comma-separated subset of entry names (baselines and the "
+                                      "entries that routers are held against always run)")
     ap.add_argument("--requests", help="requests per evaluation, 1P+1D,4P+4D (overrides the sizes)")
     ap.add_argument("--max-evals", type=int, help="evaluations per search (overrides)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of shapes")
@@ -200,6 +215,7 @@ def main() -> None:
     args = ap.parse_args()
     workloads = [w for w in WORKLOADS if not args.workloads or w.name in args.workloads.split(",")]
     shapes = [s for s in SHAPES if s in args.shapes.split(",")]
+    entries = select_entries(ENTRIES, args.entries.split(",") if args.entries else None)
     run_modes = modes if args.predictor == "both" else (args.predictor,)
     sizes = QUICK_SIZES if args.quick else SIZES
     rel_tol, max_evals = (QUICK_REL_TOL, QUICK_MAX_EVALS) if args.quick else (REL_TOL, MAX_EVALS)
@@ -210,10 +226,10 @@ def main() -> None:
     cost = make_cost_model("analytic", model=MODEL, hardware=HARDWARE)
 
     t0 = time.perf_counter()
-    league = run_league(workloads, ENTRIES, cost, sizes=sizes, shapes=shapes, modes=run_modes,
+    league = run_league(workloads, entries, cost, sizes=sizes, shapes=shapes, modes=run_modes,
                         jobs=args.jobs, rel_tol=rel_tol, max_evals=max_evals, host_kv_tokens=HOST_KV_TOKENS,
                         progress=lambda line: print(line, file=sys.stderr, flush=True))
-    rows = cell_ratios(league["cells"], ENTRIES)
+    rows = cell_ratios(league["cells"], entries)
     metrics, detail = league_metrics(rows)
     wall = time.perf_counter() - t0
     metrics.update(wall_seconds=wall, simulations=sum(c.evals for c in league["cells"]),
@@ -247,12 +263,12 @@ def main() -> None:
           + "\n## Entries\n\n" + markdown_table([{"entry": e.name, "kind": e.kind, "paper": e.paper or "-",
                                                   "shapes": ", ".join(e.shapes),
                                                   "held against": e.reference or "best baseline"}
-                                                 for e in ENTRIES]))
+                                                 for e in entries]))
     write_result("league", metrics, markdown=md, results_dir=outdir,
                  extra={"setup": setup, "workloads": wl_rows, "metric_detail": detail,
                         "skipped": league["skipped"], "search_ranges": league["ranges"],
                         "entries": [{"name": e.name, "kind": e.kind, "paper": e.paper, "shapes": list(e.shapes),
-                                     "reference": e.reference} for e in ENTRIES],
+                                     "reference": e.reference} for e in entries],
                         "cells": rows, "points": {f"{c.workload} {c.shape} {c.entry} {c.mode}": c.points
                                                   for c in league["cells"]}})
     print(f"wrote {outdir}/league.json, league.md, {', '.join(pngs)} in {wall:.0f} s", file=sys.stderr)

@@ -169,3 +169,24 @@ def test_demo_policies():
     got = demo_policies()
     assert got[0] == BASELINE and list(PAPER_POLICIES) == got[1:1 + len(PAPER_POLICIES)]
     assert (DEFAULT in got) == registered(DEFAULT)
+
+
+def test_a_paper_group_is_judged_by_its_best_pairing_and_baseline_routers_are_not_held():
+    entries = [Entry("fcfs", "continuous", "baseline"), Entry("cp-edf-2k", "continuous", "baseline"),
+               Entry("fcfs", "alignedserve", "paper", paper="AlignedServe"),
+               Entry("cp-edf-2k", "alignedserve", "paper", paper="AlignedServe"),
+               Entry("laps", "continuous", "paper", paper="LAPS"),
+               Entry("fcfs", "continuous", "baseline-router", router="rr", reference="fcfs+continuous")]
+    cells = [_cell("a", "fcfs+continuous", "baseline", 2.0), _cell("a", "cp-edf-2k+continuous", "baseline", 10.0),
+             _cell("a", "fcfs+alignedserve", "paper", 2.0), _cell("a", "cp-edf-2k+alignedserve", "paper", 9.8),
+             _cell("a", "laps+continuous", "paper", 9.0),
+             _cell("a", "fcfs+continuous@rr", "baseline-router", 1.0)]
+    rows = cell_ratios(cells, entries)
+    aligned = [r for r in rows if r["entry"].endswith("alignedserve")]
+    assert {r["paper_group_best"] for r in aligned} == {"cp-edf-2k+alignedserve"}
+    assert [r["paper_ratio_vs_best_baseline"] for r in aligned] == [pytest.approx(0.98)] * 2
+    assert next(r for r in aligned if r["entry"] == "fcfs+alignedserve")["ratio_vs_best_baseline"] == 0.2
+    metrics, detail = league_metrics(rows)
+    assert metrics["worst_paper_policy_ratio_vs_best_baseline"] == pytest.approx(0.9)     # LAPS alone
+    assert detail["worst_paper_policy_ratio_vs_best_baseline"]["where"] == "laps+continuous on a 1P+1D"
+    assert metrics["worst_router_ratio_vs_least_loaded"] is None                          # rr is not held
