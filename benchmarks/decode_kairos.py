@@ -60,7 +60,7 @@ def run(workload, cost, policy: str, rate: float, *, record: bool = False) -> di
            "p99_itl_ms": s.get("p99_itl_ms"), "max_itl_ms": s["max_itl_ms"],
            "failed": s["failed"], "preemptions": res.instances[-1]["preemptions"]}
     stats = getattr(sim.back[0].scheduler, "stats", None)
-    if stats is not None:
+    if hasattr(stats, "partial_steps"):                  # Kairos decode's own counters
         row["partial_step_share"] = stats.partial_steps / max(stats.steps, 1)
         row["fallback_step_share"] = stats.fallback_steps / max(stats.steps, 1)
     return row
