@@ -189,3 +189,22 @@ def test_streamed_tool_calls(client):
     calls, finish, _ = _streamed_calls(client, seed=5, tool_choice="required", parallel_tool_calls=False)
     assert finish == "tool_calls" and list(calls) == [0]
     assert calls[0]["name"] in ("get_weather", "ping") and isinstance(json.loads(calls[0]["arguments"]), dict)
+
+
+def test_chat_prompt_logprobs_cover_the_templated_prompt_once(client):
+    """vLLM's ``prompt_logprobs`` on chat: one list beside the choices, one entry per token of the
+    rendered chat template (the first None), each holding that token; with ``stream`` it is refused."""
+    messages = [{"role": "user", "content": OTHER}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, n=2,
+                                         extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+    ids = out.choices[0].model_dump()["prompt_token_ids"]
+    plp = out.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids) > 3
+    for t, entry in zip(ids[1:], plp[1:]):
+        assert str(t) in entry and entry[str(t)]["logprob"] <= 0
+        assert 1 <= len(entry) <= 3          # the token itself and the top 2
+    assert all("prompt_logprobs" not in c.model_dump() for c in out.choices)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True,
+                                       extra_body={"prompt_logprobs": 1})
+    assert "prompt_logprobs" in str(err.value)

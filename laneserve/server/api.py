@@ -460,7 +460,10 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
                                   _ERROR_TYPES.get(failed.error_status, "InternalServerError"))
         chosen = _best(gi, runs)
         choices = [_choice(gi, run, index) for index, run in enumerate(chosen)]
-        return JSONResponse({**_head(gi, runs, False), "choices": choices, "usage": _usage(gi, chosen)})
+        body = {**_head(gi, runs, False), "choices": choices, "usage": _usage(gi, chosen)}
+        if gi.kind == "chat" and gi.prompt_logprobs is not None:     # vLLM: one prompt, beside the choices
+            body["prompt_logprobs"] = chosen[0].vllm_prompt_logprobs()
+        return JSONResponse(body)
 
     def _choice(gi: GenerateInput, run: _Run, index: int) -> dict[str, Any]:
         """One choice of a complete (not streamed) answer."""

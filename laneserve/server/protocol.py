@@ -26,7 +26,8 @@ samples of which the n with the highest cumulative logprob are returned (as vLLM
 ``stream``), and a batch of prompts (a list of strings or of token-id lists, at most
 ``MAX_BATCH_PROMPTS``): choice ``i * n + j`` is sample j of prompt i. ``echo`` puts the prompt
 before each completion; with ``logprobs`` its logprobs cover the prompt's tokens too (the first
-has none), and vLLM's ``prompt_logprobs`` (top-n) returns them per prompt token; either way the
+has none), and vLLM's ``prompt_logprobs`` (top-n) returns them per prompt token (completions: in
+each choice; chat: once beside the choices, the rendered template's tokens, not streamed); either way the
 prefill computes the whole prompt (no prefix-cache hit) and keeps each position's logprobs.
 
 Structured output (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``, ``tools``
@@ -623,6 +624,11 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
     structured = _structured(body, req, tokenizer)
     n = req.n or 1
     checked = _check_common(req, vocab_size, headers, defaults, True, logprobs, max_tokens, key, structured, n)
+    if req.prompt_logprobs is not None:
+        if req.stream:
+            raise BadRequest("'prompt_logprobs' is not supported with 'stream': true on chat completions",
+                             "prompt_logprobs")
+        checked.sampling["prompt_logprobs"] = req.prompt_logprobs
     try:
         text = tokenizer.apply_chat_template(msgs, tokenize=False,
                                              add_generation_prompt=req.add_generation_prompt is not False, **kwargs)
@@ -631,5 +637,7 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
     if not isinstance(text, str):
         raise BadRequest("the chat template did not produce text", "messages")
     ids = list(tokenizer.encode(text, add_special_tokens=False))
-    return _finish(req, "chat", checked, [PromptInput(ids, text)], max_model_len, vocab_size, kv_tokens, defaults,
-                   max_tokens, key, n)
+    gi = _finish(req, "chat", checked, [PromptInput(ids, text)], max_model_len, vocab_size, kv_tokens, defaults,
+                 max_tokens, key, n)
+    gi.prompt_logprobs = req.prompt_logprobs
+    return gi

@@ -114,6 +114,9 @@ class _Request(BaseModel):
     skip_special_tokens: bool | None = None
     return_token_ids: bool | None = Field(None, description="token ids of the prompt and the output in each choice")
     priority: Int64 | None = Field(None, description="lower = served earlier by priority-aware policies")
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="vLLM: the logprob of each prompt token and the top-n at its position (completions: "
+                          "in each choice; chat: once, beside the choices, and not with stream)")
     # structured output (OpenAI's response_format; vLLM's guided_* and structured_outputs)
     response_format: dict[str, Any] | None = Field(
         None, description='{"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}')
@@ -147,8 +150,6 @@ class CompletionRequest(_Request):
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(
         None, description="samples per prompt (>= n), of which the n with the highest cumulative logprob are "
                           "returned; not with stream")
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
-        None, description="vLLM: top-n logprobs of each prompt token (not supported yet)")
 
 
 class TextPart(BaseModel):
