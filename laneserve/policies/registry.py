@@ -27,10 +27,11 @@ def register(kind: str, name: str, *, aliases: dict[str, dict[str, Any]] | None 
     """Decorator: register a factory (usually a class) under ``kind``/``name``."""
     def deco(factory: Callable[..., Any]) -> Callable[..., Any]:
         options = declared_options(factory)
+        if options is not None:
+            for alias, opts in (aliases or {}).items():
+                _checked(options, opts, f"preset {alias!r} of {kind} policy {name!r}")
         _REGISTRIES[kind][name] = factory
         for alias, opts in (aliases or {}).items():
-            if options is not None:
-                _checked(options, opts, f"preset {alias!r} of {kind} policy {name!r}")
             _ALIASES[kind][alias] = (name, opts)
         return factory
     return deco

@@ -27,10 +27,10 @@ class ChunkedEDFOptions(PrefillOptions):
     chunk: int = 2048                   # prompt tokens per step
 
     def validate(self) -> None:
+        at_least(self, "chunk", 1)
         if self.token_budget is None:
             object.__setattr__(self, "token_budget", self.chunk)
         PrefillOptions.validate(self)
-        at_least(self, "chunk", 1)
 
 
 @register("prefill", "cp-edf", aliases={"cp-edf-2k": {"chunk": 2048}, "cp-edf-8k": {"chunk": 8192},
