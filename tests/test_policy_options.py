@@ -205,10 +205,18 @@ def test_listing_shows_options_with_types_and_defaults_and_presets(capsys):
     assert "chunk: int = 2048" in lines["cp-edf"] and "cp-edf-8k (chunk=8192)" in lines["cp-edf"]
     assert "ordering: sedf|dedf|edf|fcfs = sedf" in lines["sedf"]
     assert "max_suspension: float = 10.0" in lines["adaptive"] and "min_share: float = 0.05" in lines["adaptive"]
-    assert "chunk=8192" in lines["kairos"] and "(untyped)" in lines["kairos"]     # not converted yet
     routers = "\n".join(registry.describe("router"))
     assert "threshold: float = 0.5" in routers and "round-robin: no options; presets: rr" in routers
     assert main(["sim", "--list-policies"]) == 0
     out = capsys.readouterr().out
     assert "cp-edf: token_budget: int | None = None" in out
     assert "continuous: max_batch_size: int = 256, preemption: swap|recompute = swap" in out
+
+
+def test_listing_of_a_policy_still_taking_untyped_keywords():
+    class Untyped(FCFSPrefill):
+        def __init__(self, kv, *, depth: int = 3, **opts) -> None:
+            super().__init__(kv, **opts)
+
+    assert registry._untyped_options(Untyped) == \
+        "depth=3, token_budget=8192, max_batch_size=256, prefix_caching=False (untyped)"

@@ -85,6 +85,12 @@ def above(opts: PolicyOptions, name: str, low: float) -> None:
         raise option_error(name, f"must be > {low}", value)
 
 
+def default_to(opts: PolicyOptions, name: str, source: str) -> None:
+    """A field left ``None`` takes the value of field ``source`` (CP-EDF's budget is its chunk)."""
+    if getattr(opts, name) is None:
+        object.__setattr__(opts, name, getattr(opts, source))
+
+
 def within(opts: PolicyOptions, name: str, low: float, high: float) -> None:
     """``low <= value <= high``."""
     value = getattr(opts, name)

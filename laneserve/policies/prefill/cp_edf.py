@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from laneserve.core.plan import StepPlan
 from laneserve.core.request import Request
-from laneserve.policies.options import at_least
+from laneserve.policies.options import at_least, default_to
 from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
 from laneserve.policies.registry import register
 
@@ -28,8 +28,7 @@ class ChunkedEDFOptions(PrefillOptions):
 
     def validate(self) -> None:
         at_least(self, "chunk", 1)
-        if self.token_budget is None:
-            object.__setattr__(self, "token_budget", self.chunk)
+        default_to(self, "token_budget", "chunk")
         PrefillOptions.validate(self)
 
 
