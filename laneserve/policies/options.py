@@ -176,7 +176,10 @@ def _readings(text: str) -> Iterable[Any]:
 
 def parse_option(cls: type[PolicyOptions], name: str, text: str) -> Any:
     """The value of option ``name`` of ``cls`` that a spec's ``text`` gives (``chunk=2048``: the
-    int 2048; ``chunk=abc``: a ValueError naming ``chunk``); the first reading the field's type accepts."""
+    int 2048; ``chunk=abc``: a ValueError naming ``chunk``); the first reading the field's type
+    accepts. An unknown ``name`` is a ValueError listing the valid options."""
+    if name not in option_defaults(cls):
+        raise unknown_options_error(cls, [name])
     hint = option_hints(cls)[name]
     for candidate in _readings(text):
         ok, stored = _accepts(candidate, hint)

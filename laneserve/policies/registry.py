@@ -26,10 +26,10 @@ _ALIASES: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {k: {} for k in _RE
 def register(kind: str, name: str, *, aliases: dict[str, dict[str, Any]] | None = None):
     """Decorator: register a factory (usually a class) under ``kind``/``name``."""
     def deco(factory: Callable[..., Any]) -> Callable[..., Any]:
-        options = declared_options(factory)
-        if options is not None:
+        declared = declared_options(factory)
+        if declared is not None:
             for alias, opts in (aliases or {}).items():
-                _checked(options, opts, f"preset {alias!r} of {kind} policy {name!r}")
+                _checked(declared, opts, f"preset {alias!r} of {kind} policy {name!r}")
         _REGISTRIES[kind][name] = factory
         for alias, opts in (aliases or {}).items():
             _ALIASES[kind][alias] = (name, opts)
@@ -73,13 +73,13 @@ def available(kind: str) -> list[str]:
     return sorted([*_REGISTRIES[kind], *_ALIASES[kind]])
 
 
-def _checked(options: type[PolicyOptions], opts: dict[str, Any], what: str) -> PolicyOptions:
-    """``options(**opts)``, with any error said to be in ``what``."""
+def _checked(cls: type[PolicyOptions], opts: dict[str, Any], what: str) -> PolicyOptions:
+    """``cls(**opts)``, with any error said to be in ``what``."""
     try:
-        unknown = opts.keys() - option_defaults(options).keys()
+        unknown = opts.keys() - option_defaults(cls).keys()
         if unknown:
-            raise unknown_options_error(options, unknown)
-        return options(**opts)
+            raise unknown_options_error(cls, unknown)
+        return cls(**opts)
     except ValueError as exc:
         raise ValueError(f"bad options for {what}: {exc}") from None
 
@@ -97,19 +97,15 @@ def resolve(kind: str, spec: str) -> tuple[Callable[..., Any], dict[str, Any]]:
     factory = _REGISTRIES[kind].get(name)
     if factory is None:
         raise ValueError(f"unknown {kind} policy {name!r}; available: {', '.join(available(kind))}")
-    options = declared_options(factory)
-    if options is None:
+    declared = declared_options(factory)
+    if declared is None:
         return factory, {**preset, **{k: _parse_value(v) for k, v in raw.items()}}
     what = f"{kind} policy {spec!r}"
-    unknown = raw.keys() - option_defaults(options).keys()
-    if unknown:
-        raise ValueError(f"bad options for {what}: {unknown_options_error(options, unknown)}")
     try:
-        given = {k: parse_option(options, k, v) for k, v in raw.items()}
+        opts = {**preset, **{k: parse_option(declared, k, v) for k, v in raw.items()}}
     except ValueError as exc:
         raise ValueError(f"bad options for {what}: {exc}") from None
-    opts = {**preset, **given}
-    _checked(options, opts, what)
+    _checked(declared, opts, what)
     return factory, opts
 
 
