@@ -20,7 +20,6 @@ from laneserve.policies.prefill.base import PrefillOptions
 from laneserve.policies.prefill.cp_edf import ChunkedEDFOptions, ChunkedEDFPrefill
 from laneserve.policies.prefill.fcfs import FCFSPrefill
 from laneserve.policies.prefill.flowprefill import FlowPrefillOptions, FlowPrefillScheduler
-from laneserve.policies.prefill.kairos import KairosPrefill
 from laneserve.policies.prefill.priority import ORDERINGS, Ordering
 from laneserve.policies.routing import CacheAwareOptions, CacheAwareRouter, RoundRobinRouter
 
@@ -129,10 +128,22 @@ def test_runtime_objects_are_constructor_arguments_not_options():
 
 
 def test_unconverted_subclasses_keep_taking_keywords():
-    """A policy without Options of its own passes its parent's options up as keywords."""
-    k = KairosPrefill(kv(), chunk=4096, max_batch_size=7)
-    assert type(k.options) is PrefillOptions
-    assert k.options.max_batch_size == 7 and k.options.token_budget == 4096
+    """A policy without Options of its own (as Kairos and LAPS were) consumes its own keywords and
+    passes its parent's options up as keywords; it gets its parent's Options."""
+    class LegacyPrefill(FCFSPrefill):
+        def __init__(self, kv, *, depth: int = 3, **opts) -> None:
+            opts.setdefault("token_budget", 1000 * depth)
+            super().__init__(kv, **opts)
+
+    class LegacyDecode(ContinuousBatchingDecode):
+        def __init__(self, kv, *, host_pool=None, max_batch_size: int = 256, preemption: str = "swap",
+                     pace: bool = False) -> None:
+            super().__init__(kv, max_batch_size=max_batch_size, preemption=preemption, host_pool=host_pool)
+
+    p = LegacyPrefill(kv(), depth=2, max_batch_size=7)
+    assert p.options == PrefillOptions(token_budget=2000, max_batch_size=7) and p.token_budget == 2000
+    d = LegacyDecode(kv(), max_batch_size=5, pace=True)
+    assert d.options == DecodeOptions(max_batch_size=5) and d.max_batch_size == 5
 
 
 def test_colocated_forwards_other_keywords_to_its_prefill_policy():
