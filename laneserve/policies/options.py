@@ -65,7 +65,8 @@ class PolicyOptions:
         self.validate()
 
     def validate(self) -> None:
-        """Check the values of this class's own fields; subclasses call their parent's first."""
+        """Check the values of this class's own fields. Subclasses call their parent's first, or
+        right after filling a default derived from their own fields (:func:`default_to`)."""
 
 
 # ---- helpers for validate() ---------------------------------------------------------------------
