@@ -146,6 +146,19 @@ def test_unconverted_subclasses_keep_taking_keywords():
     assert d.options == DecodeOptions(max_batch_size=5) and d.max_batch_size == 5
 
 
+def test_colocated_specs_forward_other_options_to_the_prefill_policy():
+    _, opts = registry.resolve("colocated", "colocated:prefill=cp-edf,chunk=16,token_budget=64")
+    assert opts == {"prefill": "cp-edf", "chunk": 16, "token_budget": 64}
+    co = registry.make("colocated", "colocated:prefill=cp-edf,chunk=16,token_budget=64", kv())
+    assert co.token_budget == 64 and co.prefill.options == ChunkedEDFOptions(chunk=16)
+    assert registry.options("colocated", "colocated:prefill=cp-edf,chunk=16") == ColocatedOptions(prefill="cp-edf")
+    with pytest.raises(ValueError, match=r"unknown option 'chnk'.*chunk=2048"):
+        registry.resolve("colocated", "colocated:prefill=cp-edf,chnk=16")
+    with pytest.raises(ValueError, match=r"option chunk expects int"):
+        registry.resolve("colocated", "colocated:chunk=x")          # the default prefill is cp-edf
+    assert "other options go to its prefill policy" in "\n".join(registry.describe("colocated"))
+
+
 def test_colocated_forwards_other_keywords_to_its_prefill_policy():
     caching = KVCacheManager(64, 16)
     co = ColocatedScheduler(caching, prefill="fcfs", token_budget=512, max_batch_size=3)

@@ -35,11 +35,12 @@ class ColocatedOptions(PolicyOptions):
 
 @registry.register("colocated", "colocated")
 class ColocatedScheduler(InstanceScheduler):
-    """Keyword options that are not :class:`ColocatedOptions` go to the prefill policy
-    (``prefix_caching=True``...)."""
+    """Options that are not :class:`ColocatedOptions` go to the prefill policy, as keywords
+    (``prefix_caching=True``) or in the spec (``colocated:prefill=cp-edf,chunk=16``)."""
 
     role = "colocated"
     Options = ColocatedOptions
+    forwards_options_to = "prefill"      # the registry reads the other spec options as the prefill policy's
     options: ColocatedOptions
 
     def __init__(self, kv: KVCacheManager, options: ColocatedOptions | None = None, *,

@@ -5,8 +5,10 @@ A policy class that declares its typed ``Options`` (:mod:`laneserve.policies.opt
 read and checked through them: each value is parsed as its field's type, an unknown key is an
 error listing the valid options with their defaults, and the merged options are validated before
 anything is built. Aliases name presets (``cp-edf-2k`` is ``cp-edf`` with ``chunk=2048``), checked
-against the same ``Options`` when registered. Classes that still take untyped keyword options get
-values parsed as int, float, bool or left as strings.
+against the same ``Options`` when registered. A class naming ``forwards_options_to`` (colocated:
+``"prefill"``) has the spec options that are not its own read as options of the inner policy its
+option of that name gives. Classes that still take untyped keyword options get values parsed as
+int, float, bool or left as strings.
 """
 
 from __future__ import annotations
@@ -101,21 +103,34 @@ def resolve(kind: str, spec: str) -> tuple[Callable[..., Any], dict[str, Any]]:
     if declared is None:
         return factory, {**preset, **{k: _parse_value(v) for k, v in raw.items()}}
     what = f"{kind} policy {spec!r}"
+    inner = getattr(factory, "forwards_options_to", None)
+    own = option_defaults(declared).keys()
+    forwarded = {k: v for k, v in raw.items() if k not in own} if inner else {}
     try:
-        opts = {**preset, **{k: parse_option(declared, k, v) for k, v in raw.items()}}
+        opts = {**preset, **{k: parse_option(declared, k, v) for k, v in raw.items() if k not in forwarded}}
     except ValueError as exc:
         raise ValueError(f"bad options for {what}: {exc}") from None
-    _checked(declared, opts, what)
+    built = _checked(declared, opts, what)
+    if forwarded:            # read as options of the inner policy (colocated: its prefill policy)
+        inner_spec = getattr(built, inner)
+        sep = "," if ":" in inner_spec else ":"
+        try:
+            _, inner_opts = resolve(inner, inner_spec + sep + ",".join(f"{k}={v}" for k, v in forwarded.items()))
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from None
+        opts.update((k, inner_opts[k]) for k in forwarded)
     return factory, opts
 
 
 def options(kind: str, spec: str) -> PolicyOptions:
-    """The typed options a spec gives its policy (presets and defaults filled in)."""
+    """The typed options a spec gives its policy (presets and defaults filled in; options it
+    forwards to an inner policy left out)."""
     factory, opts = resolve(kind, spec)
     declared = declared_options(factory)
     if declared is None:
         raise ValueError(f"{kind} policy {spec!r} does not declare typed Options yet")
-    return declared(**opts)
+    own = option_defaults(declared).keys()
+    return declared(**{k: v for k, v in opts.items() if k in own})
 
 
 def make(kind: str, spec: str, *args: Any, **defaults: Any) -> Any:
@@ -137,6 +152,9 @@ def describe(kind: str) -> list[str]:
         opts = format_options(declared, typed=True) if declared is not None else _untyped_options(factory)
         presets = [f"{alias}" + (f" ({', '.join(f'{k}={v}' for k, v in preset.items())})" if preset else "")
                    for alias, (base, preset) in sorted(_ALIASES[kind].items()) if base == name]
+        inner = getattr(factory, "forwards_options_to", None)
+        if inner:
+            opts += f"; other options go to its {inner} policy"
         lines.append(f"{name}: {opts}" + (f"; presets: {', '.join(presets)}" if presets else ""))
     return lines
 
