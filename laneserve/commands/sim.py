@@ -88,6 +88,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run the grid and the searches as Ray tasks on this cluster instead of --jobs "
                         "processes (same results)")
     o.add_argument("--list", action="store_true", help="list workloads, policies, models and exit")
+    o.add_argument("--list-policies", action="store_true",
+                   help="list every policy with its options and their defaults, and its presets, and exit")
     p.set_defaults(func=run)
 
 
@@ -100,13 +102,26 @@ def _list() -> None:
         print(f"  {name:18s} options: {', '.join(workload_options(name))}")
     for kind in ("prefill", "decode", "colocated", "router"):
         print(f"{kind} policies: {', '.join(available(kind))}")
+    print("(--list-policies: their options)")
     print(f"models: {', '.join(available_models())}")
     print(f"hardware: {', '.join(available_hardware())}")
+
+
+def _list_policies() -> None:
+    from laneserve.policies.registry import describe
+    print("spec: NAME[:key=value,...]; each policy with its options (defaults) and presets")
+    for kind in ("prefill", "decode", "colocated", "router"):
+        print(f"{kind}:")
+        for line in describe(kind):
+            print(f"  {line}")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.list:
         _list()
+        return 0
+    if args.list_policies:
+        _list_policies()
         return 0
     from laneserve.bench.experiment import (policy_config, policy_goodput, policy_slo_scale,
                                            split_policy_sets, sweep, validate)

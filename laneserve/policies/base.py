@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from laneserve.core.kv import KVCacheManager
 from laneserve.core.plan import PrefillChunk, StepPlan, StepResult
 from laneserve.core.request import Phase, Request
+from laneserve.policies.options import PolicyOptions, build_options
 
 
 @dataclass(slots=True)
@@ -46,9 +48,12 @@ class InstanceScheduler(ABC):
     #: an event (KV arrival, abort), a request finishing or a KV growth that does not fit: a
     #: simulator may run such steps as one event (sim/macro.py); policies deciding per step opt out
     stable_decode_batch: bool = False
+    #: the policy's typed options (policies/options.py); ``self.options`` holds the frozen value
+    Options: ClassVar[type[PolicyOptions]] = PolicyOptions
 
-    def __init__(self, kv: KVCacheManager) -> None:
+    def __init__(self, kv: KVCacheManager, options: PolicyOptions | None = None, **opts) -> None:
         self.kv = kv
+        self.options = build_options(type(self).Options, options, opts)
         self.requests: dict[int, Request] = {}     # every request this instance holds
         self.dropped_plans: list[StepPlan] = []     # parked plans given up (a member aborted)
 

@@ -5,26 +5,53 @@ without a transfer."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Request
 from laneserve.policies import registry
 from laneserve.policies.base import InstanceScheduler, StepOutcome
 from laneserve.policies.decode.base import DecodeScheduler
+from laneserve.policies.options import PolicyOptions, at_least, option_defaults
 from laneserve.policies.prefill.base import PrefillScheduler
+
+
+@dataclass(frozen=True, slots=True)
+class ColocatedOptions(PolicyOptions):
+    prefill: str = "cp-edf:chunk=2048"     # the prefill side's policy spec
+    decode: str = "continuous"             # the decode side's policy spec
+    token_budget: int = 2048               # tokens of one step (decodes + prefill chunks)
+
+    def validate(self) -> None:
+        PolicyOptions.validate(self)
+        at_least(self, "token_budget", 1)
+        for kind in ("prefill", "decode"):
+            try:
+                registry.resolve(kind, getattr(self, kind))
+            except ValueError as exc:
+                raise ValueError(f"option {kind}: {exc}") from None
 
 
 @registry.register("colocated", "colocated")
 class ColocatedScheduler(InstanceScheduler):
-    role = "colocated"
+    """Options that are not :class:`ColocatedOptions` go to the prefill policy, as keywords
+    (``prefix_caching=True``) or in the spec (``colocated:prefill=cp-edf,chunk=16``)."""
 
-    def __init__(self, kv: KVCacheManager, *, prefill: str = "cp-edf:chunk=2048",
-                 decode: str = "continuous", token_budget: int = 2048,
-                 host_pool: HostKVPool | None = None, **prefill_opts) -> None:
-        super().__init__(kv)
-        self.prefill: PrefillScheduler = registry.make("prefill", prefill, kv, **prefill_opts)
-        self.decode: DecodeScheduler = registry.make("decode", decode, kv, host_pool=host_pool)
-        self.token_budget = token_budget
+    role = "colocated"
+    Options = ColocatedOptions
+    forwards_options_to = "prefill"      # the registry reads the other spec options as the prefill policy's
+    options: ColocatedOptions
+
+    def __init__(self, kv: KVCacheManager, options: ColocatedOptions | None = None, *,
+                 host_pool: HostKVPool | None = None, **opts) -> None:
+        own = option_defaults(ColocatedOptions).keys()
+        super().__init__(kv, options, **{k: v for k, v in opts.items() if k in own})
+        o = self.options
+        prefill_opts = {k: v for k, v in opts.items() if k not in own}
+        self.prefill: PrefillScheduler = registry.make("prefill", o.prefill, kv, **prefill_opts)
+        self.decode: DecodeScheduler = registry.make("decode", o.decode, kv, host_pool=host_pool)
+        self.token_budget = o.token_budget
         self.name = f"colocated({self.prefill.name}+{self.decode.name})"
         self._prefill_plans: dict[int, StepPlan | None] = {}   # step plan id -> the prefill side's plan
 

@@ -1,14 +1,24 @@
 """Registries of interchangeable policies, selectable by name with options.
 
-A policy spec is ``name`` or ``name:key=value,key=value`` (for example ``cp-edf:chunk=2048``);
-values are parsed as int, float, bool or left as strings. Aliases let a spec name a preset
-(``cp-edf-2k``).
+A policy spec is ``name`` or ``name:key=value,key=value`` (for example ``cp-edf:chunk=2048``).
+A policy class that declares its typed ``Options`` (:mod:`laneserve.policies.options`) has its spec
+read and checked through them: each value is parsed as its field's type, an unknown key is an
+error listing the valid options with their defaults, and the merged options are validated before
+anything is built. Aliases name presets (``cp-edf-2k`` is ``cp-edf`` with ``chunk=2048``), checked
+against the same ``Options`` when registered. A class naming ``forwards_options_to`` (colocated:
+``"prefill"``) has the spec options that are not its own read as options of the inner policy its
+option of that name gives. Classes that still take untyped keyword options get values parsed as
+int, float, bool or left as strings.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
+
+from laneserve.policies.options import (PolicyOptions, declared_options, format_options, option_defaults,
+                                        parse_option, unknown_options_error)
 
 _REGISTRIES: dict[str, dict[str, Callable[..., Any]]] = {"prefill": {}, "decode": {}, "colocated": {},
                                                          "router": {}}
@@ -18,6 +28,10 @@ _ALIASES: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {k: {} for k in _RE
 def register(kind: str, name: str, *, aliases: dict[str, dict[str, Any]] | None = None):
     """Decorator: register a factory (usually a class) under ``kind``/``name``."""
     def deco(factory: Callable[..., Any]) -> Callable[..., Any]:
+        declared = declared_options(factory)
+        if declared is not None:
+            for alias, opts in (aliases or {}).items():
+                _checked(declared, opts, f"preset {alias!r} of {kind} policy {name!r}")
         _REGISTRIES[kind][name] = factory
         for alias, opts in (aliases or {}).items():
             _ALIASES[kind][alias] = (name, opts)
@@ -37,16 +51,23 @@ def _parse_value(text: str) -> Any:
     return text
 
 
-def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+def _split_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """A spec's name and its options as written (text values)."""
     name, _, rest = spec.strip().partition(":")
-    opts: dict[str, Any] = {}
+    opts: dict[str, str] = {}
     if rest:
         for item in rest.split(","):
             key, eq, value = item.partition("=")
             if not eq or not key.strip():
                 raise ValueError(f"bad policy option {item!r} in {spec!r}: expected key=value")
-            opts[key.strip().replace("-", "_")] = _parse_value(value.strip())
+            opts[key.strip().replace("-", "_")] = value.strip()
     return name.strip().lower(), opts
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """A spec's name and options, values read without knowing the policy (int, float, bool, str)."""
+    name, raw = _split_spec(spec)
+    return name, {k: _parse_value(v) for k, v in raw.items()}
 
 
 def available(kind: str) -> list[str]:
@@ -54,19 +75,62 @@ def available(kind: str) -> list[str]:
     return sorted([*_REGISTRIES[kind], *_ALIASES[kind]])
 
 
+def _checked(cls: type[PolicyOptions], opts: dict[str, Any], what: str) -> PolicyOptions:
+    """``cls(**opts)``, with any error said to be in ``what``."""
+    try:
+        unknown = opts.keys() - option_defaults(cls).keys()
+        if unknown:
+            raise unknown_options_error(cls, unknown)
+        return cls(**opts)
+    except ValueError as exc:
+        raise ValueError(f"bad options for {what}: {exc}") from None
+
+
 def resolve(kind: str, spec: str) -> tuple[Callable[..., Any], dict[str, Any]]:
-    """The factory and options a spec names; ValueError listing valid names otherwise."""
+    """The factory and options a spec names; ValueError listing valid names otherwise, or (for a
+    policy with typed ``Options``) naming the option that is unknown or of a wrong value."""
     _ensure_loaded()
     if kind not in _REGISTRIES:
         raise ValueError(f"unknown policy kind {kind!r}; expected one of {sorted(_REGISTRIES)}")
-    name, opts = parse_spec(spec)
+    name, raw = _split_spec(spec)
+    preset: dict[str, Any] = {}
     if name in _ALIASES[kind]:
-        base, preset = _ALIASES[kind][name]
-        name, opts = base, {**preset, **opts}
+        name, preset = _ALIASES[kind][name]
     factory = _REGISTRIES[kind].get(name)
     if factory is None:
         raise ValueError(f"unknown {kind} policy {name!r}; available: {', '.join(available(kind))}")
+    declared = declared_options(factory)
+    if declared is None:
+        return factory, {**preset, **{k: _parse_value(v) for k, v in raw.items()}}
+    what = f"{kind} policy {spec!r}"
+    inner = getattr(factory, "forwards_options_to", None)
+    own = option_defaults(declared).keys()
+    forwarded = {k: v for k, v in raw.items() if k not in own} if inner else {}
+    try:
+        opts = {**preset, **{k: parse_option(declared, k, v) for k, v in raw.items() if k not in forwarded}}
+    except ValueError as exc:
+        raise ValueError(f"bad options for {what}: {exc}") from None
+    built = _checked(declared, opts, what)
+    if forwarded:            # read as options of the inner policy (colocated: its prefill policy)
+        inner_spec = getattr(built, inner)
+        sep = "," if ":" in inner_spec else ":"
+        try:
+            _, inner_opts = resolve(inner, inner_spec + sep + ",".join(f"{k}={v}" for k, v in forwarded.items()))
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from None
+        opts.update((k, inner_opts[k]) for k in forwarded)
     return factory, opts
+
+
+def options(kind: str, spec: str) -> PolicyOptions:
+    """The typed options a spec gives its policy (presets and defaults filled in; options it
+    forwards to an inner policy left out)."""
+    factory, opts = resolve(kind, spec)
+    declared = declared_options(factory)
+    if declared is None:
+        raise ValueError(f"{kind} policy {spec!r} does not declare typed Options yet")
+    own = option_defaults(declared).keys()
+    return declared(**{k: v for k, v in opts.items() if k in own})
 
 
 def make(kind: str, spec: str, *args: Any, **defaults: Any) -> Any:
@@ -76,6 +140,33 @@ def make(kind: str, spec: str, *args: Any, **defaults: Any) -> Any:
         return factory(*args, **{**defaults, **opts})
     except TypeError as exc:
         raise ValueError(f"bad options for {kind} policy {spec!r}: {exc}") from exc
+
+
+def describe(kind: str) -> list[str]:
+    """One line per registered ``kind`` policy: its name, its options with their defaults, and
+    its presets (aliases) with the options each sets."""
+    _ensure_loaded()
+    lines = []
+    for name, factory in sorted(_REGISTRIES[kind].items()):
+        declared = declared_options(factory)
+        opts = format_options(declared, typed=True) if declared is not None else _untyped_options(factory)
+        presets = [f"{alias}" + (f" ({', '.join(f'{k}={v}' for k, v in preset.items())})" if preset else "")
+                   for alias, (base, preset) in sorted(_ALIASES[kind].items()) if base == name]
+        inner = getattr(factory, "forwards_options_to", None)
+        if inner:
+            opts += f"; other options go to its {inner} policy"
+        lines.append(f"{name}: {opts}" + (f"; presets: {', '.join(presets)}" if presets else ""))
+    return lines
+
+
+def _untyped_options(factory: Any) -> str:
+    """``name=default`` of a class's keyword-only constructor parameters, then its parent's typed
+    options (for classes not converted to typed ``Options`` yet)."""
+    defaults = {p.name: p.default for p in inspect.signature(factory).parameters.values()
+                if p.kind is p.KEYWORD_ONLY}
+    for k, v in option_defaults(getattr(factory, "Options", PolicyOptions)).items():
+        defaults.setdefault(k, v)
+    return ", ".join(f"{k}={v}" for k, v in defaults.items()) + " (untyped)"
 
 
 def _ensure_loaded() -> None:

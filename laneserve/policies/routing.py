@@ -6,9 +6,11 @@ instances only through :class:`InstanceLoad`, so the engine cluster and the simu
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 from laneserve.core.request import Request
+from laneserve.policies.options import PolicyOptions, at_least, build_options, within
 from laneserve.policies.registry import register
 
 
@@ -70,6 +72,11 @@ def cached_prefix(inst: InstanceLoad, req: Request) -> int:
 
 class Router:
     name = "router"
+    #: the router's typed options (policies/options.py); ``self.options`` holds the frozen value
+    Options: ClassVar[type[PolicyOptions]] = PolicyOptions
+
+    def __init__(self, options: PolicyOptions | None = None, **opts) -> None:
+        self.options = build_options(type(self).Options, options, opts)
 
     def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
         """Index into ``instances`` of the chosen one."""
@@ -86,8 +93,10 @@ class Router:
 @register("router", "round-robin", aliases={"rr": {}})
 class RoundRobinRouter(Router):
     name = "round-robin"
+    Options = PolicyOptions
 
-    def __init__(self) -> None:
+    def __init__(self, options: PolicyOptions | None = None, **opts) -> None:
+        super().__init__(options, **opts)
         self._next = 0
 
     def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
@@ -107,8 +116,10 @@ class LeastLoadedRouter(Router):
     requests; the choice is deterministic."""
 
     name = "least-loaded"
+    Options = PolicyOptions
 
-    def __init__(self) -> None:
+    def __init__(self, options: PolicyOptions | None = None, **opts) -> None:
+        super().__init__(options, **opts)
         self._last_pick: dict[int, int] = {}
         self._picks = 0
 
@@ -129,6 +140,17 @@ class LeastLoadedRouter(Router):
         return choice
 
 
+@dataclass(frozen=True, slots=True)
+class CacheAwareOptions(PolicyOptions):
+    threshold: float = 0.5          # least share of the prompt cached for affinity to count
+    balance_tokens: int = 16384     # how many more queued tokens the preferred instance may hold
+
+    def validate(self) -> None:
+        PolicyOptions.validate(self)
+        within(self, "threshold", 0.0, 1.0)
+        at_least(self, "balance_tokens", 0)
+
+
 @register("router", "cache-aware")
 class CacheAwareRouter(Router):
     """Prefix-cache affinity with a load guard (the idea of SGLang's cache-aware router, over the
@@ -138,11 +160,12 @@ class CacheAwareRouter(Router):
     decode side) least-loaded. Ties between equal prefixes go to the less loaded instance."""
 
     name = "cache-aware"
+    Options = CacheAwareOptions
+    options: CacheAwareOptions
 
-    def __init__(self, *, threshold: float = 0.5, balance_tokens: int = 16384) -> None:
-        if not 0.0 <= threshold <= 1.0 or balance_tokens < 0:
-            raise ValueError("cache-aware router needs 0 <= threshold <= 1 and balance_tokens >= 0")
-        self.threshold, self.balance_tokens = threshold, balance_tokens
+    def __init__(self, options: CacheAwareOptions | None = None, **opts) -> None:
+        super().__init__(options, **opts)
+        self.threshold, self.balance_tokens = self.options.threshold, self.options.balance_tokens
         self.fallback = LeastLoadedRouter()
         self.affinity_picks = 0
 

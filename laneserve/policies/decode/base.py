@@ -4,11 +4,26 @@ running set, growth of block tables, and preemption by swap (host pool) or recom
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
+from typing import Literal
 
 from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.plan import PrefillChunk, StepPlan
 from laneserve.core.request import Phase, Request
 from laneserve.policies.base import InstanceScheduler, StepOutcome
+from laneserve.policies.options import PolicyOptions, at_least
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeOptions(PolicyOptions):
+    """Options of every decode policy."""
+
+    max_batch_size: int = 256
+    preemption: Literal["swap", "recompute"] = "swap"     # when running requests cannot grow
+
+    def validate(self) -> None:
+        PolicyOptions.validate(self)
+        at_least(self, "max_batch_size", 1)
 
 
 class DecodeScheduler(InstanceScheduler):
@@ -21,16 +36,14 @@ class DecodeScheduler(InstanceScheduler):
     """
 
     role = "decode"
+    Options = DecodeOptions
+    options: DecodeOptions
 
-    def __init__(self, kv: KVCacheManager, *, max_batch_size: int = 256, preemption: str = "swap",
-                 host_pool: HostKVPool | None = None) -> None:
-        super().__init__(kv)
-        if preemption not in ("swap", "recompute"):
-            raise ValueError(f"preemption must be 'swap' or 'recompute', got {preemption!r}")
-        if max_batch_size < 1:
-            raise ValueError("max_batch_size must be >= 1")
-        self.max_batch_size = max_batch_size
-        self.preemption = preemption
+    def __init__(self, kv: KVCacheManager, options: DecodeOptions | None = None, *,
+                 host_pool: HostKVPool | None = None, **opts) -> None:
+        super().__init__(kv, options, **opts)
+        self.max_batch_size = self.options.max_batch_size
+        self.preemption = self.options.preemption
         self.host_pool = host_pool
         self.waiting: deque[Request] = deque()     # KV here, not yet running
         self.swapped: deque[Request] = deque()     # KV in the host pool

@@ -5,7 +5,7 @@ newest running request is preempted (swap to the host pool, or recompute)."""
 from __future__ import annotations
 
 from laneserve.core.plan import StepPlan
-from laneserve.policies.decode.base import DecodeScheduler
+from laneserve.policies.decode.base import DecodeOptions, DecodeScheduler
 from laneserve.policies.registry import register
 
 
@@ -13,6 +13,7 @@ from laneserve.policies.registry import register
 class ContinuousBatchingDecode(DecodeScheduler):
     name = "continuous"
     stable_decode_batch = True
+    Options = DecodeOptions
 
     def schedule(self, now: float) -> StepPlan | None:
         plan = self._prepare_step(now)

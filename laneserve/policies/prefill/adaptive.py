@@ -26,26 +26,45 @@ slacks, so a predictor ~20% off moves decisions at the margin, not the regime.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from statistics import median
 
 from laneserve.core.request import Request
-from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
+from laneserve.policies.options import at_least, option_error
+from laneserve.policies.prefill.flowprefill import FlowPrefillOptions, FlowPrefillScheduler
 from laneserve.policies.registry import register
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptivePrefillOptions(FlowPrefillOptions):
+    boundary: int = 256          # L_m, the short/long lane boundary (new tokens)
+    window: int = 256            # recent arrivals whose lengths are watched
+    min_share: float = 0.05      # bimodal: each lane holds at least this share of them...
+    long_factor: float = 4.0     # ...and the long lane's median is at least this x boundary
+    lanes: bool = True           # False: never split lanes (plain S-EDF)
+
+    def validate(self) -> None:
+        FlowPrefillOptions.validate(self)
+        at_least(self, "boundary", 1)
+        at_least(self, "window", 1)
+        if not 0 < self.min_share < 0.5:
+            raise option_error("min_share", "must be in (0, 0.5)", self.min_share)
+        at_least(self, "long_factor", 1)
 
 
 @register("prefill", "adaptive")
 class AdaptivePrefill(FlowPrefillScheduler):
     name = "adaptive"
+    Options = AdaptivePrefillOptions
+    options: AdaptivePrefillOptions
 
-    def __init__(self, kv, *, boundary: int = 256, window: int = 256, min_share: float = 0.05,
-                 long_factor: float = 4.0, lanes: bool = True, **opts) -> None:
-        super().__init__(kv, **opts)
-        if boundary < 1 or window < 1 or not 0 < min_share < 0.5 or long_factor < 1:
-            raise ValueError("need boundary, window >= 1, 0 < min_share < 0.5, long_factor >= 1")
-        self.boundary, self.min_share, self.long_factor = boundary, min_share, long_factor
-        self.lanes_on = lanes
+    def __init__(self, kv, options: AdaptivePrefillOptions | None = None, **opts) -> None:
+        super().__init__(kv, options, **opts)
+        o = self.options
+        self.boundary, self.min_share, self.long_factor = o.boundary, o.min_share, o.long_factor
+        self.lanes_on = o.lanes
         self.name = "adaptive"
-        self._recent: deque[int] = deque(maxlen=window)
+        self._recent: deque[int] = deque(maxlen=o.window)
         self._bimodal = False
 
     @property

@@ -3,13 +3,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from laneserve.core.kv import KVCacheManager
 from laneserve.core.plan import PrefillChunk
 from laneserve.core.prefix_cache import PrefixCache, prefix_blocks
 from laneserve.core.request import Phase, Request
 from laneserve.policies.base import InstanceScheduler, StepOutcome
+from laneserve.policies.options import PolicyOptions, at_least
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillOptions(PolicyOptions):
+    """Options of every prefill policy."""
+
+    token_budget: int = 8192         # new tokens of one step
+    max_batch_size: int = 256
+    prefix_caching: bool = False     # reuse cached prompt KV
+
+    def validate(self) -> None:
+        PolicyOptions.validate(self)
+        at_least(self, "token_budget", 1)
+        at_least(self, "max_batch_size", 1)
 
 
 class PrefillScheduler(InstanceScheduler):
@@ -27,15 +42,15 @@ class PrefillScheduler(InstanceScheduler):
     """
 
     role = "prefill"
+    Options = PrefillOptions
+    options: PrefillOptions
 
-    def __init__(self, kv: KVCacheManager, *, token_budget: int = 8192, max_batch_size: int = 256,
-                 prefix_caching: bool = False) -> None:
-        super().__init__(kv)
-        if token_budget < 1 or max_batch_size < 1:
-            raise ValueError("token_budget and max_batch_size must be >= 1")
-        self.token_budget = token_budget
-        self.max_batch_size = max_batch_size
-        self.prefix_caching = prefix_caching or kv.prefix_caching
+    def __init__(self, kv: KVCacheManager, options: PrefillOptions | None = None, **opts) -> None:
+        super().__init__(kv, options, **opts)
+        o = self.options
+        self.token_budget = o.token_budget
+        self.max_batch_size = o.max_batch_size
+        self.prefix_caching = o.prefix_caching or kv.prefix_caching
         self.prefix_cache: PrefixCache | None = None
         self.pending: set[int] = set()      # ids whose prompt is not finished yet
         self._counted: dict[int, int] = {}  # remaining prefill of each pending id, as last seen

@@ -8,10 +8,12 @@ request whose KV does not fit is skipped for this step (order is not admission).
 from __future__ import annotations
 
 from bisect import insort
+from dataclasses import dataclass
 
 from laneserve.core.plan import StepPlan
 from laneserve.core.request import Request
-from laneserve.policies.prefill.base import PrefillScheduler
+from laneserve.policies.options import at_least, default_to
+from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
 from laneserve.policies.registry import register
 
 
@@ -19,18 +21,28 @@ def _edf_key(req: Request) -> tuple[float, float, int]:
     return (req.ttft_deadline, req.arrival_time, req.request_id)
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkedEDFOptions(PrefillOptions):
+    token_budget: int | None = None     # None: the chunk
+    chunk: int = 2048                   # prompt tokens per step
+
+    def validate(self) -> None:
+        at_least(self, "chunk", 1)
+        default_to(self, "token_budget", "chunk")
+        PrefillOptions.validate(self)
+
+
 @register("prefill", "cp-edf", aliases={"cp-edf-2k": {"chunk": 2048}, "cp-edf-8k": {"chunk": 8192},
                                          "cp2k": {"chunk": 2048}, "cp8k": {"chunk": 8192}})
 class ChunkedEDFPrefill(PrefillScheduler):
     name = "cp-edf"
+    Options = ChunkedEDFOptions
+    options: ChunkedEDFOptions
 
-    def __init__(self, kv, *, chunk: int = 2048, **opts) -> None:
-        opts.setdefault("token_budget", chunk)
-        super().__init__(kv, **opts)
-        if chunk < 1:
-            raise ValueError("chunk must be >= 1")
-        self.chunk_size = chunk
-        self.name = f"cp-edf-{chunk}"
+    def __init__(self, kv, options: ChunkedEDFOptions | None = None, **opts) -> None:
+        super().__init__(kv, options, **opts)
+        self.chunk_size = self.options.chunk
+        self.name = f"cp-edf-{self.chunk_size}"
         self.queue: list[Request] = []
 
     def _push(self, req: Request, now: float) -> None:

@@ -8,16 +8,17 @@ from collections import deque
 
 from laneserve.core.plan import StepPlan
 from laneserve.core.request import Request
-from laneserve.policies.prefill.base import PrefillScheduler
+from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
 from laneserve.policies.registry import register
 
 
 @register("prefill", "fcfs")
 class FCFSPrefill(PrefillScheduler):
     name = "fcfs"
+    Options = PrefillOptions
 
-    def __init__(self, kv, **opts) -> None:
-        super().__init__(kv, **opts)
+    def __init__(self, kv, options: PrefillOptions | None = None, **opts) -> None:
+        super().__init__(kv, options, **opts)
         self.queue: deque[Request] = deque()
 
     def _push(self, req: Request, now: float) -> None:

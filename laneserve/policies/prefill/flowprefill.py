@@ -38,18 +38,35 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Phase, Request
 from laneserve.policies.base import StepOutcome
-from laneserve.policies.prefill.base import PrefillScheduler
-from laneserve.policies.prefill.priority import (ORDERINGS, PriorityKey, make_predictor, never_negative,
-                                                 nondecreasing)
+from laneserve.policies.options import above, at_least
+from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
+from laneserve.policies.prefill.priority import (ORDERINGS, Ordering, PriorityKey, make_predictor,
+                                                 never_negative, nondecreasing)
 from laneserve.policies.prefill.sedf_queue import SignedDeadlineQueue
 from laneserve.policies.registry import register
 
-GRANULARITIES = ("operator", "layer", "chunk", "none")
+Granularity = Literal["operator", "layer", "chunk", "none"]
+GRANULARITIES = get_args(Granularity)
+
+
+@dataclass(frozen=True, slots=True)
+class FlowPrefillOptions(PrefillOptions):
+    token_budget: int = 4096              # G, the paper's "moderate" budget (Figure 11)
+    ordering: Ordering = "sedf"
+    batching: bool = True                 # Algorithm 1 (False: one request per step)
+    preemption: Granularity = "operator"
+    chunk: int = 2048                     # step size with preemption="chunk"
+    max_suspension: float = 10.0          # seconds a parked task may wait before it is resumed
+
+    def validate(self) -> None:
+        PrefillOptions.validate(self)
+        at_least(self, "chunk", 1)
+        above(self, "max_suspension", 0)
 
 
 @dataclass(slots=True, eq=False)
@@ -81,33 +98,29 @@ class PrefillTask:
 })
 class FlowPrefillScheduler(PrefillScheduler):
     name = "sedf"
+    Options = FlowPrefillOptions
+    options: FlowPrefillOptions
 
-    def __init__(self, kv, *, ordering: str = "sedf", batching: bool = True, token_budget: int = 4096,
-                 preemption: str = "operator", chunk: int = 2048, max_suspension: float = 10.0,
-                 predictor: Any = None, cost_model: Any = None, **opts) -> None:
-        super().__init__(kv, token_budget=token_budget, **opts)
-        if ordering not in ORDERINGS:
-            raise ValueError(f"ordering must be one of {', '.join(ORDERINGS)}, got {ordering!r}")
-        if preemption not in GRANULARITIES:
-            raise ValueError(f"preemption must be one of {', '.join(GRANULARITIES)}, got {preemption!r}")
-        if chunk < 1 or max_suspension <= 0:
-            raise ValueError("chunk must be >= 1 and max_suspension > 0")
-        self.ordering = ordering
-        self._key = ORDERINGS[ordering]
-        self.batching = batching
-        self.preemption = preemption
-        self.chunk_size = chunk
-        self.max_suspension = max_suspension
+    def __init__(self, kv, options: FlowPrefillOptions | None = None, *, predictor: Any = None,
+                 cost_model: Any = None, **opts) -> None:
+        super().__init__(kv, options, **opts)
+        o = self.options
+        self.ordering = o.ordering
+        self._key = ORDERINGS[o.ordering]
+        self.batching = o.batching
+        self.preemption = o.preemption
+        self.chunk_size = o.chunk
+        self.max_suspension = o.max_suspension
         self.predict, self._online = make_predictor(predictor, cost_model)
-        self.name = (f"{ordering}" + ("" if batching else "-nobatch") + f"-g{token_budget}"
-                     + ("" if preemption == "operator" else f"-{preemption}"))
+        self.name = (f"{o.ordering}" + ("" if o.batching else "-nobatch") + f"-g{o.token_budget}"
+                     + ("" if o.preemption == "operator" else f"-{o.preemption}"))
         self.waiting: dict[int, Request] = {}          # Q_w: requests in no task
         self.parked: dict[int, PrefillTask] = {}       # Q_p: plan_id -> preempted task
         self.running: PrefillTask | None = None        # E
         self.num_preemptions = 0
         self.num_forced_resumes = 0
         self.suspensions: list[float] = []             # how long each resumed task was parked
-        self._queue = SignedDeadlineQueue(ordering, self.predict, self._step_tokens)
+        self._queue = SignedDeadlineQueue(o.ordering, self.predict, self._step_tokens)
         self._monotone_memo: tuple[Any, bool] = (None, False)
 
     def bind_cost_model(self, cost_model: Any) -> None:

@@ -31,7 +31,7 @@ instance (oracle or profile, :mod:`laneserve.policies.predictors`), or the quadr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -70,6 +70,9 @@ def edf_key(req: Request, now: float, predicted: float) -> PriorityKey:
 def fcfs_key(req: Request, now: float, predicted: float) -> PriorityKey:
     return (0, req.arrival_time, 0.0, req.request_id)
 
+
+#: the orderings' names, as an option type (the keys of ORDERINGS)
+Ordering = Literal["sedf", "dedf", "edf", "fcfs"]
 
 #: name -> key(request, now, predicted remaining prefill seconds); ascending = highest priority first
 ORDERINGS: dict[str, Callable[[Request, float, float], PriorityKey]] = {
