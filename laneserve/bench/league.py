@@ -109,14 +109,14 @@ def predictor_modes() -> tuple[str, ...]:
 
 
 def missing_policy(entry: Entry) -> str | None:
-    """Why ``entry`` cannot run (an unregistered policy or router), or None."""
+    """Why ``entry`` cannot run (an unregistered policy or router, or a bad option), or None."""
     from laneserve.policies import registry
     for kind, spec in (("prefill", entry.prefill), ("decode", entry.decode),
                        ("router", entry.router or DEFAULT_ROUTER)):
         try:
             registry.resolve(kind, spec)
-        except ValueError:
-            return f"{kind} policy {registry.parse_spec(spec)[0]!r} is not registered"
+        except ValueError as exc:         # not registered, or options it does not take
+            return f"{kind} policy {registry.parse_spec(spec)[0]!r}: {exc}"
     return None
 
 
