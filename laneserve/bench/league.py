@@ -116,7 +116,10 @@ def missing_policy(entry: Entry) -> str | None:
         try:
             registry.resolve(kind, spec)
         except ValueError as exc:         # not registered, or options it does not take
-            return f"{kind} policy {registry.parse_spec(spec)[0]!r}: {exc}"
+            name = registry.parse_spec(spec)[0]
+            if name not in registry.available(kind):
+                return f"{kind} policy {name!r} is not registered"
+            return f"{kind} policy {name!r}: {exc}"
     return None
 
 
