@@ -11,6 +11,7 @@ from laneserve.core.plan import StepResult
 from laneserve.core.request import Request
 from laneserve.costmodel.linear import LinearCostModel
 from laneserve.policies import make
+from laneserve.policies.registry import resolve
 from laneserve.policies.prefill.laps import LapsPrefill
 from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig, ShapeGrid
 from laneserve.policies.prefill.laps_lanes import LONG, SHORT
@@ -27,7 +28,9 @@ def req(i, t, prompt, prefix=0, out=1, ttft=0.4):
 
 
 def sched(**opts) -> LapsPrefill:
-    return make("prefill", "laps", KVCacheManager(4096, 16), **opts)
+    """The paper's algorithm (``laps-literal``): these tests pin Algorithm 1 and the alternation."""
+    factory, preset = resolve("prefill", "laps-literal")
+    return factory(KVCacheManager(4096, 16), **{**preset, **opts})
 
 
 def drain(s: LapsPrefill, now=0.0, step=0.01, limit=10_000):
@@ -139,7 +142,7 @@ def test_awd_adapts_depth_and_window_to_the_fill():
 
 def test_awd_window_expiry_wakes_the_simulator():
     """One lonely short request: nothing but the wake-up at window expiry can dispatch it."""
-    cfg = ClusterConfig(prefill_policy="laps:w_min=0.05,w_max=0.05", num_decode=1)
+    cfg = ClusterConfig(prefill_policy="laps-literal:w_min=0.05,w_max=0.05", num_decode=1)
     res = Simulator(cfg, COST).run([RequestSpec(0, 1.0, 32, 1, slo=SLO(10.0, 1.0))])
     r = res.requests[0]
     assert r.times.prefill_start == pytest.approx(1.05)
@@ -305,7 +308,7 @@ def mixed_specs(n=1200, rate=40.0, seed=0):
 
 CONFIGS = {
     "temporal": ClusterConfig(prefill_policy="laps", prefill_opts={"prefix_caching": True}),
-    "temporal-edf-fitted": ClusterConfig(prefill_policy="laps:order=edf,boundary=fitted"),
+    "temporal-edf-fitted": ClusterConfig(prefill_policy="laps-literal:order=edf,boundary=fitted"),
     "offline": ClusterConfig(prefill_policy="laps-offline", prefill_opts={"prefix_caching": True}),
     "spatial": ClusterConfig(num_prefill=4, num_decode=2, prefill_policy="laps:mode=spatial",
                              router="laps-pools:period=0.5,cool_down=1,floor=0.0,tau=0.1",
@@ -342,7 +345,7 @@ def test_spatial_controller_moves_instances_under_pressure():
     """All load is short (400 req/s x 200 tokens = 1.6 instances' worth of prefill): the controller
     must grow the short pool, down to the long pool's minimum."""
     specs = [RequestSpec(i, i * 0.0025, 200, 1, slo=SLO(0.4, 0.1)) for i in range(3000)]
-    cfg = ClusterConfig(num_prefill=4, num_decode=1, prefill_policy="laps:mode=spatial,awd=false",
+    cfg = ClusterConfig(num_prefill=4, num_decode=1, prefill_policy="laps-literal:mode=spatial,awd=false",
                         router="laps-pools-literal:period=0.5,cool_down=1.0,short_fraction=0.25")
     sim = Simulator(cfg, COST)
     import laneserve.sim.simulator as simmod
