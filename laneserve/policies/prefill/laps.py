@@ -3,7 +3,8 @@ buckets, long prefills in chunks — on one instance ("temporal" mode) or as one
 spatially split pool ("spatial" mode, lanes assigned by the ``laps-pools`` router).
 
 Every prefill is classified by its NEW tokens (prompt − cached prefix) against L_m
-(:mod:`laps_lanes`). The short and the long lane never share a step (mutual exclusion).
+(:mod:`laps_lanes`). The short and the long lane never share a step (mutual exclusion) — except in
+the do-no-harm merge below.
 
 Temporal alternation (our rule; the paper only says the instance alternates lanes): when the
 instance is free,
@@ -37,10 +38,38 @@ prefills in lane order, the last one taking a partial chunk (``long_batch="singl
 request per step, as the paper describes; "fill" is the default so that long prefills just above
 L_m do not run in under-filled steps).
 
-Lane order (issue 18, do no harm): requests within a lane are taken in TTFT-deadline order
-(``order="edf"``, the default). With one SLO class this is arrival order, as in the paper; with
-several (FlowPrefill's task classes) arrival order let loose-SLO requests block tight ones, and
-LAPS lost two thirds of CP-EDF's goodput. ``laps-literal`` keeps ``order="fcfs"``.
+Do no harm (issue 18). The registered ``laps`` departs from the paper where the league measured
+harm (``benchmarks/league.py``, Llama-3-8B on the analytic H100 model: before these guards LAPS
+reached 0.72x the best baseline's goodput on a bursty short/long mix and 0.90x on AlignedServe's
+95%-short mix); ``laps-literal`` (``LITERAL``) is the paper's algorithm and the ablation presets
+are ablations of it. Each guard is a constructor option:
+
+* ``order="edf"``: lanes in TTFT-deadline order. With one SLO class this is arrival order, as in
+  the paper; with several (FlowPrefill's task classes) arrival order let loose-SLO requests block
+  tight ones, and LAPS lost two thirds of CP-EDF's goodput.
+* ``awd=False``: no batching window. Waiting only delays the queued short requests and idles the
+  instance: graph replay saves ~2.5 ms a step on the analytic H100 model, a window costs up to
+  ``w_max`` (30 ms) of every request in it, and requests that arrive during a step leave together
+  in the next one anyway. (``light_load`` is the milder guard for ``awd=True``: no wait when the
+  window cannot bring another request.)
+* ``paid_padding=True``: a short batch is padded to its captured shape only when the bound cost
+  model predicts the graph-replayed padded step no slower than the unpadded one (a lone 20-token
+  prompt: yes; eight 150-token prompts padded to 8 x 256: no). A learned model knows nothing of
+  replay and never pads; without a bound model the paper's padding stays.
+* ``merge=True``: when both lanes hold work, one step carries the short lane (whole requests, up
+  to ``short_budget`` tokens) and long chunks filling the long budget, if its predicted end leaves
+  every short request in it more than σ of slack (:meth:`LapsPrefill._mixed_plan`). Mutual
+  exclusion protects short prompts from a long step, but in the cost model a mixed step costs its
+  tokens plus one fixed step cost, so a separate short step only adds a fixed cost; where a short
+  request's slack would not survive the mixed step, the alternation below still runs it alone.
+* ``step_slo_fraction=0.45``: long steps grow from ``long_chunk`` (2048) by doubling up to the
+  instance's token budget (8192) while the predicted step takes at most that fraction of the
+  tightest TTFT target seen, and only while no short request waits (:meth:`_long_budget`): each
+  step pays a fixed cost, and with 2048-token chunks LAPS lost 5-10% to whole-prompt FCFS on
+  chat traffic whose targets allow larger steps.
+
+The alternation and AWD below are the paper's mechanisms; with the defaults they run when the
+merge does not apply (one lane empty, or a short request too tight for a mixed step).
 
 Spatial mode: the router tags each request with its lane (``req.policy_state.lane``) and tells the
 instance its pool with :meth:`LapsPrefill.set_lane`. An instance that changes pool keeps its queued
