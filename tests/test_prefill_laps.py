@@ -1,6 +1,7 @@
 """LAPS (laps.txt §2.1, §3): lanes by new tokens, AWD dispatch triggers, shape buckets,
 deadline-free token-max, the spatial pool controller, and conservation in the simulator."""
 
+import functools
 import random
 
 import pytest
@@ -430,16 +431,11 @@ def test_laps_lanes_compose_with_slack_aware_ordering():
 
 
 # ---- do no harm (issue 18): the registered `laps` and `laps-pools` versus their literal presets ------
-ANALYTIC = None
-
-
+@functools.cache
 def analytic():
     """The league's cost model (graph replay saves the per-layer launch cost; a step has a fixed cost)."""
-    global ANALYTIC
-    if ANALYTIC is None:
-        from laneserve.costmodel import make_cost_model
-        ANALYTIC = make_cost_model("analytic", model="llama-3.1-8b", hardware="h100")
-    return ANALYTIC
+    from laneserve.costmodel import make_cost_model
+    return make_cost_model("analytic", model="llama-3.1-8b", hardware="h100")
 
 
 def guarded(cost=COST, **opts) -> LapsPrefill:
