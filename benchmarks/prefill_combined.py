@@ -6,7 +6,8 @@ of requests meet their TTFT SLO (the metric FlowPrefill uses), searched per poli
 mean reported. Compositions: LAPS lanes with S-EDF or EDF ordering inside each lane, with and
 without FlowPrefill's operator-level preemption of the long lane's chunks (``laps-preempt``: a
 short batch that is due, or whose slack the running chunk would eat, stops it). Singles: S-EDF
-(operator preemption), Kairos urgency, LAPS (FCFS lanes), CP-EDF 2K, FCFS.
+(operator preemption), Kairos urgency, LAPS (the paper's: FCFS lanes, ``laps-literal``), CP-EDF 2K,
+FCFS.
 
     python benchmarks/prefill_combined.py
 
@@ -26,9 +27,10 @@ from laneserve.costmodel import make_cost_model
 from laneserve.sim import ClusterConfig
 from laneserve.workloads import make_workload
 
-SINGLES = ("fcfs", "cp-edf-2k", "kairos", "laps", "sedf")
-COMPOSITIONS = ("laps:order=sedf", "laps:order=edf", "laps-nobuckets:order=sedf", "laps-preempt:order=sedf",
-                "laps-nobuckets:order=sedf,preempt=operator")
+# LAPS as the paper describes it (``laps-literal``; the ablation presets are ablations of it)
+SINGLES = ("fcfs", "cp-edf-2k", "kairos", "laps-literal", "sedf")
+COMPOSITIONS = ("laps-literal:order=sedf", "laps-literal:order=edf", "laps-nobuckets:order=sedf",
+                "laps-preempt:order=sedf", "laps-nobuckets:order=sedf,preempt=operator")
 SEEDS = (0, 1, 2)
 
 

@@ -1,6 +1,7 @@
 """LAPS (laps.txt §2.1, §3): lanes by new tokens, AWD dispatch triggers, shape buckets,
 deadline-free token-max, the spatial pool controller, and conservation in the simulator."""
 
+import functools
 import random
 
 import pytest
@@ -11,10 +12,12 @@ from laneserve.core.plan import StepResult
 from laneserve.core.request import Request
 from laneserve.costmodel.linear import LinearCostModel
 from laneserve.policies import make
+from laneserve.policies.registry import resolve
 from laneserve.policies.prefill.laps import LapsPrefill
 from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig, ShapeGrid
 from laneserve.policies.prefill.laps_lanes import LONG, SHORT
 from laneserve.policies.routing_laps import LapsPoolRouter, PoolController
+from laneserve.bench.metrics import summarize
 from laneserve.sim import ClusterConfig, Simulator
 
 COST = LinearCostModel(prefill_per_token=2e-5, decode_fixed=0.01, decode_per_context_token=1e-7,
@@ -27,7 +30,9 @@ def req(i, t, prompt, prefix=0, out=1, ttft=0.4):
 
 
 def sched(**opts) -> LapsPrefill:
-    return make("prefill", "laps", KVCacheManager(4096, 16), **opts)
+    """The paper's algorithm (``laps-literal``): these tests pin Algorithm 1 and the alternation."""
+    factory, preset = resolve("prefill", "laps-literal")
+    return factory(KVCacheManager(4096, 16), **{**preset, **opts})
 
 
 def drain(s: LapsPrefill, now=0.0, step=0.01, limit=10_000):
@@ -139,7 +144,7 @@ def test_awd_adapts_depth_and_window_to_the_fill():
 
 def test_awd_window_expiry_wakes_the_simulator():
     """One lonely short request: nothing but the wake-up at window expiry can dispatch it."""
-    cfg = ClusterConfig(prefill_policy="laps:w_min=0.05,w_max=0.05", num_decode=1)
+    cfg = ClusterConfig(prefill_policy="laps-literal:w_min=0.05,w_max=0.05", num_decode=1)
     res = Simulator(cfg, COST).run([RequestSpec(0, 1.0, 32, 1, slo=SLO(10.0, 1.0))])
     r = res.requests[0]
     assert r.times.prefill_start == pytest.approx(1.05)
@@ -305,7 +310,7 @@ def mixed_specs(n=1200, rate=40.0, seed=0):
 
 CONFIGS = {
     "temporal": ClusterConfig(prefill_policy="laps", prefill_opts={"prefix_caching": True}),
-    "temporal-edf-fitted": ClusterConfig(prefill_policy="laps:order=edf,boundary=fitted"),
+    "temporal-edf-fitted": ClusterConfig(prefill_policy="laps-literal:order=edf,boundary=fitted"),
     "offline": ClusterConfig(prefill_policy="laps-offline", prefill_opts={"prefix_caching": True}),
     "spatial": ClusterConfig(num_prefill=4, num_decode=2, prefill_policy="laps:mode=spatial",
                              router="laps-pools:period=0.5,cool_down=1,floor=0.0,tau=0.1",
@@ -342,7 +347,7 @@ def test_spatial_controller_moves_instances_under_pressure():
     """All load is short (400 req/s x 200 tokens = 1.6 instances' worth of prefill): the controller
     must grow the short pool, down to the long pool's minimum."""
     specs = [RequestSpec(i, i * 0.0025, 200, 1, slo=SLO(0.4, 0.1)) for i in range(3000)]
-    cfg = ClusterConfig(num_prefill=4, num_decode=1, prefill_policy="laps:mode=spatial,awd=false",
+    cfg = ClusterConfig(num_prefill=4, num_decode=1, prefill_policy="laps-literal:mode=spatial,awd=false",
                         router="laps-pools-literal:period=0.5,cool_down=1.0,short_fraction=0.25")
     sim = Simulator(cfg, COST)
     import laneserve.sim.simulator as simmod
@@ -423,3 +428,149 @@ def test_laps_lanes_compose_with_slack_aware_ordering():
     assert att["laps:order=sedf"] > att["laps"] + 0.2
     with pytest.raises(ValueError, match="lane order"):
         Simulator(ClusterConfig(prefill_policy="laps:order=bogus"), cost).run(wl.specs[:2])
+
+
+# ---- do no harm (issue 18): the registered `laps` and `laps-pools` versus their literal presets ------
+@functools.cache
+def analytic():
+    """The league's cost model (graph replay saves the per-layer launch cost; a step has a fixed cost)."""
+    from laneserve.costmodel import make_cost_model
+    return make_cost_model("analytic", model="llama-3.1-8b", hardware="h100")
+
+
+def guarded(cost=COST, **opts) -> LapsPrefill:
+    s = make("prefill", "laps", KVCacheManager(40_000, 16), **opts)
+    s.bind_cost_model(cost)
+    return s
+
+
+def test_presets_resolve_to_the_literal_behaviour():
+    from laneserve.policies.prefill.laps import LITERAL
+    factory, opts = resolve("prefill", "laps-literal")
+    assert factory is LapsPrefill and opts == LITERAL
+    lit = make("prefill", "laps-literal", KVCacheManager(4096, 16))
+    assert lit.awd_on and not lit.awd.config.light_load and lit.lanes[SHORT].order.name == "fcfs"
+    assert not lit.merge and not lit.paid_padding and lit.step_slo_fraction == 0.0
+    default = make("prefill", "laps", KVCacheManager(4096, 16))
+    assert not default.awd_on and default.merge and default.paid_padding and default.step_slo_fraction > 0
+    for ablation, key in (("laps-noawd", "awd"), ("laps-nobuckets", "shape_buckets")):
+        assert resolve("prefill", ablation)[1] == {**LITERAL, key: False}       # ablations of the paper's
+    assert resolve("router", "laps-pools-literal")[1] == {"spill": False}
+    assert make("router", "laps-pools").spill and not make("router", "laps-pools-literal").spill
+
+
+def test_at_light_load_laps_does_not_delay_short_requests_versus_fcfs():
+    """Sparse short prompts among a few long ones: every short request's TTFT under `laps` is at most
+    FCFS's (no batching window, no padding that the cost model says costs more), while the paper's
+    window holds each lonely one back."""
+    rng = random.Random(7)
+    specs, t = [], 0.0
+    for i in range(60):
+        t += rng.expovariate(4.0)
+        specs.append(RequestSpec(i, t, rng.randint(2000, 6000) if i % 6 == 0 else rng.randint(20, 200), 1,
+                                 slo=SLO(0.4, 0.1)))
+    short_ids = {s.request_id for s in specs if s.prompt_len < 256}
+
+    def ttfts(policy):
+        res = Simulator(ClusterConfig(prefill_policy=policy), analytic()).run(specs)
+        return {r.request_id: r.times.first_token - r.arrival_time for r in res.requests}
+
+    fcfs, laps, literal = ttfts("fcfs"), ttfts("laps"), ttfts("laps-literal")
+    assert all(laps[i] <= fcfs[i] + 1e-9 for i in short_ids)
+    assert sum(literal[i] for i in short_ids) > sum(fcfs[i] for i in short_ids) + 0.02 * len(short_ids) / 2
+
+
+def test_a_short_request_rides_the_long_step_when_its_slack_allows_and_runs_alone_otherwise():
+    s = guarded()
+    s.add_request(req(0, 0.0, 6000, ttft=10.0), 0.0)
+    s.add_request(req(1, 0.0, 100, ttft=0.4), 0.0)
+    plan = s.schedule(0.0)                     # one step: the short prompt whole, the long one chunked
+    assert plan.label.endswith(":mixed") and s.merged_steps == 1
+    assert {c.request.request_id: c.num_new_tokens for c in plan.prefills} == {1: 100, 0: 2048 - 100}
+    tight = guarded()
+    tight.add_request(req(0, 0.0, 6000, ttft=10.0), 0.0)
+    tight.add_request(req(1, 0.0, 100, ttft=0.08), 0.0)     # 0.08 - 41 ms of a merged step <= sigma
+    plan = tight.schedule(0.0)
+    assert [c.request.request_id for c in plan.prefills] == [1] and tight.merged_steps == 0
+    literal = make("prefill", "laps-literal", KVCacheManager(40_000, 16))
+    literal.bind_cost_model(COST)
+    literal.add_request(req(0, 0.0, 6000, ttft=10.0), 0.0)
+    literal.add_request(req(1, 0.0, 100, ttft=0.4), 0.0)
+    assert all(len({c.request.policy_state.lane for c in p.prefills}) == 1 for p in drain(literal))
+
+
+def test_padding_only_where_the_cost_model_says_graph_replay_pays():
+    lone = guarded(analytic())
+    lone.add_request(req(0, 0.0, 20), 0.0)
+    assert lone.schedule(0.0).padded_shape == (32, 1)        # launch cost saved > 12 padded rows
+    batch = guarded(analytic())
+    for i in range(8):
+        batch.add_request(req(i, 0.0, 150), 0.0)
+    plan = batch.schedule(0.0)
+    assert plan.padded_shape is None and len(plan.prefills) == 8   # 8 x 256 rows cost more than replay saves
+    literal = make("prefill", "laps-literal:awd=false", KVCacheManager(40_000, 16))
+    literal.bind_cost_model(analytic())
+    for i in range(8):
+        literal.add_request(req(i, 0.0, 150), 0.0)
+    assert literal.schedule(0.0).padded_shape == (256, 8)
+
+
+def test_long_steps_grow_only_under_loose_targets_and_while_no_short_request_waits():
+    def first_step(ttft, short=False):
+        s = guarded(analytic())
+        s.add_request(req(0, 0.0, 20_000, ttft=ttft), 0.0)
+        if short:
+            s.add_request(req(1, 0.0, 100, ttft=ttft), 0.0)
+        return s.schedule(0.0).num_prefill_tokens
+
+    assert first_step(10.0) == 8192             # the instance's token budget: 0.3 s <= 0.45 x 10 s
+    assert first_step(0.25) == 2048             # a 4096-token step would take > 0.45 x 0.25 s
+    assert first_step(10.0, short=True) == 2048
+    literal = make("prefill", "laps-literal", KVCacheManager(40_000, 16))
+    literal.bind_cost_model(analytic())
+    literal.add_request(req(0, 0.0, 20_000, ttft=10.0), 0.0)
+    assert literal.schedule(0.0).num_prefill_tokens == 2048
+
+
+class _Load:
+    def __init__(self, i, queued):
+        self.instance_id, self.role, self.accepting = i, "prefill", True
+        self.queued_tokens, self.num_waiting, self.num_running = queued, int(queued > 0), 0
+        self.kv_usage, self.busy_time = 0.0, 0.0
+
+
+def test_pool_router_prefers_the_pool_only_among_the_least_loaded():
+    idle = [_Load(i, 0) for i in range(4)]
+    r = LapsPoolRouter(short_fraction=0.5)
+    assert r.route(req(0, 0.0, 3000), idle, 0.0) in (2, 3)                   # ties: the lane's pool
+    busy_long_pool = [_Load(0, 0), _Load(1, 500), _Load(2, 9000), _Load(3, 7000)]
+    assert LapsPoolRouter().route(req(1, 0.0, 3000), busy_long_pool, 0.0) == 0   # overflow
+    assert LapsPoolRouter(spill=False).route(req(2, 0.0, 3000), busy_long_pool, 0.0) == 3   # the paper
+    busy_short_pool = [_Load(0, 400), _Load(1, 300), _Load(2, 0), _Load(3, 50)]
+    assert LapsPoolRouter().route(req(3, 0.0, 60), busy_short_pool, 0.0) == 2
+
+
+def test_pool_router_does_not_starve_a_pool_on_a_bursty_short_long_mix():
+    """80% short / 20% long prompts in bursts at 4 prefill instances: the literal router keeps the
+    long prompts (most of the work) on the long pool and loses attainment; `laps-pools` spreads the
+    work and keeps least-loaded's attainment."""
+    rng = random.Random(5)
+    specs, t = [], 0.0
+    for i in range(400):
+        t += rng.expovariate(90.0) * (8.0 if i % 50 == 0 else 0.5)
+        long_ = rng.random() < 0.2
+        specs.append(RequestSpec(i, t, rng.randint(4000, 8000) if long_ else rng.randint(32, 256), 1,
+                                 slo=SLO(4.0 if long_ else 0.4, 0.1)))
+
+    def attainment(router):
+        res = Simulator(ClusterConfig(num_prefill=4, num_decode=1, prefill_policy="laps:mode=spatial",
+                                      router=router), analytic()).run(specs)
+        s = summarize(res.requests, duration=res.duration)
+        return s["attainment_ttft"], res
+
+    ll, _ = attainment("least-loaded")
+    pools, res = attainment("laps-pools")
+    literal, _ = attainment("laps-pools-literal")
+    assert res.requests and {r.prefill_instance for r in res.requests} == {0, 1, 2, 3}
+    assert pools >= ll - 0.01
+    assert literal < pools - 0.05

@@ -46,13 +46,21 @@ exploded (seen on ShareGPT: the long pool, 79% of the tokens, left with one of e
 it (see :mod:`laneserve.policies.prefill.laps`); its scheduler learns its new lane through
 ``scheduler.set_lane`` when the instance object exposes one.
 
-Do no harm (``spill=True``, default; issue 18): a pool is never left idle while the other queues.
-When the lane pool's pick holds more than ``spill_tokens`` queued tokens above the least-loaded
-live instance of either pool, the request goes to that instance instead (a prefill instance runs
-both lanes, short and long never in one step, so a spilled request is served like any other).
-Without it, on chat traffic where nearly every prompt is long, the short pool (at least
-``min_pool`` instances) sat idle and the router lost 30-40% of least-loaded's goodput at 4
-instances. ``laps-pools-literal`` (``spill=False``) is the paper's router.
+Do no harm (``spill=True``, default; issue 18): a pool is never left idle or overloaded while
+the other has room. When the lane pool's pick holds more than ``spill_tokens`` queued tokens above
+the least-loaded live instance of either pool, the request goes to that instance instead (a
+prefill instance runs both lanes, so a spilled request is served like any other). With the
+default ``spill_tokens=0`` the pools only choose among the least-loaded instances (ties, e.g.
+several idle ones), so a request goes to a busier instance than the least-loaded only for its
+cached prefix (affinity, within ``balance_tokens``). Measured on league cells (4P+4D, online predictors, goodput / least-loaded's
+with the same policies): with ``spill_tokens=2048`` 0.94 on the bursty short/long mix with LAPS
+instances (0.20 in the league before LAPS merged its lanes: bursts of short prompts queued on the
+two short-pool instances behind spilled long ones) and 0.88 on the multi-SLO mix with S-EDF
+instances; with 256, 0.94-0.96 on the multi-SLO mix; with 0, >= 1.0 on the five workloads tried
+(bursty, azure_conv, flowprefill, aligned95, multislo). Without any spill, on chat traffic where
+nearly every prompt is long, the short pool sat idle and the router lost 30-40% of least-loaded's
+goodput at 4 instances. ``laps-pools-literal`` (``spill=False``) is the paper's router: requests go
+to their lane's pool whatever its load, and the controller alone rebalances.
 """
 
 from __future__ import annotations
@@ -145,7 +153,7 @@ class LapsPoolRouter(Router):
                  cached_prefix: bool = True, controller: bool = True, q_cap: float = 2.0,
                  smoothing: float = 0.3, backlog: str = "wait", affinity: bool = True,
                  affinity_threshold: float = 0.5, balance_tokens: int = 16384, spill: bool = True,
-                 spill_tokens: int = 2048) -> None:
+                 spill_tokens: int = 0) -> None:
         if backlog not in ("wait", "tokens"):
             raise ValueError("backlog must be 'wait' (queue waiting time) or 'tokens' (tokens / rate)")
         self.backlog = backlog
@@ -216,15 +224,15 @@ class LapsPoolRouter(Router):
     def _pick(self, instances: Sequence[InstanceLoad], live: list[int], lane: str, req: Request,
               hits: dict[int, int]) -> int:
         pool = [i for i in live if self.pools.get(i) == lane] or live
-        if self.affinity:
-            pool = affinity_candidates(req, instances, pool, self.affinity_threshold, self.balance_tokens,
-                                       hits) or pool
+        holders = affinity_candidates(req, instances, pool, self.affinity_threshold, self.balance_tokens,
+                                      hits) if self.affinity else None
+        pool = holders or pool
         last = self._last_pick
 
         def load(i: int) -> tuple:
             return instances[i].queued_tokens, instances[i].num_waiting, last.get(i, -1), i
         choice = min(pool, key=load)
-        if self.spill:
+        if self.spill and not holders:       # a cache holder within balance_tokens keeps its request
             best = min(live, key=load)
             if instances[choice].queued_tokens - instances[best].queued_tokens > self.spill_tokens:
                 self.spills += 1
