@@ -97,17 +97,21 @@ def test_adaptive_decode_runs_without_a_host_pool_as_slack_guided_continuous_bat
     assert attainment(specs, "fcfs", "adaptive") >= attainment(specs, "fcfs", "continuous")
 
 
-def test_adaptive_decode_aligns_only_when_memory_binds():
-    specs = specs_of(chat(150, seed=1), rate=40.0, tpot=0.2, out=(50, 200))
-    roomy = Simulator(ClusterConfig(num_prefill=2, decode_policy="adaptive:align=true", host_kv_tokens=1_000_000),
-                      COST)
-    roomy.run(specs)
-    tight = Simulator(ClusterConfig(num_prefill=2, decode_policy="adaptive:align=true,n_min=4", decode_kv_tokens=30_000,
-                                    host_kv_tokens=1_000_000), COST)
-    res = tight.run(specs)
-    assert res.unfinished == 0
-    assert roomy.back[0].scheduler.stats.batches_formed == 0
-    assert tight.back[0].scheduler.stats.batches_formed > 0
+def test_adaptive_decode_aligns_only_when_memory_binds_on_a_padded_kernel():
+    specs = specs_of(bimodal(150, seed=1), rate=80.0, tpot=0.2, out=(50, 200))
+    padded = LinearCostModel(prefill_fixed=0.005, prefill_per_token=6e-5, decode_fixed=0.005,
+                             decode_per_context_token=1e-7, kv_capacity=400_000, attention="padded")
+    tight = dict(num_prefill=2, decode_policy="adaptive:align=true,n_min=4", decode_kv_tokens=30_000,
+                 host_kv_tokens=1_000_000)
+    runs = {}
+    for name, cost, cfg in [("roomy", COST, dict(num_prefill=2, decode_policy="adaptive:align=true",
+                                                  host_kv_tokens=1_000_000)),
+                            ("tight ragged", COST, tight), ("tight padded", padded, tight)]:
+        sim = Simulator(ClusterConfig(**cfg), cost)
+        assert sim.run(specs).unfinished == 0
+        runs[name] = sim.back[0].scheduler.stats.batches_formed
+    assert runs == {"roomy": 0, "tight ragged": 0, "tight padded": runs["tight padded"]}
+    assert runs["tight padded"] > 0
 
 
 # ---- the composition -------------------------------------------------------------------------------------
