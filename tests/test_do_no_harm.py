@@ -45,6 +45,19 @@ def test_alignedserve_keeps_continuous_batchings_tpot_where_alignment_cannot_pay
     assert not dec.aligning and dec.stats.batches_formed == 0
 
 
+def test_guarded_alignedserve_is_continuous_batching_on_a_ragged_kernel():
+    """Request for request, the same token times as continuous batching, with decode memory for
+    everyone and with too little (a long-context load: preemptions swap to the host pool)."""
+    for n, rate, device in ((200, 10.0, None), (150, 40.0, 30_000)):
+        specs = chat_specs(n=n, rate=rate, tpot=0.2)
+        cfg = dict(num_prefill=2, decode_kv_tokens=device, host_kv_tokens=1_000_000)
+        times = {}
+        for policy in ("continuous", "alignedserve"):
+            res = Simulator(ClusterConfig(decode_policy=policy, **cfg), RAGGED).run(specs)
+            times[policy] = [(r.times.first_token, r.times.last_token, r.num_preemptions) for r in res.requests]
+        assert times["alignedserve"] == times["continuous"]
+
+
 # a padded kernel: a mixed batch pays for its longest member, which aligned batches avoid
 PADDED = LinearCostModel(prefill_per_token=2e-5, decode_fixed=0.005, decode_per_context_token=1e-7,
                          kv_capacity=400_000, attention="padded")

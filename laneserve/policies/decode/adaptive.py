@@ -42,6 +42,7 @@ from laneserve.policies.registry import register
 class AdaptiveDecode(AlignedServeDecode):
     name = "adaptive"
     needs_host_pool = False          # aligns only with a host pool the user gives (--host-kv-tokens)
+    stable_decode_batch = False      # slack-guided steps choose the decoding requests per step
 
     def __init__(self, kv: KVCacheManager, *, host_pool: HostKVPool | None = None,
                  max_batch_size: int = 256, slack_guided: bool = True, align: bool = False,

@@ -130,6 +130,7 @@ class AlignedServeDecode(DecodeScheduler):
         self._cost_model = None
         self._last_step: tuple[int, float] | None = None  # (decodes, seconds) of the last pure step
         self._held = HeldFigures(kv.block_size)            # the guard's figures over self.requests
+        self._never_aligns = False                         # set by a ragged cost model (guarded)
 
     # ---- do no harm: is alignment worth it now? ---------------------------------------------
     @property
@@ -139,6 +140,14 @@ class AlignedServeDecode(DecodeScheduler):
 
     def bind_cost_model(self, cost_model) -> None:
         self._cost_model = cost_model
+        # a ragged kernel charges a batch its total context, which no grouping lowers
+        self._never_aligns = self.guard and getattr(cost_model, "attention", None) == "ragged"
+
+    @property
+    def stable_decode_batch(self) -> bool:      # type: ignore[override]
+        """Guarded on a ragged kernel, the policy is continuous batching for good (and keeps no
+        guard figures, so a simulator may run its stable batches as one event)."""
+        return self._never_aligns
 
     def _step_time(self, n: int, total: int, longest: int) -> float | None:
         """Predicted step of ``n`` requests whose contexts sum to ``total``, the longest
@@ -156,9 +165,9 @@ class AlignedServeDecode(DecodeScheduler):
     def _alignment_pays(self) -> bool:
         """The guard (issue 18): align only where the predicted step-time saving is real and
         continuous batching is in trouble (see the module docstring)."""
+        if self._never_aligns:
+            return False
         model = self._cost_model
-        if model is not None and getattr(model, "attention", None) == "ragged":
-            return False                   # a ragged kernel charges the total context: no saving
         held = self._held
         limit = self.cb_memory_fraction if self.aligning else self.align_memory_fraction
         binds = held.blocks > limit * self.kv.num_blocks
@@ -219,24 +228,25 @@ class AlignedServeDecode(DecodeScheduler):
     # ---- the guard's running figures follow every request held ------------------------------
     def add_request(self, req: Request, now: float) -> None:
         super().add_request(req, now)
-        self._held.hold(req)
+        if not self._never_aligns:
+            self._held.hold(req)
 
     def release(self, request_id: int) -> None:
         req = self.requests.get(request_id)
-        if req is not None:
+        if req is not None and not self._never_aligns:
             self._held.forget(req)
         super().release(request_id)
 
     def abort(self, request_id: int, now: float, reason: str = "abort") -> Request | None:
         req = self.requests.get(request_id)
-        if req is not None:
+        if req is not None and not self._never_aligns:
             self._held.forget(req)
         return super().abort(request_id, now, reason)
 
     def _advance_decode(self, req: Request, sampled: dict[int, int] | None,
                         stop_hit: set[int] | None, now: float, outcome: StepOutcome) -> None:
         super()._advance_decode(req, sampled, stop_hit, now, outcome)
-        if req.request_id in self.requests:         # not aborted while the step ran
+        if not self._never_aligns and req.request_id in self.requests:   # (not aborted mid-step)
             self._held.grew(req)
 
     # ---- arrival: the KV lands in the host pool --------------------------------------------
@@ -539,3 +549,9 @@ class AlignedServeDecode(DecodeScheduler):
         assert pool.allocator.num_used == sum(len(t) for t in pool.tables.values())
         for rid in host_tree:
             assert self.tree.entry(rid).blocks == pool.num_allocated(rid)
+        if not self._never_aligns:                  # the guard's running figures match a scan
+            reqs, held = list(self.requests.values()), self._held
+            assert held.blocks == sum(blocks_for(r.context_len + 1, kv.block_size) for r in reqs)
+            assert held.context == sum(r.context_len for r in reqs)
+            assert held.longest(reqs) == max((r.context_len for r in reqs), default=0)
+            assert held.min_tpot() == min((r.slo.tpot for r in reqs if r.slo.tpot is not None), default=None)
