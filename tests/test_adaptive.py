@@ -7,7 +7,7 @@ import pytest
 
 from laneserve.bench.metrics import summarize
 from laneserve.core import SLO, Request, RequestSpec
-from laneserve.core.kv import KVCacheManager
+from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.plan import StepResult
 from laneserve.costmodel import PolynomialTTFT
 from laneserve.costmodel.linear import LinearCostModel
@@ -112,6 +112,22 @@ def test_adaptive_decode_aligns_only_when_memory_binds_on_a_padded_kernel():
         runs[name] = sim.back[0].scheduler.stats.batches_formed
     assert runs == {"roomy": 0, "tight ragged": 0, "tight padded": runs["tight padded"]}
     assert runs["tight padded"] > 0
+
+
+def test_adaptive_decode_aligning_by_default_changes_nothing_on_a_ragged_kernel():
+    """Alignment is on by default; on a ragged kernel it never pays, so the default decides
+    exactly as ``align=false``, with decode memory for everyone and with too little."""
+    specs = specs_of(chat(150, seed=2), rate=40.0, tpot=0.2, out=(20, 120))
+    for device in (None, 20_000):
+        times = {}
+        for policy in ("adaptive", "adaptive:align=false"):
+            sim = Simulator(ClusterConfig(num_prefill=2, decode_policy=policy, decode_kv_tokens=device,
+                                          host_kv_tokens=1_000_000), COST)
+            res = sim.run(specs)
+            times[policy] = [(r.times.first_token, r.times.last_token, r.num_preemptions) for r in res.requests]
+        assert times["adaptive"] == times["adaptive:align=false"]
+        assert (sum(p for _, _, p in times["adaptive"]) > 0) == (device is not None)   # memory binds
+    assert make("decode", "adaptive", KVCacheManager(1000), host_pool=HostKVPool(4000)).can_align
 
 
 # ---- the composition -------------------------------------------------------------------------------------
