@@ -336,3 +336,25 @@ def test_guard_figures_decide_like_a_scan_of_every_request(seed, predictor, cost
     assert optimised == reference
     modes = {p[-1] for p in optimised if p is not None}
     assert modes == ({False} if cost == "ragged" else {False, True})    # both modes exercised
+
+
+def test_entering_aligned_mode_keeps_the_batch_cap_and_parks_the_rest():
+    """Switching to aligned mode with more device-resident requests waiting than batch slots: the
+    running set stays within ``max_batch_size``, the rest are swapped out into the length tree
+    (one swap each, no quadratic eviction loop)."""
+    from laneserve.core.kv import HostKVPool, KVCacheManager
+    from laneserve.core.request import Phase, Request
+    pol = CheckedAlignedServe(KVCacheManager(10_000, 16), host_pool=HostKVPool(20_000, 16), max_batch_size=4)
+    pol.bind_cost_model(COST)                       # padded
+    for i in range(10):
+        req = Request(i, 0.0, 100 if i % 2 else 20_000, 50, SLO(5.0, 0.001))   # no step meets this TPOT
+        req.num_computed_tokens = req.prompt_len
+        req.record_token(0.0)
+        req.phase = Phase.TRANSFERRING
+        pol.reserve(req)
+        pol.add_request(req, 0.0)
+    assert not pol.aligning and len(pol.waiting) == 10
+    plan = pol.schedule(0.1)
+    assert pol.aligning and len(pol.running) <= 4 and len(plan.decodes) <= 4
+    assert not pol.waiting and len(plan.swap_out) >= 6
+    assert len(pol.tree) + len(pol.cand_batch) + len(pol.cand_reqs) + len(pol.running) == 10

@@ -201,12 +201,15 @@ class AlignedServeDecode(DecodeScheduler):
             req.phase = Phase.SWAPPED
             self.swapped.append(req)
 
-    def _to_aligned(self, now: float) -> None:
-        """Enter aligned mode: device-resident waiting requests join the running set (they hold
-        their blocks; case 3 evicts if needed), swapped ones go to the quad-tree."""
+    def _to_aligned(self, plan: StepPlan, now: float) -> None:
+        """Enter aligned mode: device-resident waiting requests join the running set while it has
+        slots (they hold their blocks; case 3 evicts if needed), the rest are evicted to the
+        pool; swapped ones go to the quad-tree."""
         self.aligning = True
-        while self.waiting:
+        while self.waiting and len(self.running) < self.max_batch_size:
             self._admit(self.waiting.popleft(), now)
+        while self.waiting:
+            self._evict(self.waiting.popleft(), plan, now)
         while self.swapped:
             req = self.swapped.popleft()
             self._to_tree(req, _since(req, now))
@@ -306,9 +309,9 @@ class AlignedServeDecode(DecodeScheduler):
                 if self.aligning:
                     self._to_continuous(now)
                 return self._continuous_step(now)
-            if not self.aligning or self.waiting or self.swapped:
-                self._to_aligned(now)
         plan = StepPlan(label=self.name)
+        if self.guard and (not self.aligning or self.waiting or self.swapped):
+            self._to_aligned(plan, now)
         self._make_room(plan, now)                       # case 3
         if self.dynamic:
             self._dynamic_prefetch(now)
