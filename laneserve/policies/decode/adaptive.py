@@ -52,13 +52,15 @@ class AdaptiveDecode(AlignedServeDecode):
         pool = host_pool if host_pool is not None else HostKVPool(0, kv.block_size)
         super().__init__(kv, host_pool=pool, max_batch_size=max_batch_size, guard=True,
                          tpot_margin=tpot_margin, **aligned_opts)
-        self._never_aligns = not self.can_align          # the guard then never aligns, keeps no figures
+        if not self.can_align:                            # the guard never aligns, keeps no figures
+            self._never_aligns, self._held = True, None
         self.selector = KairosDecode(KVCacheManager(0, kv.block_size), max_batch_size=max_batch_size,
                                      attention="ragged") if slack_guided else None
 
     def bind_cost_model(self, cost_model) -> None:
         super().bind_cost_model(cost_model)
-        self._never_aligns = self._never_aligns or not self.can_align     # no guard figures to keep
+        if not self.can_align:
+            self._never_aligns, self._held = True, None
         if self.selector is not None:
             self.selector.bind_cost_model(cost_model)
 

@@ -129,8 +129,9 @@ class AlignedServeDecode(DecodeScheduler):
         self.aligning = not guard        # guarded: start as continuous batching
         self._cost_model = None
         self._last_step: tuple[int, float] | None = None  # (decodes, seconds) of the last pure step
-        self._held = HeldFigures(kv.block_size)            # the guard's figures over self.requests
         self._never_aligns = False                         # set by a ragged cost model (guarded)
+        # the guard's figures over self.requests; None where no guard reads them
+        self._held: HeldFigures | None = HeldFigures(kv.block_size) if guard else None
 
     # ---- do no harm: is alignment worth it now? ---------------------------------------------
     @property
@@ -142,6 +143,8 @@ class AlignedServeDecode(DecodeScheduler):
         self._cost_model = cost_model
         # a ragged kernel charges a batch its total context, which no grouping lowers
         self._never_aligns = self.guard and getattr(cost_model, "attention", None) == "ragged"
+        if self._never_aligns:
+            self._held = None
 
     @property
     def stable_decode_batch(self) -> bool:      # type: ignore[override]
@@ -169,6 +172,7 @@ class AlignedServeDecode(DecodeScheduler):
             return False
         model = self._cost_model
         held = self._held
+        assert held is not None
         limit = self.cb_memory_fraction if self.aligning else self.align_memory_fraction
         binds = held.blocks > limit * self.kv.num_blocks
         tpot = held.min_tpot()
@@ -231,25 +235,25 @@ class AlignedServeDecode(DecodeScheduler):
     # ---- the guard's running figures follow every request held ------------------------------
     def add_request(self, req: Request, now: float) -> None:
         super().add_request(req, now)
-        if not self._never_aligns:
+        if self._held is not None:
             self._held.hold(req)
 
     def release(self, request_id: int) -> None:
         req = self.requests.get(request_id)
-        if req is not None and not self._never_aligns:
+        if req is not None and self._held is not None:
             self._held.forget(req)
         super().release(request_id)
 
     def abort(self, request_id: int, now: float, reason: str = "abort") -> Request | None:
         req = self.requests.get(request_id)
-        if req is not None and not self._never_aligns:
+        if req is not None and self._held is not None:
             self._held.forget(req)
         return super().abort(request_id, now, reason)
 
     def _advance_decode(self, req: Request, sampled: dict[int, int] | None,
                         stop_hit: set[int] | None, now: float, outcome: StepOutcome) -> None:
         super()._advance_decode(req, sampled, stop_hit, now, outcome)
-        if not self._never_aligns and req.request_id in self.requests:   # (not aborted mid-step)
+        if self._held is not None and req.request_id in self.requests:   # (not aborted mid-step)
             self._held.grew(req)
 
     # ---- arrival: the KV lands in the host pool --------------------------------------------
@@ -552,7 +556,7 @@ class AlignedServeDecode(DecodeScheduler):
         assert pool.allocator.num_used == sum(len(t) for t in pool.tables.values())
         for rid in host_tree:
             assert self.tree.entry(rid).blocks == pool.num_allocated(rid)
-        if not self._never_aligns:                  # the guard's running figures match a scan
+        if self._held is not None:                  # the guard's running figures match a scan
             reqs, held = list(self.requests.values()), self._held
             assert held.blocks == sum(blocks_for(r.context_len + 1, kv.block_size) for r in reqs)
             assert held.context == sum(r.context_len for r in reqs)
