@@ -7,7 +7,7 @@ import pytest
 
 from laneserve.bench.metrics import summarize
 from laneserve.core import SLO, Request, RequestSpec
-from laneserve.core.kv import KVCacheManager
+from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.plan import StepResult
 from laneserve.costmodel import PolynomialTTFT
 from laneserve.costmodel.linear import LinearCostModel
@@ -97,17 +97,37 @@ def test_adaptive_decode_runs_without_a_host_pool_as_slack_guided_continuous_bat
     assert attainment(specs, "fcfs", "adaptive") >= attainment(specs, "fcfs", "continuous")
 
 
-def test_adaptive_decode_aligns_only_when_memory_binds():
-    specs = specs_of(chat(150, seed=1), rate=40.0, tpot=0.2, out=(50, 200))
-    roomy = Simulator(ClusterConfig(num_prefill=2, decode_policy="adaptive:align=true", host_kv_tokens=1_000_000),
-                      COST)
-    roomy.run(specs)
-    tight = Simulator(ClusterConfig(num_prefill=2, decode_policy="adaptive:align=true,n_min=4", decode_kv_tokens=30_000,
-                                    host_kv_tokens=1_000_000), COST)
-    res = tight.run(specs)
-    assert res.unfinished == 0
-    assert roomy.back[0].scheduler.stats.batches_formed == 0
-    assert tight.back[0].scheduler.stats.batches_formed > 0
+def test_adaptive_decode_aligns_only_when_memory_binds_on_a_padded_kernel():
+    specs = specs_of(bimodal(150, seed=1), rate=80.0, tpot=0.2, out=(50, 200))
+    padded = LinearCostModel(prefill_fixed=0.005, prefill_per_token=6e-5, decode_fixed=0.005,
+                             decode_per_context_token=1e-7, kv_capacity=400_000, attention="padded")
+    tight = dict(num_prefill=2, decode_policy="adaptive:align=true,n_min=4", decode_kv_tokens=30_000,
+                 host_kv_tokens=1_000_000)
+    runs = {}
+    for name, cost, cfg in [("roomy", COST, dict(num_prefill=2, decode_policy="adaptive:align=true",
+                                                  host_kv_tokens=1_000_000)),
+                            ("tight ragged", COST, tight), ("tight padded", padded, tight)]:
+        sim = Simulator(ClusterConfig(**cfg), cost)
+        assert sim.run(specs).unfinished == 0
+        runs[name] = sim.back[0].scheduler.stats.batches_formed
+    assert runs == {"roomy": 0, "tight ragged": 0, "tight padded": runs["tight padded"]}
+    assert runs["tight padded"] > 0
+
+
+def test_adaptive_decode_aligning_by_default_changes_nothing_on_a_ragged_kernel():
+    """Alignment is on by default; on a ragged kernel it never pays, so the default decides
+    exactly as ``align=false``, with decode memory for everyone and with too little."""
+    specs = specs_of(chat(150, seed=2), rate=40.0, tpot=0.2, out=(20, 120))
+    for device in (None, 20_000):
+        times = {}
+        for policy in ("adaptive", "adaptive:align=false"):
+            sim = Simulator(ClusterConfig(num_prefill=2, decode_policy=policy, decode_kv_tokens=device,
+                                          host_kv_tokens=1_000_000), COST)
+            res = sim.run(specs)
+            times[policy] = [(r.times.first_token, r.times.last_token, r.num_preemptions) for r in res.requests]
+        assert times["adaptive"] == times["adaptive:align=false"]
+        assert (sum(p for _, _, p in times["adaptive"]) > 0) == (device is not None)   # memory binds
+    assert make("decode", "adaptive", KVCacheManager(1000), host_pool=HostKVPool(4000)).can_align
 
 
 # ---- the composition -------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from laneserve.core import SLO, RequestSpec
 from laneserve.costmodel import make_cost_model
 from laneserve.costmodel.linear import LinearCostModel
 from laneserve.policies import make
+from laneserve.core.kv import blocks_for
+from laneserve.policies.decode.aligned_guard import contexts
 from laneserve.policies.decode.alignedserve import AlignedServeDecode
 from laneserve.policies.decode.quadtree import KVLengthQuadTree
 from laneserve.policies.registry import register
@@ -253,3 +255,106 @@ def test_engine_alignedserve_greedy_tokens_equal_continuous_batching():
         k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
         top2 = hf_logits("qwen3", list(p) + a[:k])[-1].float().topk(2).values
         assert float(top2[0] - top2[1]) < 1e-3, f"request {rid} parts at token {k}, not at a near-tie"
+
+
+# ---- the guard's running figures decide as a scan of every request would (issue 12) ------------
+class PlanLog:
+    """Records each plan's signature: who decodes, recomputes and swaps."""
+
+    def schedule(self, now):
+        plan = super().schedule(now)
+        log = self.__dict__.setdefault("plans", [])
+        log.append(None if plan is None else (
+            now, tuple(r.request_id for r in plan.decodes), tuple((c.request.request_id, c.num_new_tokens)
+                                                                 for c in plan.prefills),
+            len(plan.swap_in), len(plan.swap_out), self.aligning))
+        return plan
+
+
+@register("decode", "alignedserve-logged")
+class LoggedAlignedServe(PlanLog, CheckedAlignedServe):
+    pass
+
+
+@register("decode", "alignedserve-scan-guard")
+class ScanGuardAlignedServe(PlanLog, AlignedServeDecode):
+    """The guard written straightforwardly: each decision scans every request held."""
+
+    def _alignment_pays(self):
+        if self._never_aligns:
+            return False
+        reqs = list(self.requests.values())
+        demand = sum(blocks_for(r.context_len + 1, self.kv.block_size) for r in reqs)
+        limit = self.cb_memory_fraction if self.aligning else self.align_memory_fraction
+        binds = demand > limit * self.kv.num_blocks
+        targets = [r.slo.tpot for r in reqs if r.slo.tpot is not None]
+        if not binds and not targets:
+            return False
+        ctx = [r.context_len for r in reqs]
+        model = self._cost_model
+        if not ctx:
+            step = 0.0
+        elif model is not None:
+            step = model.decode_step_time(ctx)
+        elif self._last_step is not None:
+            step = self._last_step[1] * max(1.0, len(ctx) / self._last_step[0])
+        else:
+            return binds
+        if not binds and step * (1 + self.tpot_margin) <= min(targets):
+            return False
+        if model is None:
+            return True
+        uniform = model.decode_step_time(contexts(len(ctx), sum(ctx), -(-sum(ctx) // len(ctx))))
+        return step - uniform >= self.tpot_margin * step
+
+
+@pytest.mark.parametrize("seed,predictor,cost", [(0, "oracle", "padded"), (1, "online", "padded"),
+                                                 (2, "oracle", "analytic-padded"), (3, "oracle", "ragged")])
+def test_guard_figures_decide_like_a_scan_of_every_request(seed, predictor, cost):
+    """Random loads with mixed TPOT targets (and none), decode memory that binds at times: the
+    guarded policy on running figures and the scanning reference make the same plans, step for
+    step, and the figures match a scan after every step."""
+    model = {"padded": COST, "ragged": LinearCostModel(prefill_per_token=2e-5, decode_fixed=0.01,
+                                                       decode_per_context_token=1e-7, kv_capacity=200_000),
+             "analytic-padded": make_cost_model("analytic", model="llama-3-8b", hardware="h100",
+                                                attention="padded")}[cost]
+    rng = random.Random(seed)
+    t, specs = 0.0, []
+    for i in range(200):
+        t += rng.expovariate(rng.choice((20.0, 150.0)))
+        prompt = rng.randint(1000, 6000) if rng.random() < 0.15 else rng.randint(10, 600)
+        specs.append(RequestSpec(i, t, prompt, rng.randint(1, 120),
+                                 slo=SLO(5.0, rng.choice((0.02, 0.05, 0.2, None)))))
+    logs = {}
+    for policy in ("alignedserve-logged", "alignedserve-scan-guard"):
+        cfg = ClusterConfig(num_prefill=2, decode_policy=policy, decode_kv_tokens=24_000, host_kv_tokens=400_000,
+                            predictor=predictor, decode_opts={"n_min": 8, "threshold": 0.8})
+        sim = Simulator(cfg, model)
+        assert sim.run(specs).unfinished == 0
+        logs[policy] = sim.back[0].scheduler.plans
+    optimised, reference = logs["alignedserve-logged"], logs["alignedserve-scan-guard"]
+    assert optimised == reference
+    modes = {p[-1] for p in optimised if p is not None}
+    assert modes == ({False} if cost == "ragged" else {False, True})    # both modes exercised
+
+
+def test_entering_aligned_mode_keeps_the_batch_cap_and_parks_the_rest():
+    """Switching to aligned mode with more device-resident requests waiting than batch slots: the
+    running set stays within ``max_batch_size``, the rest are swapped out into the length tree
+    (one swap each, no quadratic eviction loop)."""
+    from laneserve.core.kv import HostKVPool, KVCacheManager
+    from laneserve.core.request import Phase, Request
+    pol = CheckedAlignedServe(KVCacheManager(10_000, 16), host_pool=HostKVPool(20_000, 16), max_batch_size=4)
+    pol.bind_cost_model(COST)                       # padded
+    for i in range(10):
+        req = Request(i, 0.0, 100 if i % 2 else 20_000, 50, SLO(5.0, 0.001))   # no step meets this TPOT
+        req.num_computed_tokens = req.prompt_len
+        req.record_token(0.0)
+        req.phase = Phase.TRANSFERRING
+        pol.reserve(req)
+        pol.add_request(req, 0.0)
+    assert not pol.aligning and len(pol.waiting) == 10
+    plan = pol.schedule(0.1)
+    assert pol.aligning and len(pol.running) <= 4 and len(plan.decodes) <= 4
+    assert not pol.waiting and len(plan.swap_out) >= 6
+    assert len(pol.tree) + len(pol.cand_batch) + len(pol.cand_reqs) + len(pol.running) == 10

@@ -45,11 +45,55 @@ def test_alignedserve_keeps_continuous_batchings_tpot_where_alignment_cannot_pay
     assert not dec.aligning and dec.stats.batches_formed == 0
 
 
-def test_alignedserve_still_aligns_when_decode_memory_binds():
-    specs = chat_specs(n=150, rate=40.0, tpot=0.2)
-    _, sim = run(specs, RAGGED, num_prefill=2, decode_policy="alignedserve", decode_kv_tokens=30_000,
+def test_guarded_alignedserve_is_continuous_batching_on_a_ragged_kernel():
+    """Request for request, the same token times as continuous batching, with decode memory for
+    everyone and with too little (a long-context load: preemptions swap to the host pool)."""
+    for n, rate, device in ((200, 10.0, None), (150, 40.0, 30_000)):
+        specs = chat_specs(n=n, rate=rate, tpot=0.2)
+        cfg = dict(num_prefill=2, decode_kv_tokens=device, host_kv_tokens=1_000_000)
+        times = {}
+        for policy in ("continuous", "alignedserve"):
+            res = Simulator(ClusterConfig(decode_policy=policy, **cfg), RAGGED).run(specs)
+            times[policy] = [(r.times.first_token, r.times.last_token, r.num_preemptions) for r in res.requests]
+        assert times["alignedserve"] == times["continuous"]
+
+
+# a padded kernel: a mixed batch pays for its longest member, which aligned batches avoid
+PADDED = LinearCostModel(prefill_per_token=2e-5, decode_fixed=0.005, decode_per_context_token=1e-7,
+                         kv_capacity=400_000, attention="padded")
+
+
+def short_long_specs(n=150, rate=80.0, seed=0, tpot=0.2):
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        prompt = rng.randint(4000, 8000) if rng.random() < 0.15 else rng.randint(100, 600)
+        out.append(RequestSpec(i, t, prompt, rng.randint(2, 60), slo=SLO(1.0, tpot)))
+    return out
+
+
+def test_alignedserve_still_aligns_when_decode_memory_binds_on_a_padded_kernel():
+    specs = short_long_specs()
+    _, sim = run(specs, PADDED, num_prefill=2, decode_policy="alignedserve", decode_kv_tokens=30_000,
                  host_kv_tokens=1_000_000, decode_opts={"n_min": 4})
     assert sim.back[0].scheduler.stats.batches_formed > 0
+
+
+def test_alignedserve_does_not_align_long_contexts_on_a_ragged_kernel_when_memory_binds():
+    """The long-context case (issue 18's Mooncake-length losses): decode memory cannot hold
+    everyone, but with a ragged kernel aligning saves no step time, so the guard stays continuous
+    batching (which swaps to the host pool itself) and keeps its TPOT attainment."""
+    specs = chat_specs(n=150, rate=40.0, tpot=0.2)
+    cfg = dict(num_prefill=2, decode_kv_tokens=30_000, host_kv_tokens=1_000_000)
+    cb, cb_sim = run(specs, RAGGED, decode_policy="continuous", **cfg)
+    guarded, sim = run(specs, RAGGED, decode_policy="alignedserve", decode_opts={"n_min": 4}, **cfg)
+    literal, _ = run(specs, RAGGED, decode_policy="alignedserve-literal", decode_opts={"n_min": 4}, **cfg)
+    assert cb_sim.back[0].scheduler.num_preemptions > 0          # memory binds
+    dec = sim.back[0].scheduler
+    assert not dec.aligning and dec.stats.batches_formed == 0
+    assert guarded["attainment_tpot"] >= cb["attainment_tpot"]
+    assert literal["attainment_tpot"] < cb["attainment_tpot"]
 
 
 def test_guarded_alignedserve_lands_kv_on_the_device_until_it_aligns():

@@ -5,15 +5,16 @@ Every step starts from what the instance observes: the requests it holds (their 
 TPOT targets), its KV memory, and step times (the bound cost model, refined online by measured
 steps). Three mechanisms compose:
 
-1. **Length-aligned batches** (AlignedServe §3, :mod:`.alignedserve` with ``guard=True``), opt-in
-   (``adaptive:align=true``): the policy league showed the guard's test below letting alignment
-   in where it does not pay (long-context Mooncake-length traffic at 4P+4D with a host pool: 0.77x
-   the best baseline with it, 1.0x without), so the default leaves it off until that test is
-   right. With it on, alignment runs only while it can pay: the decode KV memory cannot hold every request (continuous batching would
-   preempt), or the everyone-decodes step would break the tightest TPOT target (a padded kernel
-   paying for the longest member). Otherwise incoming KV lands on the device and every request
-   decodes: continuous batching, which meets TPOT whenever that step fits the target. Without a
-   host KV pool (``--host-kv-tokens 0``) nothing can be parked and alignment stays off.
+1. **Length-aligned batches** (AlignedServe §3, :mod:`.alignedserve` with ``guard=True``), on by
+   default with a host KV pool (``adaptive:align=false`` turns them off): alignment runs only
+   where it can pay, i.e. the attention kernel pads a mixed batch to its longest member, the
+   padding is at least ``tpot_margin`` of the everyone-decodes step, and continuous batching is in
+   trouble (the decode KV memory cannot hold every request, or that step would break the tightest
+   TPOT target). With a ragged kernel (the league's cost model) it never aligns, so this default
+   decides exactly as ``align=false`` there (tested); the earlier opt-in guard let alignment in on
+   long-context Mooncake-length traffic (0.77x the best baseline at 4P+4D). Otherwise incoming KV
+   lands on the device and every request decodes: continuous batching. Without a host KV pool
+   (``--host-kv-tokens 0``) nothing can be parked and alignment stays off.
 2. **Slack-guided steps** (Kairos §3.2, Algorithm 3) choose which running requests decode: the
    requests that fit in the smallest TPOT slack join in ascending length while throughput grows;
    when nothing fits (or there is slack to spare) everyone decodes, so with ample slack this *is*
@@ -42,24 +43,26 @@ from laneserve.policies.registry import register
 class AdaptiveDecode(AlignedServeDecode):
     name = "adaptive"
     needs_host_pool = False          # aligns only with a host pool the user gives (--host-kv-tokens)
+    stable_decode_batch = False      # slack-guided steps choose the decoding requests per step
 
     def __init__(self, kv: KVCacheManager, *, host_pool: HostKVPool | None = None,
-                 max_batch_size: int = 256, slack_guided: bool = True, align: bool = False,
+                 max_batch_size: int = 256, slack_guided: bool = True, align: bool = True,
                  tpot_margin: float = 0.2, **aligned_opts) -> None:
         self.can_align = align and host_pool is not None and host_pool.num_blocks > 0
         pool = host_pool if host_pool is not None else HostKVPool(0, kv.block_size)
         super().__init__(kv, host_pool=pool, max_batch_size=max_batch_size, guard=True,
                          tpot_margin=tpot_margin, **aligned_opts)
+        if not self.can_align:                            # the guard never aligns, keeps no figures
+            self._never_aligns, self._held = True, None
         self.selector = KairosDecode(KVCacheManager(0, kv.block_size), max_batch_size=max_batch_size,
                                      attention="ragged") if slack_guided else None
 
     def bind_cost_model(self, cost_model) -> None:
         super().bind_cost_model(cost_model)
+        if not self.can_align:
+            self._never_aligns, self._held = True, None
         if self.selector is not None:
             self.selector.bind_cost_model(cost_model)
-
-    def _alignment_pays(self) -> bool:
-        return self.can_align and super()._alignment_pays()
 
     def _continuous_step(self, now: float) -> StepPlan | None:
         plan = super()._continuous_step(now)

@@ -35,17 +35,26 @@ member of the running batch to the candidate-requests buffer; an old-batch membe
 indexed by its grown length and keeping its starvation timer). The host pool being full at an
 eviction falls back to recompute (KV dropped, re-prefilled on this instance).
 
-Do no harm (``guard=True``, the default; issue 18). Alignment pays in two situations only: the
-decode KV memory cannot hold every request at once (continuous batching would preempt), or a
-padded attention kernel makes an everyone-decodes step slower than the TPOT target (a mixed batch
-pays for its longest member). Otherwise parking requests in the host pool only delays them: a
-parked request's first token is out, so every second it waits adds to its TPOT. So before each
-step the guarded policy checks both: with memory to spare (demand below ``cb_memory_fraction`` of
-the device blocks; back to aligned mode only above ``align_memory_fraction``, a hysteresis) and
-the predicted everyone-decodes step (the bound cost model, else the last observed step) times
-``1 + tpot_margin`` within the tightest TPOT target, it runs as continuous batching: incoming KV
-lands on the device, pooled requests are swapped in, everyone decodes. ``alignedserve-literal``
-(``guard=False``) is the paper's algorithm, used by ``benchmarks/decode_alignedserve.py``.
+Do no harm (``guard=True``, the default; issue 18). Aligning saves step time only where the
+attention kernel pads a mixed batch to its longest member; a ragged kernel charges a batch its
+total context, which no grouping lowers, so there parking requests in the host pool only delays
+them (a parked request's first token is out: every second it waits adds to its TPOT) and the
+guarded policy is continuous batching whatever the memory does (continuous batching swaps to the
+host pool itself when memory runs out; measured: aligning there lost TPOT attainment and league
+goodput on long-context Mooncake-length traffic). With a padding (or unknown) kernel, before each
+step the guard predicts the everyone-decodes step from the bound cost model (else the last
+observed pure step, scaled by the batch size) and aligns only when continuous batching is in
+trouble -- the decode KV demand of every request held passes ``align_memory_fraction`` of the
+device blocks (continuous batching would preempt; once aligned, it stays so until the demand falls
+below ``cb_memory_fraction``, a hysteresis), or that step times ``1 + tpot_margin`` breaks the
+tightest TPOT target -- and the padding the step pays (its time less that of a batch of the same
+total context at uniform length) is at least ``tpot_margin`` of it. Otherwise it runs as
+continuous batching: incoming KV lands on the device, pooled requests are swapped in, everyone
+decodes. The guard reads running figures (:mod:`.aligned_guard`) kept as requests arrive, decode
+and leave, so a decision costs O(1) however many requests are held (the longest context is
+rescanned only after the longest request left, and only with a padding cost model).
+``alignedserve-literal`` (``guard=False``) is the paper's algorithm, used by
+``benchmarks/decode_alignedserve.py``.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from laneserve.core.kv import HostKVPool, KVCacheManager, blocks_for
 from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Phase, Request
 from laneserve.policies.base import StepOutcome
+from laneserve.policies.decode.aligned_guard import HeldFigures, contexts
 from laneserve.policies.decode.aligned_prefetch import PrefetchStager
 from laneserve.policies.decode.aligned_stats import AlignedBatch, AlignedStats
 from laneserve.policies.decode.base import DecodeScheduler
@@ -119,6 +129,9 @@ class AlignedServeDecode(DecodeScheduler):
         self.aligning = not guard        # guarded: start as continuous batching
         self._cost_model = None
         self._last_step: tuple[int, float] | None = None  # (decodes, seconds) of the last pure step
+        self._never_aligns = False                         # set by a ragged cost model (guarded)
+        # the guard's figures over self.requests; None where no guard reads them
+        self._held: HeldFigures | None = HeldFigures(kv.block_size) if guard else None
 
     # ---- do no harm: is alignment worth it now? ---------------------------------------------
     @property
@@ -128,28 +141,54 @@ class AlignedServeDecode(DecodeScheduler):
 
     def bind_cost_model(self, cost_model) -> None:
         self._cost_model = cost_model
+        # a ragged kernel charges a batch its total context, which no grouping lowers
+        self._never_aligns = self.guard and getattr(cost_model, "attention", None) == "ragged"
+        if self._never_aligns:
+            self._held = None
 
-    def _everyone_step_time(self, contexts: list[int]) -> float | None:
-        if not contexts:
+    @property
+    def stable_decode_batch(self) -> bool:      # type: ignore[override]
+        """Guarded on a ragged kernel, the policy is continuous batching for good (and keeps no
+        guard figures, so a simulator may run its stable batches as one event)."""
+        return self._never_aligns
+
+    def _step_time(self, n: int, total: int, longest: int) -> float | None:
+        """Predicted step of ``n`` requests whose contexts sum to ``total``, the longest
+        ``longest`` (the cost models charge a decode batch by these three figures); without a
+        cost model, the last observed pure step scaled by the batch size."""
+        if n == 0:
             return 0.0
-        if self._cost_model is not None:
-            return self._cost_model.decode_step_time(contexts)
-        if self._last_step is None:
-            return None
-        n, seconds = self._last_step       # scale the last observed step by the batch size
-        return seconds * max(1.0, len(contexts) / n)
+        if self._cost_model is None:
+            if self._last_step is None:
+                return None
+            size, seconds = self._last_step
+            return seconds * max(1.0, n / size)
+        return self._cost_model.decode_step_time(contexts(n, total, longest))
 
     def _alignment_pays(self) -> bool:
-        reqs = list(self.requests.values())
-        demand = sum(blocks_for(r.context_len + 1, self.kv.block_size) for r in reqs)
-        limit = self.align_memory_fraction if self.aligning else self.cb_memory_fraction
-        if demand > limit * self.kv.num_blocks:
-            return True                    # memory binds: continuous batching would preempt
-        targets = [r.slo.tpot for r in reqs if r.slo.tpot is not None]
-        if not targets:
+        """The guard (issue 18): align only where the predicted step-time saving is real and
+        continuous batching is in trouble (see the module docstring)."""
+        if self._never_aligns:
             return False
-        step = self._everyone_step_time([r.context_len for r in reqs])
-        return step is not None and step * (1 + self.tpot_margin) > min(targets)
+        model = self._cost_model
+        held = self._held
+        assert held is not None
+        limit = self.cb_memory_fraction if self.aligning else self.align_memory_fraction
+        binds = held.blocks > limit * self.kv.num_blocks
+        tpot = held.min_tpot()
+        if not binds and tpot is None:
+            return False
+        n, total = len(self.requests), held.context
+        longest = held.longest(self.requests.values()) if model is not None else 0
+        step = self._step_time(n, total, longest)
+        if step is None:
+            return binds
+        if not binds and step * (1 + self.tpot_margin) <= tpot:
+            return False                   # everyone decodes within the tightest TPOT target
+        if model is None:
+            return True                    # no model to predict the padding saving with
+        uniform = self._step_time(n, total, -(-total // n))
+        return step - uniform >= self.tpot_margin * step     # the padding alignment can save
 
     def _to_continuous(self, now: float) -> None:
         """Leave aligned mode: pooled requests queue (oldest first) to be swapped in as memory
@@ -166,12 +205,15 @@ class AlignedServeDecode(DecodeScheduler):
             req.phase = Phase.SWAPPED
             self.swapped.append(req)
 
-    def _to_aligned(self, now: float) -> None:
-        """Enter aligned mode: device-resident waiting requests join the running set (they hold
-        their blocks; case 3 evicts if needed), swapped ones go to the quad-tree."""
+    def _to_aligned(self, plan: StepPlan, now: float) -> None:
+        """Enter aligned mode: device-resident waiting requests join the running set while it has
+        slots (they hold their blocks; case 3 evicts if needed), the rest are evicted to the
+        pool; swapped ones go to the quad-tree."""
         self.aligning = True
-        while self.waiting:
+        while self.waiting and len(self.running) < self.max_batch_size:
             self._admit(self.waiting.popleft(), now)
+        while self.waiting:
+            self._evict(self.waiting.popleft(), plan, now)
         while self.swapped:
             req = self.swapped.popleft()
             self._to_tree(req, _since(req, now))
@@ -189,6 +231,30 @@ class AlignedServeDecode(DecodeScheduler):
         if result.completed and plan.decodes and not (plan.prefills or plan.swap_in or plan.swap_out):
             self._last_step = (len(plan.decodes), result.duration)
         return super().update(plan, result, now)
+
+    # ---- the guard's running figures follow every request held ------------------------------
+    def add_request(self, req: Request, now: float) -> None:
+        super().add_request(req, now)
+        if self._held is not None:
+            self._held.hold(req)
+
+    def release(self, request_id: int) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and self._held is not None:
+            self._held.forget(req)
+        super().release(request_id)
+
+    def abort(self, request_id: int, now: float, reason: str = "abort") -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None and self._held is not None:
+            self._held.forget(req)
+        return super().abort(request_id, now, reason)
+
+    def _advance_decode(self, req: Request, sampled: dict[int, int] | None,
+                        stop_hit: set[int] | None, now: float, outcome: StepOutcome) -> None:
+        super()._advance_decode(req, sampled, stop_hit, now, outcome)
+        if self._held is not None and req.request_id in self.requests:   # (not aborted mid-step)
+            self._held.grew(req)
 
     # ---- arrival: the KV lands in the host pool --------------------------------------------
     def can_reserve(self, req: Request) -> bool:
@@ -247,9 +313,9 @@ class AlignedServeDecode(DecodeScheduler):
                 if self.aligning:
                     self._to_continuous(now)
                 return self._continuous_step(now)
-            if not self.aligning or self.waiting or self.swapped:
-                self._to_aligned(now)
         plan = StepPlan(label=self.name)
+        if self.guard and (not self.aligning or self.waiting or self.swapped):
+            self._to_aligned(plan, now)
         self._make_room(plan, now)                       # case 3
         if self.dynamic:
             self._dynamic_prefetch(now)
@@ -490,3 +556,9 @@ class AlignedServeDecode(DecodeScheduler):
         assert pool.allocator.num_used == sum(len(t) for t in pool.tables.values())
         for rid in host_tree:
             assert self.tree.entry(rid).blocks == pool.num_allocated(rid)
+        if self._held is not None:                  # the guard's running figures match a scan
+            reqs, held = list(self.requests.values()), self._held
+            assert held.blocks == sum(blocks_for(r.context_len + 1, kv.block_size) for r in reqs)
+            assert held.context == sum(r.context_len for r in reqs)
+            assert held.longest(reqs) == max((r.context_len for r in reqs), default=0)
+            assert held.min_tpot() == min((r.slo.tpot for r in reqs if r.slo.tpot is not None), default=None)

@@ -205,18 +205,14 @@ class KairosDecode(DecodeScheduler):
         """The requests to decode this step (Algorithm 3, lines 3-21)."""
         if not active:
             return []
-        reserve_batch = len(active) if self.slack_reserve == "batch" else 1
-        slacks = [self.slack(r, now, reserve_batch) for r in active]
-        s_min = min(slacks)
-        if s_min < 0 and not self.late_binds:
-            # requests already behind schedule cannot be saved by this step: the on-time ones bind
-            s_min = min((s for s in slacks if s >= 0), default=s_min)
+        s_min = self._min_slack(active, now)
         lookup = self.lut.lookup
         by_mean = self.length_key == "mean"
         batch: list[Request] = []
         t_cur = 0.0
         kv_sum = 0
-        for req in sorted(active, key=lambda r: (r.context_len, r.request_id)):
+        # a step time is never negative: with s_min < 0 nothing fits, so the scan is skipped
+        for req in sorted(active, key=lambda r: (r.context_len, r.request_id)) if s_min >= 0 else ():
             n = len(batch) + 1
             t_step = lookup(n, (kv_sum + req.context_len) / n if by_mean else req.context_len)
             if t_step <= s_min and (not batch or not self.throughput_rule
@@ -245,6 +241,43 @@ class KairosDecode(DecodeScheduler):
         if len(batch) < len(active):
             stats.partial_steps += 1
         return batch
+
+    def _min_slack(self, active: list[Request], now: float) -> float:
+        """``s_min`` of Algorithm 3 (without ``late_binds``: over the on-time requests when some
+        are late), exact when it is >= 0; when it is negative, some negative slack (nothing can
+        fit then, its value does not matter). A request whose next token is already due
+        (``due < now``) has a negative slack whatever its table entry (step times are never
+        negative), so only the others are looked up: a step of mostly late requests costs no
+        table lookups."""
+        reserve_batch = len(active) if self.slack_reserve == "batch" else 1
+        lookup, default = self.lut.lookup, self.tpot_slo
+        late = math.inf                       # the smallest slack below 0 seen
+        on_time = math.inf                    # the smallest slack >= 0 (infinite: no target)
+        any_on_time = False
+        for req in active:
+            tpot = req.slo.tpot if req.slo.tpot is not None else default
+            if tpot is None:
+                any_on_time = True            # infinite slack
+                continue
+            first = req.times.first_token
+            left = (first if first is not None else now) + tpot * req.num_output_tokens - now
+            if left < 0:
+                if self.late_binds:
+                    return left               # s_min < 0
+                if left < late:
+                    late = left
+                continue
+            slack = left - lookup(reserve_batch, req.context_len)
+            if slack < 0:
+                if self.late_binds:
+                    return slack
+                if slack < late:
+                    late = slack
+            else:
+                any_on_time = True
+                if slack < on_time:
+                    on_time = slack
+        return on_time if any_on_time or late == math.inf else late
 
     # ---- the scheduler contract ------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan | None:
