@@ -26,6 +26,7 @@ from laneserve.core.prefix_cache import PrefixCache
 from laneserve.core.request import Phase, Request, RequestSpec
 from laneserve.costmodel.base import CostModel
 from laneserve.policies import registry
+from laneserve.policies.base import InstanceScheduler
 from laneserve.runtime import Instance
 from laneserve.policies.predictors import PredictorSource
 from laneserve.sim.config import ClusterConfig, context_limit, default_host_kv_tokens, kv_capacity_tokens
@@ -103,7 +104,10 @@ class Simulator:
             return HostKVPool(blocks_for(tokens, bs), bs) if tokens else None
 
         def instance(i: int, role: str, scheduler) -> SimInstance:
-            """Every instance's policy reads the run's predictors (online: a learner of its own)."""
+            """Every instance's policy that reads predictors (overrides ``bind_cost_model``) reads
+            the run's (online: a learner of its own); the others get no learner to feed."""
+            if type(scheduler).bind_cost_model is InstanceScheduler.bind_cost_model:
+                return SimInstance(i, role, scheduler)
             model, learner = predictors.for_instance()
             scheduler.bind_cost_model(model)
             return SimInstance(i, role, scheduler, learner)
