@@ -30,7 +30,6 @@ Pure Python: no torch.
 from __future__ import annotations
 
 import struct
-from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from hashlib import blake2b
 
@@ -67,22 +66,16 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: bytes, start
 
 class BlockPool:
     """``num_blocks`` blocks: LIFO free list, reference counts, names, and cached blocks in LRU
-    order. A release of a block nobody holds (double or foreign free) raises ``ValueError``.
+    order. A release of a block nobody holds (double or foreign free) raises ``ValueError``."""
 
-    Reference counts are kept as the set of used blocks plus, for the few blocks held more than
-    once (shared prefixes, forks), the count beyond one: allocating and releasing whole tables of
-    unshared blocks are then set operations, not a Python loop per block."""
-
-    __slots__ = ("num_blocks", "_free", "_used", "_extra", "_cached", "_name_of", "_block_of", "evicted",
-                 "events")
+    __slots__ = ("num_blocks", "_free", "_refs", "_cached", "_name_of", "_block_of", "evicted", "events")
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 0:
             raise ValueError("num_blocks must be >= 0")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._used: set[int] = set()                 # refcount >= 1
-        self._extra: dict[int, int] = {}              # refcount - 1, for blocks with refcount >= 2
+        self._refs = [0] * num_blocks
         self._cached: dict[int, None] = {}            # refcount 0 and named; insertion order = LRU first
         self._name_of: dict[int, Hashable] = {}
         self._block_of: dict[Hashable, int] = {}
@@ -113,7 +106,7 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         """Blocks held by at least one request."""
-        return len(self._used)
+        return self.num_blocks - len(self._free) - len(self._cached)
 
     @property
     def num_cached(self) -> int:
@@ -128,7 +121,7 @@ class BlockPool:
         return list(self._cached)
 
     def refcount(self, block: int) -> int:
-        return (block in self._used) + self._extra.get(block, 0)
+        return self._refs[block]
 
     def name_of(self, block: int) -> Hashable | None:
         return self._name_of.get(block)
@@ -146,8 +139,8 @@ class BlockPool:
 
     def num_reclaimed(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` are cached now (taking them uses up available blocks)."""
-        used = self._used
-        return sum(1 for b in blocks if b not in used)
+        refs = self._refs
+        return sum(1 for b in blocks if refs[b] == 0)
 
     # ---- changes ---------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
@@ -163,7 +156,9 @@ class BlockPool:
             self._evict(short)
         blocks = free[-n:]
         del free[-n:]
-        self._used.update(blocks)
+        refs = self._refs
+        for b in blocks:
+            refs[b] = 1
         return blocks
 
     def _evict(self, n: int) -> None:
@@ -186,70 +181,44 @@ class BlockPool:
 
     def ref(self, blocks: Sequence[int]) -> None:
         """One more holder of each of ``blocks`` (used or cached; a cached block becomes used)."""
-        used, extra, cached = self._used, self._extra, self._cached
+        refs, cached = self._refs, self._cached
         for b in blocks:
-            if b in used:
-                extra[b] = extra.get(b, 0) + 1
-            elif b in cached:
+            if refs[b] == 0:
+                if b not in cached:
+                    raise ValueError(f"block {b} is free: only used or cached blocks can be shared")
                 del cached[b]
-                used.add(b)
-            else:
-                raise ValueError(f"block {b} is free: only used or cached blocks can be shared")
+            refs[b] += 1
 
     def free(self, blocks: Sequence[int]) -> None:
         """One holder fewer for each of ``blocks`` (a table, in order). Released blocks that are
         named become cached, the table's tail first (so its head stays the most recent); the others
         go back to the free list."""
-        used = self._used
-        if self._extra:
-            released = self._release_shared(blocks)
-        else:                                         # every block held once: all are released
-            if not used.issuperset(blocks):           # nothing changes on a bad release
-                bad = next(b for b in blocks if b not in used)
-                raise ValueError(f"block {bad} freed twice or never allocated")
-            held = len(used)
-            used.difference_update(blocks)
-            if held - len(used) != len(blocks):
-                used.update(blocks)
-                raise ValueError("a block held once is released twice in one call")
-            released = blocks
+        refs = self._refs
+        for i, b in enumerate(blocks):
+            if refs[b] <= 0:
+                for c in blocks[:i]:                  # nothing changes on a bad release
+                    refs[c] += 1
+                raise ValueError(f"block {b} freed twice or never allocated")
+            refs[b] -= 1
         name_of = self._name_of
         if not name_of:                               # nothing named: every released block is free
-            self._free.extend(released)
+            self._free.extend([b for b in blocks if refs[b] == 0])
             return
         cached = self._cached
-        unnamed: list[int] = []
-        for b in reversed(released):
-            if b in name_of:
-                cached[b] = None
-            else:
-                unnamed.append(b)
-        unnamed.reverse()
-        self._free.extend(unnamed)
-
-    def _release_shared(self, blocks: Sequence[int]) -> list[int]:
-        """One holder fewer for each of ``blocks`` when some blocks are shared; the ones nobody
-        holds any more, in order."""
-        for b, k in Counter(blocks).items():
-            if k > self.refcount(b):                  # nothing changes on a bad release
-                raise ValueError(f"block {b} freed twice or never allocated")
-        used, extra = self._used, self._extra
         released: list[int] = []
-        for b in blocks:
-            k = extra.get(b)
-            if k is None:
-                used.remove(b)
-                released.append(b)
-            elif k == 1:
-                del extra[b]
-            else:
-                extra[b] = k - 1
-        return released
+        for b in reversed(blocks):
+            if refs[b] == 0:
+                if b in name_of:
+                    cached[b] = None
+                else:
+                    released.append(b)
+        released.reverse()
+        self._free.extend(released)
 
     def name(self, block: int, name: Hashable) -> bool:
         """Register used ``block``'s content as ``name``; False (nothing changes) if another block
         holds that name already or ``block`` has a name."""
-        if block not in self._used:
+        if self._refs[block] <= 0:
             raise ValueError(f"block {block} is not in use: only a request's own block can be named")
         if name in self._block_of or block in self._name_of:
             return False
@@ -261,7 +230,7 @@ class BlockPool:
 
     def forget(self, block: int) -> None:
         """Drop used ``block``'s name: it is freed, not cached, when released."""
-        if block not in self._used:
+        if self._refs[block] <= 0:
             raise ValueError(f"block {block} is not in use")
         name = self._name_of.pop(block, None)
         if name is not None:
@@ -274,10 +243,10 @@ class BlockPool:
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
         cached = set(self._cached)
-        used = self._used
+        used = {b for b in range(self.num_blocks) if self._refs[b] > 0}
         assert not (free & cached) and not (free & used) and not (cached & used)
         assert len(free) + len(cached) + len(used) == self.num_blocks, "a block leaked"
-        assert set(self._extra) <= used and all(k >= 1 for k in self._extra.values())
+        assert all(self._refs[b] == 0 for b in free | cached)
         assert cached <= set(self._name_of) and not (free & set(self._name_of))
         assert all(self._block_of[n] == b for b, n in self._name_of.items())
         assert len(self._block_of) == len(self._name_of)
