@@ -28,7 +28,9 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field
+from functools import reduce
 from itertools import accumulate
+from operator import add, sub
 
 from laneserve.core.plan import StepPlan
 from laneserve.core.request import Request
@@ -55,11 +57,13 @@ class DecodeRun:
     inst: Instance
     batch: list[Request]
     contexts: list[int]                    # each request's context in step 1
+    total: int                             # their sum
+    longest: int                           # and the longest
     firsts: list[int]                      # the step at which each request first needs a new block
     limit: int                             # the step that finishes a request
     ends: list[float]                      # ends[j]: end of step j (ends[0]: start of step 1)
-    growth: list[tuple[int, int]] = field(default_factory=list)  # (step, batch index) of each
-    #                                        block allocation the computed steps make, in order
+    growth: list[tuple[int, int, int]] = field(default_factory=list)  # (step, batch index,
+    #                                        request id) of each block allocation the computed steps make, in order
     blocked: bool = False                  # the next step's growth would not fit memory
     cut: bool = False                      # ended early by a change to the batch
     applied: int = 0                       # steps whose tokens are counted
@@ -86,7 +90,7 @@ class DecodeRun:
         # step j needs a new block when context + j - 1 first exceeds what the table holds
         firsts = [len(tables[r.request_id]) * bs - c + 2 for r, c in zip(batch, contexts)]
         limit = min(r.max_output_tokens - r.num_output_tokens for r in batch)
-        run = cls(inst, batch, contexts, firsts, limit, [now, now + duration])
+        run = cls(inst, batch, contexts, sum(contexts), max(contexts), firsts, limit, [now, now + duration])
         return run if run.extend(cost, FIRST_CHUNK) else None
 
     def extend(self, cost: CostModel, steps: int | None = None) -> bool:
@@ -99,7 +103,8 @@ class DecodeRun:
         kv = self.inst.scheduler.kv
         bs = kv.block_size
         # each request's allocations after step k: ``first``, then every ``bs`` steps
-        added = sorted((j, i) for i, first in enumerate(self.firsts)
+        batch = self.batch
+        added = sorted((j, i, batch[i].request_id) for i, first in enumerate(self.firsts)
                        for j in range(first if first > k else first + ((k - first) // bs + 1) * bs,
                                       last + 1, bs))
         free = kv.num_free_blocks - (len(self.growth) - self.cursor)   # less what earlier steps take
@@ -109,15 +114,15 @@ class DecodeRun:
             self.blocked = True
         if last <= k:
             return False
-        contexts = self.contexts
         times = getattr(cost, "decode_step_times", None)
         if times is not None:     # the same floats as decode_step_time, from the summed and longest context
-            n = len(contexts)
-            durations = times(n, sum(contexts) + n * k, max(contexts) + k, last - k)
+            n = len(batch)
+            durations = times(n, self.total + n * k, self.longest + k, last - k)
         else:
-            durations = [cost.decode_step_time([c + j for c in contexts]) for j in range(k, last)]
-        self.ends += accumulate(durations, initial=self.ends[-1])   # the loop's float sums
-        del self.ends[k + 1]                                          # (the initial, repeated)
+            durations = [cost.decode_step_time([c + j for c in self.contexts]) for j in range(k, last)]
+        ends = accumulate(durations, initial=self.ends[-1])   # the loop's float sums
+        next(ends)                                            # (the initial, there already)
+        self.ends += ends
         self.growth += added
         return True
 
@@ -156,7 +161,7 @@ class DecodeRun:
         ends, a = self.ends, self.applied
         m = done - a
         first, last = ends[a + 1], ends[done]
-        gaps = [ends[j] - ends[j - 1] for j in range(a + 1, done + 1)]
+        gaps = list(map(sub, ends[a + 1:done + 1], ends[a:done]))
         inner = max(gaps[1:]) if m > 1 else None
         for r in self.batch:
             r.num_computed_tokens += m
@@ -173,10 +178,7 @@ class DecodeRun:
                 times.token_times.extend(ends[a + 1:done + 1])
         inst = self.inst
         inst.steps += m
-        busy = inst.busy_time
-        for g in gaps:
-            busy += g
-        inst.busy_time = busy
+        inst.busy_time = reduce(add, gaps, inst.busy_time)   # the loop's float sums, in order
         inst.step_start = last
         self.applied = done
 
@@ -185,7 +187,6 @@ class DecodeRun:
         growth, i = self.growth, self.cursor
         end = bisect_right(growth, (step, len(self.batch)), i)
         if end > i:
-            batch = self.batch
-            self.inst.scheduler.kv.append_blocks([batch[b].request_id for _, b in growth[i:end]])
+            self.inst.scheduler.kv.append_blocks([rid for _, _, rid in growth[i:end]])
         self.cursor = end
         self.grown = step
