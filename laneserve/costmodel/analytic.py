@@ -98,6 +98,7 @@ class AnalyticCostModel:
         self._host = hw.host if host_overhead else None
         self._allreduce = hw.allreduce_link(tp) if tp > 1 else None
         self._fixed_cache: dict[tuple[float, int], float] = {}
+        self._prefill_cache: dict[tuple[tuple[int, int], ...], float] = {}
         self._decode_attention_fns: dict[int, tuple[Callable[..., Any], ...]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -210,11 +211,12 @@ class AnalyticCostModel:
         operations in the same order, so the same floats."""
         return self._decode_terms(batch)[0]
 
-    def _decode_terms(self, batch: int) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
-        """``(attention(total, longest), roofline(kv_tokens), kernel(kv_tokens, longest))`` of a
-        decode batch of ``batch`` requests, memoised; ``kv_tokens`` is the KV the kernel reads
-        (``total``, or ``batch * longest`` padded) and ``attention`` is
-        ``max(roofline, kernel) + floor``."""
+    def _decode_terms(self, batch: int) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any], bool]:
+        """``(attention(total, longest), roofline(kv_tokens), kernel(kv_tokens, longest), queued)``
+        of a decode batch of ``batch`` requests, memoised; ``kv_tokens`` is the KV the kernel reads
+        (``total``, or ``batch * longest`` padded), ``attention`` is ``max(roofline, kernel) +
+        floor`` and ``queued`` says whether the kernel's blocks queue in waves (then the mean
+        context counts too, not only the longest)."""
         terms = self._decode_attention_fns.get(batch)
         if terms is not None:
             return terms
@@ -245,7 +247,7 @@ class AnalyticCostModel:
             kv_tokens = batch * longest if padded else total
             return maximum(roofline(kv_tokens, maximum), kernel(kv_tokens, longest, ceil, maximum)) + floor
 
-        terms = self._decode_attention_fns[batch] = (attention, roofline, kernel)
+        terms = self._decode_attention_fns[batch] = (attention, roofline, kernel, queued)
         return terms
 
     def allreduce_time(self, tokens: float) -> float:
@@ -312,9 +314,13 @@ class AnalyticCostModel:
     # --- CostModel protocol ----------------------------------------------------------------------
 
     def prefill_time(self, batch: PrefillBatch) -> float:
-        batch = list(batch)
-        tokens = sum(n for n, _ in batch)
-        return self._step_time(tokens, self.prefill_attention_time(batch), len(batch))
+        key = tuple(batch)        # memoised: a trace asks for the same prompt lengths again and again
+        t = self._prefill_cache.get(key)
+        if t is None:
+            t = self._step_time(sum(n for n, _ in key), self.prefill_attention_time(key), len(key))
+            if len(self._prefill_cache) < 1 << 16:
+                self._prefill_cache[key] = t
+        return t
 
     def graphed_prefill_time(self, batch: PrefillBatch) -> float:
         """A prefill step replayed from a captured CUDA graph: the per-layer launch cost of the
@@ -349,7 +355,7 @@ class AnalyticCostModel:
         with a few scalar evaluations; only the steps after it are computed one by one (as arrays
         when there are many)."""
         fixed, layers = self._step_time(batch, 0.0, batch), self.num_layers
-        attention, roofline, kernel = self._decode_terms(batch)
+        attention, roofline, kernel, queued = self._decode_terms(batch)
         padded, tile = self.attention == "padded", self.hw.attn_tile_keys
         span, floor = batch * tile, self.hw.attn_floor_s
         out: list[float] = []
@@ -365,17 +371,22 @@ class AnalyticCostModel:
 
         j = 0
         while j < steps:
-            top, kv = longest + j, (batch * (longest + j) if padded else total + batch * j)
-            # the last step before the longest or the mean context crosses into a new key tile
-            last = min(steps - 1, j + -(-top // tile) * tile - top, j + (-(-kv // span) * span - kv) // batch)
-            top_last, kv_last = top + last - j, kv + batch * (last - j)
+            top = longest + j
+            kv = batch * top if padded else total + batch * j
+            # the last step before the longest (or, queued, the mean) context enters a new key tile
+            last = j + -(-top // tile) * tile - top
+            if queued:
+                last = min(last, j + (-(-kv // span) * span - kv) // batch)
+            if last >= steps:
+                last = steps - 1
+            kv_last = kv + batch * (last - j)
             k = kernel(kv, top)
-            if kernel(kv_last, top_last) != k or roofline(kv) > k:   # (the first: never, by the tiles)
+            if kernel(kv_last, top + last - j) != k:        # never, by the tiles: computed one by one
                 first = j
             elif roofline(kv_last) <= k:
                 first = last + 1
             else:                          # the first step whose roofline exceeds the kernel
-                lo, hi = j + 1, last
+                lo, hi = j, last
                 while lo < hi:
                     mid = (lo + hi) // 2
                     if roofline(kv + batch * (mid - j)) > k:
