@@ -353,7 +353,10 @@ class AnalyticCostModel:
         (each is rounded monotone arithmetic on growing integers). So between tile crossings the
         steps whose roofline does not exceed the kernel form a prefix that all take one time, found
         with a few scalar evaluations; only the steps after it are computed one by one (as arrays
-        when there are many)."""
+        when there are many). The crossings are exact: for integers ``x`` and ``d`` far below 2^50
+        the kernel's ``ceil(x / d)`` (and ``ceil(x / batch / tile)``) is the integer ceiling, a
+        non-integer quotient being at least ``1 / d`` away from the next integer, far more than
+        its rounding error."""
         fixed, layers = self._step_time(batch, 0.0, batch), self.num_layers
         attention, roofline, kernel, queued = self._decode_terms(batch)
         padded, tile = self.attention == "padded", self.hw.attn_tile_keys
@@ -381,9 +384,7 @@ class AnalyticCostModel:
                 last = steps - 1
             kv_last = kv + batch * (last - j)
             k = kernel(kv, top)
-            if kernel(kv_last, top + last - j) != k:        # never, by the tiles: computed one by one
-                first = j
-            elif roofline(kv_last) <= k:
+            if roofline(kv_last) <= k:
                 first = last + 1
             else:                          # the first step whose roofline exceeds the kernel
                 lo, hi = j, last
