@@ -122,10 +122,12 @@ class StepTimeLUT:
     def observe(self, batch_size: int, length: int, seconds: float) -> None:
         """Fold an observed step time into its cell's running (historical) mean."""
         i, j = self._bucket(self.batch_edges, batch_size), self._bucket(self.length_edges, length)
-        n = self.counts[i, j]
-        self.means[i, j] = seconds if n == 0 else self.means[i, j] + (seconds - self.means[i, j]) / (n + 1)
+        n = int(self.counts[i, j])
+        # plain floats: the same IEEE operations as on the numpy scalars, without their overhead
+        mean = seconds if n == 0 else (m := float(self.means[i, j])) + (seconds - m) / (n + 1)
+        self.means[i, j] = mean
+        self._rows[i][j] = float(mean)
         self.counts[i, j] = n + 1
-        self._rows[i][j] = float(self.means[i, j])
 
     def lookup(self, batch_size: float, length: float) -> float:
         # hot path: plain floats (the same IEEE operations, in the same order, as on the numpy
