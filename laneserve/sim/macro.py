@@ -1,8 +1,9 @@
 """Runs of a stable decode batch, simulated as one event (issue 12, "a fast simulator").
 
 A decode instance whose policy declares ``stable_decode_batch`` decodes its whole running set every
-step, and that set changes only at an event: a KV transfer offered or arriving, a request
-finishing, a growth that does not fit memory. So once the simulator has started a decode-only
+step, and that set changes only at an event: a KV transfer arriving, a request finishing, a
+growth that does not fit memory (a transfer offered only reserves memory: the run goes on while
+its growth still fits). So once the simulator has started a decode-only
 step, the steps after it are known: each context grows by one token a step, their durations come
 from the cost model, their end times are the same float sums the step-by-step loop makes, and the
 KV blocks they grow into are counted against the free blocks now. A run stops at the first step
@@ -125,6 +126,11 @@ class DecodeRun:
         self.ends += ends
         self.growth += added
         return True
+
+    def growth_fits(self) -> bool:
+        """Whether the block allocations of the computed steps not made yet fit the instance's free
+        blocks (asked after a reservation took some: if they do, every step runs as computed)."""
+        return len(self.growth) - self.cursor <= self.inst.scheduler.kv.num_free_blocks
 
     def sync(self, now: float) -> None:
         """Bring the instance to ``now``: the running step's KV grown, the steps ended before it

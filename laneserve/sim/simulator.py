@@ -205,15 +205,19 @@ class Simulator:
                     push(heap, (end, seq - inst.tie, _STEP, inst, inst.step_token))
                     return
 
-        def try_transfers(dec: SimInstance, t: float) -> None:
+        def try_transfers(dec: SimInstance, t: float) -> bool:
+            """Start the offered transfers that fit now; True if any did (memory was reserved)."""
             nonlocal seq
+            reserved = False
             for req, _ in dec.admit_kv(t, on_drop=release_source):
+                reserved = True
                 start = dec.link_free_at if dec.link_free_at > t else t
                 end = start + cost.kv_transfer_time(req.num_computed_tokens, link)
                 dec.link_free_at = end
                 req.times.transfer_start = start
                 seq += 1
                 push(heap, (end, seq, _TRANSFER, dec, req))
+            return reserved
 
         def touch(dec: SimInstance, t: float) -> None:
             """Something changes ``dec``'s batch or memory at ``t``: its run ends with the step
@@ -285,11 +289,12 @@ class Simulator:
                     for dec in back:               # the router reads their memory as of now
                         if dec.run is not None:
                             dec.run.grow(now)
-                    d = decode_router.route(req, back, now)
-                    req.decode_instance = back[d].instance_id
-                    touch(back[d], now)
-                    back[d].offer_kv(req)
-                    try_transfers(back[d], now)
+                    dec = back[d := decode_router.route(req, back, now)]
+                    req.decode_instance = dec.instance_id
+                    dec.offer_kv(req)
+                    # a reservation leaves the batch as it is: a run goes on if its growth still fits
+                    if try_transfers(dec, now) and dec.run is not None and not dec.run.growth_fits():
+                        touch(dec, now)
                 if inst.role != "prefill" and outcome.finished:
                     try_transfers(inst, now)
                 start_step(inst, now)
