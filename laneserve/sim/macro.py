@@ -30,7 +30,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from functools import reduce
-from itertools import accumulate
+from itertools import accumulate, repeat
 from operator import add, sub
 
 from laneserve.core.plan import StepPlan
@@ -105,9 +105,12 @@ class DecodeRun:
         bs = kv.block_size
         # each request's allocations after step k: ``first``, then every ``bs`` steps
         batch = self.batch
-        added = sorted((j, i, batch[i].request_id) for i, first in enumerate(self.firsts)
-                       for j in range(first if first > k else first + ((k - first) // bs + 1) * bs,
-                                      last + 1, bs))
+        added: list[tuple[int, int, int]] = []
+        for i, first in enumerate(self.firsts):
+            j = first if first > k else first + ((k - first) // bs + 1) * bs
+            if j <= last:
+                added += zip(range(j, last + 1, bs), repeat(i), repeat(batch[i].request_id))
+        added.sort()
         free = kv.num_free_blocks - (len(self.growth) - self.cursor)   # less what earlier steps take
         if len(added) > free:               # that step's growth would not fit: stop before it
             last = added[free][0] - 1
