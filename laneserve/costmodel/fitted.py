@@ -187,10 +187,10 @@ class StepTimeLUT:
     @classmethod
     def from_cost_model(cls, model: CostModel, *, prior_count: int = 1, **edges) -> StepTimeLUT:
         """Fill every cell with the step time of a uniform batch at the cell's edges."""
-        lut = cls(**edges)
-        for b in lut.batch_edges:
-            for n in lut.length_edges:
-                lut.set(b, n, model.decode_step_time([n] * b), prior_count)
+        lut = cls(**edges)     # every cell at once (what ``set`` per cell gives, without its numpy scalars)
+        lut._set_means(np.array([[model.decode_step_time([n] * b) for n in lut.length_edges]
+                                 for b in lut.batch_edges], dtype=float))
+        lut.counts[:] = prior_count
         return lut
 
     @classmethod
