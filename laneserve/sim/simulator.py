@@ -289,11 +289,14 @@ class Simulator:
                     for dec in back:               # the router reads their memory as of now
                         if dec.run is not None:
                             dec.run.grow(now)
-                    dec = back[d := decode_router.route(req, back, now)]
+                    dec = back[decode_router.route(req, back, now)]
                     req.decode_instance = dec.instance_id
+                    dec_run = dec.run
+                    if dec_run is not None:        # the policy may read its requests' counters
+                        dec_run.sync(now)
                     dec.offer_kv(req)
                     # a reservation leaves the batch as it is: a run goes on if its growth still fits
-                    if try_transfers(dec, now) and dec.run is not None and not dec.run.growth_fits():
+                    if try_transfers(dec, now) and dec_run is not None and not dec_run.growth_fits():
                         touch(dec, now)
                 if inst.role != "prefill" and outcome.finished:
                     try_transfers(inst, now)
