@@ -11,6 +11,7 @@ import pytest
 from laneserve.core import SLO, RequestSpec
 from laneserve.core.kv import KVCacheManager
 from laneserve.costmodel import make_cost_model
+from laneserve.costmodel.analytic import AnalyticCostModel
 from laneserve.costmodel.linear import LinearCostModel
 from laneserve.policies.routing import LeastLoadedRouter
 from laneserve.sim import ClusterConfig, Simulator
@@ -132,14 +133,18 @@ def test_routers_read_the_same_figures_mid_run(monkeypatch):
     COST,
     make_cost_model(model="llama-3-8b", hardware="h100", attention="padded"),
     make_cost_model(model="llama-3-70b", hardware="h100", tp=4),
+    AnalyticCostModel(COST.model, COST.hw, decode_kernel="per_query_head"),
 ])
 def test_decode_step_times_are_the_decode_step_time_floats(cost):
     rng = random.Random(7)
-    for batch in (1, 3, 40, 300):
-        contexts = [rng.randint(1, 20_000) for _ in range(batch)]
-        for steps in (5, 60):        # the scalar and the array path
-            want = [cost.decode_step_time([c + j for c in contexts]) for j in range(steps)]
-            assert cost.decode_step_times(batch, sum(contexts), max(contexts), steps) == want
+    for batch in (1, 3, 16, 17, 40, 300):
+        for top in (200, 3000, 20_000):
+            # contexts on and next to key-tile boundaries too: the kernel's steps change there
+            contexts = [rng.choice([rng.randint(1, top), 64 * rng.randint(1, top // 64) - rng.randint(0, 1)])
+                        for _ in range(batch)]
+            for steps in (5, 60, 200):   # one tile or several, kernel- or roofline-bound stretches
+                want = [cost.decode_step_time([c + j for c in contexts]) for j in range(steps)]
+                assert cost.decode_step_times(batch, sum(contexts), max(contexts), steps) == want
 
 
 def test_append_blocks_gives_what_one_block_allocations_give():

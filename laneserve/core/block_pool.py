@@ -194,6 +194,17 @@ class BlockPool:
         named become cached, the table's tail first (so its head stays the most recent); the others
         go back to the free list."""
         refs = self._refs
+        if not self._name_of:
+            # the common case, nothing named and every block held once: one pass, all go free
+            for i, b in enumerate(blocks):
+                if refs[b] != 1:              # shared, or a bad release: undo, take the general path
+                    for c in blocks[:i]:
+                        refs[c] = 1
+                    break
+                refs[b] = 0
+            else:
+                self._free.extend(blocks)
+                return
         for i, b in enumerate(blocks):
             if refs[b] <= 0:
                 for c in blocks[:i]:                  # nothing changes on a bad release

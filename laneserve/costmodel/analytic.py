@@ -98,7 +98,8 @@ class AnalyticCostModel:
         self._host = hw.host if host_overhead else None
         self._allreduce = hw.allreduce_link(tp) if tp > 1 else None
         self._fixed_cache: dict[tuple[float, int], float] = {}
-        self._decode_attention_fns: dict[int, Callable[..., Any]] = {}
+        self._prefill_cache: dict[tuple[tuple[int, int], ...], float] = {}
+        self._decode_attention_fns: dict[int, tuple[Callable[..., Any], ...]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable for sweep workers: the memoised decode-attention closures are left behind."""
@@ -208,9 +209,17 @@ class AnalyticCostModel:
         longest context (all it depends on), the terms fixed by the batch size computed once. It
         takes numpy arrays of both too (with ``ceil=np.ceil, maximum=np.maximum``): the same
         operations in the same order, so the same floats."""
-        fn = self._decode_attention_fns.get(batch)
-        if fn is not None:
-            return fn
+        return self._decode_terms(batch)[0]
+
+    def _decode_terms(self, batch: int) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any], bool]:
+        """``(attention(total, longest), roofline(kv_tokens), kernel(kv_tokens, longest), queued)``
+        of a decode batch of ``batch`` requests, memoised; ``kv_tokens`` is the KV the kernel reads
+        (``total``, or ``batch * longest`` padded), ``attention`` is ``max(roofline, kernel) +
+        floor`` and ``queued`` says whether the kernel's blocks queue in waves (then the mean
+        context counts too, not only the longest)."""
+        terms = self._decode_attention_fns.get(batch)
+        if terms is not None:
+            return terms
         hw, kv_local = self.hw, self._kv_local
         padded, dtype = self.attention == "padded", self.model.dtype_bytes
         per_request_bytes = batch * 2 * (self._q_local + kv_local)
@@ -224,17 +233,22 @@ class AnalyticCostModel:
         waves = hw.attn_shared_factor * math.ceil(blocks / hw.num_sms)
         floor = hw.attn_floor_s
 
+        def roofline(kv_tokens, maximum=max):
+            return maximum(flops_per_key * kv_tokens / flop_rate,
+                           dtype * (kv_tokens * 2 * kv_local + per_request_bytes) / byte_rate)
+
+        def kernel(kv_tokens, longest, ceil=math.ceil, maximum=max):
+            walk = block_s + tile_s * ceil(longest / tile)
+            if queued:
+                walk = maximum(walk, waves * (block_s + tile_s * ceil(kv_tokens / batch / tile)))
+            return walk
+
         def attention(total, longest, ceil=math.ceil, maximum=max):
             kv_tokens = batch * longest if padded else total
-            roofline = maximum(flops_per_key * kv_tokens / flop_rate,
-                               dtype * (kv_tokens * 2 * kv_local + per_request_bytes) / byte_rate)
-            kernel = block_s + tile_s * ceil(longest / tile)
-            if queued:
-                kernel = maximum(kernel, waves * (block_s + tile_s * ceil(kv_tokens / batch / tile)))
-            return maximum(roofline, kernel) + floor
+            return maximum(roofline(kv_tokens, maximum), kernel(kv_tokens, longest, ceil, maximum)) + floor
 
-        self._decode_attention_fns[batch] = attention
-        return attention
+        terms = self._decode_attention_fns[batch] = (attention, roofline, kernel, queued)
+        return terms
 
     def allreduce_time(self, tokens: float) -> float:
         """One all-reduce of the hidden states of ``tokens`` tokens among the ``tp`` GPUs."""
@@ -300,9 +314,13 @@ class AnalyticCostModel:
     # --- CostModel protocol ----------------------------------------------------------------------
 
     def prefill_time(self, batch: PrefillBatch) -> float:
-        batch = list(batch)
-        tokens = sum(n for n, _ in batch)
-        return self._step_time(tokens, self.prefill_attention_time(batch), len(batch))
+        key = tuple(batch)        # memoised: a trace asks for the same prompt lengths again and again
+        t = self._prefill_cache.get(key)
+        if t is None:
+            t = self._step_time(sum(n for n, _ in key), self.prefill_attention_time(key), len(key))
+            if len(self._prefill_cache) < 1 << 16:
+                self._prefill_cache[key] = t
+        return t
 
     def graphed_prefill_time(self, batch: PrefillBatch) -> float:
         """A prefill step replayed from a captured CUDA graph: the per-layer launch cost of the
@@ -328,15 +346,66 @@ class AnalyticCostModel:
     def decode_step_times(self, batch: int, total: int, longest: int, steps: int) -> list[float]:
         """:meth:`decode_step_time` of ``steps`` consecutive steps of the same ``batch`` requests,
         the first with contexts summing to ``total``, the longest ``longest``, each later one a
-        token longer per request: the same floats, computed as arrays (the simulator's runs of a
-        stable decode batch)."""
+        token longer per request: the same floats (the simulator's runs of a stable decode batch).
+
+        The attention kernel's schedule changes only when the longest or the mean context crosses
+        a key tile, and both terms of ``max(roofline, kernel)`` never decrease from step to step
+        (each is rounded monotone arithmetic on growing integers). So between tile crossings the
+        steps whose roofline does not exceed the kernel form a prefix that all take one time, found
+        with a few scalar evaluations; only the steps after it are computed one by one (as arrays
+        when there are many). The crossings are exact: for integers ``x`` and ``d`` far below 2^50
+        the kernel's ``ceil(x / d)`` (and ``ceil(x / batch / tile)``) is the integer ceiling, a
+        non-integer quotient being at least ``1 / d`` away from the next integer, far more than
+        its rounding error."""
         fixed, layers = self._step_time(batch, 0.0, batch), self.num_layers
-        attention = self._decode_attention(batch)
-        if steps < _ARRAY_STEPS:
-            return [fixed + layers * attention(total + batch * j, longest + j) for j in range(steps)]
-        grown = np.arange(steps)
-        times = fixed + layers * attention(total + batch * grown, longest + grown, np.ceil, np.maximum)
-        return times.tolist()
+        attention, roofline, kernel, queued = self._decode_terms(batch)
+        padded, tile = self.attention == "padded", self.hw.attn_tile_keys
+        span, floor = batch * tile, self.hw.attn_floor_s
+        out: list[float] = []
+        start = None                       # first step of the stretch computed one by one
+
+        def computed(j0: int, j1: int) -> None:
+            if j1 - j0 < _ARRAY_STEPS:
+                out.extend([fixed + layers * attention(total + batch * j, longest + j) for j in range(j0, j1)])
+            else:
+                grown = np.arange(j0, j1)
+                out.extend((fixed + layers * attention(total + batch * grown, longest + grown,
+                                                       np.ceil, np.maximum)).tolist())
+
+        j = 0
+        while j < steps:
+            top = longest + j
+            kv = batch * top if padded else total + batch * j
+            # the last step before the longest (or, queued, the mean) context enters a new key tile
+            last = j + -(-top // tile) * tile - top
+            if queued:
+                last = min(last, j + (-(-kv // span) * span - kv) // batch)
+            if last >= steps:
+                last = steps - 1
+            kv_last = kv + batch * (last - j)
+            k = kernel(kv, top)
+            if roofline(kv_last) <= k:
+                first = last + 1
+            else:                          # the first step whose roofline exceeds the kernel
+                lo, hi = j, last
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if roofline(kv + batch * (mid - j)) > k:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                first = lo
+            if first > j:
+                if start is not None:
+                    computed(start, j)
+                    start = None
+                out.extend([fixed + layers * (k + floor)] * (first - j))
+            if first <= last and start is None:
+                start = first
+            j = last + 1
+        if start is not None:
+            computed(start, steps)
+        return out
 
     def mixed_step_time(self, prefill: PrefillBatch, context_lens: Sequence[int]) -> float:
         prefill = list(prefill)

@@ -122,10 +122,12 @@ class StepTimeLUT:
     def observe(self, batch_size: int, length: int, seconds: float) -> None:
         """Fold an observed step time into its cell's running (historical) mean."""
         i, j = self._bucket(self.batch_edges, batch_size), self._bucket(self.length_edges, length)
-        n = self.counts[i, j]
-        self.means[i, j] = seconds if n == 0 else self.means[i, j] + (seconds - self.means[i, j]) / (n + 1)
+        n = int(self.counts[i, j])
+        # plain floats: the same IEEE operations as on the numpy scalars, without their overhead
+        mean = seconds if n == 0 else (m := float(self.means[i, j])) + (seconds - m) / (n + 1)
+        self.means[i, j] = mean
+        self._rows[i][j] = float(mean)
         self.counts[i, j] = n + 1
-        self._rows[i][j] = float(self.means[i, j])
 
     def lookup(self, batch_size: float, length: float) -> float:
         # hot path: plain floats (the same IEEE operations, in the same order, as on the numpy
@@ -185,10 +187,10 @@ class StepTimeLUT:
     @classmethod
     def from_cost_model(cls, model: CostModel, *, prior_count: int = 1, **edges) -> StepTimeLUT:
         """Fill every cell with the step time of a uniform batch at the cell's edges."""
-        lut = cls(**edges)
-        for b in lut.batch_edges:
-            for n in lut.length_edges:
-                lut.set(b, n, model.decode_step_time([n] * b), prior_count)
+        lut = cls(**edges)     # every cell at once (what ``set`` per cell gives, without its numpy scalars)
+        lut._set_means(np.array([[model.decode_step_time([n] * b) for n in lut.length_edges]
+                                 for b in lut.batch_edges], dtype=float))
+        lut.counts[:] = prior_count
         return lut
 
     @classmethod

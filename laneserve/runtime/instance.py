@@ -58,6 +58,10 @@ class Instance(SchedulerLoad):
     def _outside(self) -> list[Request]:
         return [req for req, _ in self.pending]
 
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting + len(self.pending)   # (routers ask often: no list)
+
     # ---- steps -----------------------------------------------------------------------------
     def begin_step(self, now: float) -> StepPlan | None:
         """The scheduler's next plan (now running), or None when it has nothing to run now."""

@@ -1,8 +1,9 @@
 """Runs of a stable decode batch, simulated as one event (issue 12, "a fast simulator").
 
 A decode instance whose policy declares ``stable_decode_batch`` decodes its whole running set every
-step, and that set changes only at an event: a KV transfer offered or arriving, a request
-finishing, a growth that does not fit memory. So once the simulator has started a decode-only
+step, and that set changes only at an event: a KV transfer arriving, a request finishing, a
+growth that does not fit memory (a transfer offered only reserves memory: the run goes on while
+its growth still fits). So once the simulator has started a decode-only
 step, the steps after it are known: each context grows by one token a step, their durations come
 from the cost model, their end times are the same float sums the step-by-step loop makes, and the
 KV blocks they grow into are counted against the free blocks now. A run stops at the first step
@@ -28,7 +29,9 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from itertools import accumulate
+from functools import reduce
+from itertools import accumulate, repeat
+from operator import add, sub
 
 from laneserve.core.plan import StepPlan
 from laneserve.core.request import Request
@@ -55,11 +58,13 @@ class DecodeRun:
     inst: Instance
     batch: list[Request]
     contexts: list[int]                    # each request's context in step 1
+    total: int                             # their sum
+    longest: int                           # and the longest
     firsts: list[int]                      # the step at which each request first needs a new block
     limit: int                             # the step that finishes a request
     ends: list[float]                      # ends[j]: end of step j (ends[0]: start of step 1)
-    growth: list[tuple[int, int]] = field(default_factory=list)  # (step, batch index) of each
-    #                                        block allocation the computed steps make, in order
+    growth: list[tuple[int, int, int]] = field(default_factory=list)  # (step, batch index,
+    #                                        request id) of each block allocation the computed steps make, in order
     blocked: bool = False                  # the next step's growth would not fit memory
     cut: bool = False                      # ended early by a change to the batch
     applied: int = 0                       # steps whose tokens are counted
@@ -86,7 +91,7 @@ class DecodeRun:
         # step j needs a new block when context + j - 1 first exceeds what the table holds
         firsts = [len(tables[r.request_id]) * bs - c + 2 for r, c in zip(batch, contexts)]
         limit = min(r.max_output_tokens - r.num_output_tokens for r in batch)
-        run = cls(inst, batch, contexts, firsts, limit, [now, now + duration])
+        run = cls(inst, batch, contexts, sum(contexts), max(contexts), firsts, limit, [now, now + duration])
         return run if run.extend(cost, FIRST_CHUNK) else None
 
     def extend(self, cost: CostModel, steps: int | None = None) -> bool:
@@ -99,9 +104,13 @@ class DecodeRun:
         kv = self.inst.scheduler.kv
         bs = kv.block_size
         # each request's allocations after step k: ``first``, then every ``bs`` steps
-        added = sorted((j, i) for i, first in enumerate(self.firsts)
-                       for j in range(first if first > k else first + ((k - first) // bs + 1) * bs,
-                                      last + 1, bs))
+        batch = self.batch
+        added: list[tuple[int, int, int]] = []
+        for i, first in enumerate(self.firsts):
+            j = first if first > k else first + ((k - first) // bs + 1) * bs
+            if j <= last:
+                added += zip(range(j, last + 1, bs), repeat(i), repeat(batch[i].request_id))
+        added.sort()
         free = kv.num_free_blocks - (len(self.growth) - self.cursor)   # less what earlier steps take
         if len(added) > free:               # that step's growth would not fit: stop before it
             last = added[free][0] - 1
@@ -109,17 +118,22 @@ class DecodeRun:
             self.blocked = True
         if last <= k:
             return False
-        contexts = self.contexts
         times = getattr(cost, "decode_step_times", None)
         if times is not None:     # the same floats as decode_step_time, from the summed and longest context
-            n = len(contexts)
-            durations = times(n, sum(contexts) + n * k, max(contexts) + k, last - k)
+            n = len(batch)
+            durations = times(n, self.total + n * k, self.longest + k, last - k)
         else:
-            durations = [cost.decode_step_time([c + j for c in contexts]) for j in range(k, last)]
-        self.ends += accumulate(durations, initial=self.ends[-1])   # the loop's float sums
-        del self.ends[k + 1]                                          # (the initial, repeated)
+            durations = [cost.decode_step_time([c + j for c in self.contexts]) for j in range(k, last)]
+        ends = accumulate(durations, initial=self.ends[-1])   # the loop's float sums
+        next(ends)                                            # (the initial, there already)
+        self.ends += ends
         self.growth += added
         return True
+
+    def growth_fits(self) -> bool:
+        """Whether the block allocations of the computed steps not made yet fit the instance's free
+        blocks (asked after a reservation took some: if they do, every step runs as computed)."""
+        return len(self.growth) - self.cursor <= self.inst.scheduler.kv.num_free_blocks
 
     def sync(self, now: float) -> None:
         """Bring the instance to ``now``: the running step's KV grown, the steps ended before it
@@ -156,7 +170,7 @@ class DecodeRun:
         ends, a = self.ends, self.applied
         m = done - a
         first, last = ends[a + 1], ends[done]
-        gaps = [ends[j] - ends[j - 1] for j in range(a + 1, done + 1)]
+        gaps = list(map(sub, ends[a + 1:done + 1], ends[a:done]))
         inner = max(gaps[1:]) if m > 1 else None
         for r in self.batch:
             r.num_computed_tokens += m
@@ -173,10 +187,7 @@ class DecodeRun:
                 times.token_times.extend(ends[a + 1:done + 1])
         inst = self.inst
         inst.steps += m
-        busy = inst.busy_time
-        for g in gaps:
-            busy += g
-        inst.busy_time = busy
+        inst.busy_time = reduce(add, gaps, inst.busy_time)   # the loop's float sums, in order
         inst.step_start = last
         self.applied = done
 
@@ -185,7 +196,6 @@ class DecodeRun:
         growth, i = self.growth, self.cursor
         end = bisect_right(growth, (step, len(self.batch)), i)
         if end > i:
-            batch = self.batch
-            self.inst.scheduler.kv.append_blocks([batch[b].request_id for _, b in growth[i:end]])
+            self.inst.scheduler.kv.append_blocks([rid for _, _, rid in growth[i:end]])
         self.cursor = end
         self.grown = step

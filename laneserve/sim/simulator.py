@@ -26,6 +26,7 @@ from laneserve.core.prefix_cache import PrefixCache
 from laneserve.core.request import Phase, Request, RequestSpec
 from laneserve.costmodel.base import CostModel
 from laneserve.policies import registry
+from laneserve.policies.base import InstanceScheduler
 from laneserve.runtime import Instance
 from laneserve.policies.predictors import PredictorSource
 from laneserve.sim.config import ClusterConfig, context_limit, default_host_kv_tokens, kv_capacity_tokens
@@ -103,7 +104,10 @@ class Simulator:
             return HostKVPool(blocks_for(tokens, bs), bs) if tokens else None
 
         def instance(i: int, role: str, scheduler) -> SimInstance:
-            """Every instance's policy reads the run's predictors (online: a learner of its own)."""
+            """Every instance's policy that reads predictors (overrides ``bind_cost_model``) reads
+            the run's (online: a learner of its own); the others get no learner to feed."""
+            if type(scheduler).bind_cost_model is InstanceScheduler.bind_cost_model:
+                return SimInstance(i, role, scheduler)
             model, learner = predictors.for_instance()
             scheduler.bind_cost_model(model)
             return SimInstance(i, role, scheduler, learner)
@@ -201,15 +205,19 @@ class Simulator:
                     push(heap, (end, seq - inst.tie, _STEP, inst, inst.step_token))
                     return
 
-        def try_transfers(dec: SimInstance, t: float) -> None:
+        def try_transfers(dec: SimInstance, t: float) -> bool:
+            """Start the offered transfers that fit now; True if any did (memory was reserved)."""
             nonlocal seq
+            reserved = False
             for req, _ in dec.admit_kv(t, on_drop=release_source):
+                reserved = True
                 start = dec.link_free_at if dec.link_free_at > t else t
                 end = start + cost.kv_transfer_time(req.num_computed_tokens, link)
                 dec.link_free_at = end
                 req.times.transfer_start = start
                 seq += 1
                 push(heap, (end, seq, _TRANSFER, dec, req))
+            return reserved
 
         def touch(dec: SimInstance, t: float) -> None:
             """Something changes ``dec``'s batch or memory at ``t``: its run ends with the step
@@ -281,11 +289,15 @@ class Simulator:
                     for dec in back:               # the router reads their memory as of now
                         if dec.run is not None:
                             dec.run.grow(now)
-                    d = decode_router.route(req, back, now)
-                    req.decode_instance = back[d].instance_id
-                    touch(back[d], now)
-                    back[d].offer_kv(req)
-                    try_transfers(back[d], now)
+                    dec = back[decode_router.route(req, back, now)]
+                    req.decode_instance = dec.instance_id
+                    dec_run = dec.run
+                    if dec_run is not None:        # the policy may read its requests' counters
+                        dec_run.sync(now)
+                    dec.offer_kv(req)
+                    # a reservation leaves the batch as it is: a run goes on if its growth still fits
+                    if try_transfers(dec, now) and dec_run is not None and not dec_run.growth_fits():
+                        touch(dec, now)
                 if inst.role != "prefill" and outcome.finished:
                     try_transfers(inst, now)
                 start_step(inst, now)
