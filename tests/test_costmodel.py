@@ -233,3 +233,21 @@ def test_costmodel_does_not_import_torch():
     import sys
     code = "import sys, laneserve.costmodel as c; c.make_cost_model(); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_step_table_fill_unobserved_reaches_lookup():
+    """Cells never observed take the other table's values, observed ones keep theirs, and
+    ``lookup`` (which reads a float mirror of the cells) sees both."""
+    from laneserve.costmodel.fitted import StepTimeLUT
+    edges = dict(batch_edges=(1, 2, 4), length_edges=(16, 32, 64), interpolate=False)
+    lut, prior = StepTimeLUT(**edges), StepTimeLUT(**edges)
+    for b in (1, 2, 4):
+        for n in (16, 32, 64):
+            prior.set(b, n, 0.001 * b + 0.0001 * n)
+    lut.observe(2, 32, 0.5)
+    lut.fill_unobserved(prior)
+    assert lut.lookup(2, 32) == 0.5
+    assert lut.lookup(4, 64) == pytest.approx(0.004 + 0.0064)
+    assert lut.lookup(1, 16) == pytest.approx(0.001 + 0.0016)
+    with pytest.raises(ValueError):
+        lut.fill_unobserved(StepTimeLUT(batch_edges=(1, 2), length_edges=(16, 32)))

@@ -85,7 +85,7 @@ class StepTimeLUT:
     log2 space between filled grid points, falls back to the nearest filled cell, and clamps
     beyond the last edges.
 
-    ``means`` is written through :meth:`set` and :meth:`observe` only: they keep a plain-float
+    ``means`` is written through :meth:`set`, :meth:`observe` and :meth:`fill_unobserved` only: they keep a plain-float
     mirror of it (``lookup`` is a decode policy's hot path, called per request per step, and
     indexing a numpy array per call costs more than the whole interpolation)."""
 
@@ -118,6 +118,15 @@ class StepTimeLUT:
         i, j = self._bucket(self.batch_edges, batch_size), self._bucket(self.length_edges, length)
         self.means[i, j], self.counts[i, j] = seconds, count
         self._rows[i][j] = float(self.means[i, j])
+
+    def fill_unobserved(self, other: StepTimeLUT) -> None:
+        """Every cell nothing was observed in takes ``other``'s value (same edges)."""
+        if (other.batch_edges, other.length_edges) != (self.batch_edges, self.length_edges):
+            raise ValueError("fill_unobserved needs a table with the same edges")
+        empty = self.counts == 0
+        means = self.means.copy()
+        means[empty] = other.means[empty]
+        self._set_means(means)
 
     def observe(self, batch_size: int, length: int, seconds: float) -> None:
         """Fold an observed step time into its cell's running (historical) mean."""

@@ -177,9 +177,7 @@ class KairosDecode(DecodeScheduler):
         if model is None or model.decode_version == self._learned_version:
             return
         self._learned_version = model.decode_version
-        fresh = default_lut(model, self.max_batch_size, prior_count=0)
-        empty = self.lut.counts == 0
-        self.lut.means[empty] = fresh.means[empty]
+        self.lut.fill_unobserved(default_lut(model, self.max_batch_size, prior_count=0))
 
     # ---- Algorithm 3 -----------------------------------------------------------------------
     def target(self, req: Request) -> float | None:
