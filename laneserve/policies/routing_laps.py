@@ -68,9 +68,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from laneserve.core.request import Phase, Request
 from laneserve.policies.prefill.laps_lanes import LONG, SHORT
+from laneserve.policies.options import PolicyOptions, above, at_least, option_error, within
 from laneserve.policies.registry import register
 from laneserve.policies.routing import InstanceLoad, Router, affinity_candidates, cached_prefix
 
@@ -143,39 +145,65 @@ class _Stats:
     util: float | None = None        # busy fraction per period (EWMA)
 
 
+@dataclass(frozen=True, slots=True)
+class LapsPoolOptions(PolicyOptions):
+    boundary: int = 256
+    short_fraction: float = 0.5
+    period: float = 2.0
+    cool_down: float = 10.0
+    tau: float = 0.5
+    min_pool: int = 1
+    floor: float = 0.2
+    a: float = 1.0
+    b: float = 1.0
+    c: float = 0.1
+    slo_ttft: float = 0.4
+    cached_prefix: bool = True
+    controller: bool = True
+    q_cap: float = 2.0
+    smoothing: float = 0.3
+    backlog: Literal["wait", "tokens"] = "wait"    # queue waiting time, or tokens / rate
+    affinity: bool = True
+    affinity_threshold: float = 0.5
+    balance_tokens: int = 16384
+    spill: bool = True
+    spill_tokens: int = 0            # 0: the pools choose among the least-loaded instances only
+
+    def validate(self) -> None:
+        PolicyOptions.validate(self)
+        at_least(self, "spill_tokens", 0)
+        within(self, "affinity_threshold", 0.0, 1.0)
+        at_least(self, "balance_tokens", 0)
+        at_least(self, "boundary", 1)
+        within(self, "short_fraction", 0.0, 1.0)
+        above(self, "period", 0)
+        above(self, "slo_ttft", 0)
+        if not 0 < self.smoothing <= 1:
+            raise option_error("smoothing", "must be in (0, 1]", self.smoothing)
+
+
 @register("router", "laps-pools", aliases={"laps": {}, "laps-pools-literal": {"spill": False}})
 class LapsPoolRouter(Router):
     name = "laps-pools"
 
-    def __init__(self, *, boundary: int = 256, short_fraction: float = 0.5, period: float = 2.0,
-                 cool_down: float = 10.0, tau: float = 0.5, min_pool: int = 1, floor: float = 0.2,
-                 a: float = 1.0, b: float = 1.0, c: float = 0.1, slo_ttft: float = 0.4,
-                 cached_prefix: bool = True, controller: bool = True, q_cap: float = 2.0,
-                 smoothing: float = 0.3, backlog: str = "wait", affinity: bool = True,
-                 affinity_threshold: float = 0.5, balance_tokens: int = 16384, spill: bool = True,
-                 spill_tokens: int = 0) -> None:
-        if backlog not in ("wait", "tokens"):
-            raise ValueError("backlog must be 'wait' (queue waiting time) or 'tokens' (tokens / rate)")
-        self.backlog = backlog
-        if spill_tokens < 0:
-            raise ValueError("spill_tokens must be >= 0")
-        self.spill, self.spill_tokens = spill, spill_tokens
+    Options = LapsPoolOptions
+    options: LapsPoolOptions
+
+    def __init__(self, options: LapsPoolOptions | None = None, **opts) -> None:
+        super().__init__(options, **opts)
+        o = self.options
+        self.backlog = o.backlog
+        self.spill, self.spill_tokens = o.spill, o.spill_tokens
         self.spills = 0
-        if not 0.0 <= affinity_threshold <= 1.0 or balance_tokens < 0:
-            raise ValueError("need 0 <= affinity_threshold <= 1 and balance_tokens >= 0")
-        self.affinity, self.affinity_threshold, self.balance_tokens = affinity, affinity_threshold, balance_tokens
-        if boundary < 1 or not 0 <= short_fraction <= 1 or period <= 0 or slo_ttft <= 0:
-            raise ValueError("need boundary >= 1, 0 <= short_fraction <= 1, period > 0, slo_ttft > 0")
-        self.boundary, self.short_fraction = boundary, short_fraction
-        self.weights = (a, b, c)
-        self.slo_ttft, self.cached_prefix = slo_ttft, cached_prefix
-        self.controller = PoolController(period=period, cool_down=cool_down, tau=tau, min_pool=min_pool,
-                                         floor=floor)
-        self.control_on = controller
-        self.q_cap = q_cap
-        if not 0 < smoothing <= 1:
-            raise ValueError("smoothing must be in (0, 1]")
-        self.smoothing = smoothing
+        self.affinity, self.affinity_threshold, self.balance_tokens = o.affinity, o.affinity_threshold, o.balance_tokens
+        self.boundary, self.short_fraction = o.boundary, o.short_fraction
+        self.weights = (o.a, o.b, o.c)
+        self.slo_ttft, self.cached_prefix = o.slo_ttft, o.cached_prefix
+        self.controller = PoolController(period=o.period, cool_down=o.cool_down, tau=o.tau, min_pool=o.min_pool,
+                                         floor=o.floor)
+        self.control_on = o.controller
+        self.q_cap = o.q_cap
+        self.smoothing = o.smoothing
         self.pools: dict[int, str] = {}           # index into the instance list -> lane
         self.stats: dict[int, _Stats] = {}
         self.last_tick: float | None = None

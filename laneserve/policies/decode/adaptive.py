@@ -31,12 +31,26 @@ table; it holds no requests.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.plan import StepPlan, StepResult
 from laneserve.policies.base import StepOutcome
-from laneserve.policies.decode.alignedserve import AlignedServeDecode
+from laneserve.policies.decode.alignedserve import AlignedServeDecode, AlignedServeOptions
+from laneserve.policies.options import build_options, option_error
 from laneserve.policies.decode.kairos import KairosDecode
 from laneserve.policies.registry import register
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptiveDecodeOptions(AlignedServeOptions):
+    slack_guided: bool = True      # Kairos' slack-guided selection when not everyone fits
+    align: bool = True             # align batches when a host pool is given and alignment pays
+
+    def validate(self) -> None:
+        AlignedServeOptions.validate(self)
+        if not self.guard:
+            raise option_error("guard", "is always on in adaptive decode", self.guard)
 
 
 @register("decode", "adaptive")
@@ -45,17 +59,19 @@ class AdaptiveDecode(AlignedServeDecode):
     needs_host_pool = False          # aligns only with a host pool the user gives (--host-kv-tokens)
     stable_decode_batch = False      # slack-guided steps choose the decoding requests per step
 
-    def __init__(self, kv: KVCacheManager, *, host_pool: HostKVPool | None = None,
-                 max_batch_size: int = 256, slack_guided: bool = True, align: bool = True,
-                 tpot_margin: float = 0.2, **aligned_opts) -> None:
-        self.can_align = align and host_pool is not None and host_pool.num_blocks > 0
+    Options = AdaptiveDecodeOptions
+    options: AdaptiveDecodeOptions
+
+    def __init__(self, kv: KVCacheManager, options: AdaptiveDecodeOptions | None = None, *,
+                 host_pool: HostKVPool | None = None, **opts) -> None:
+        o = build_options(AdaptiveDecodeOptions, options, opts)      # needed before the parent's init
+        self.can_align = o.align and host_pool is not None and host_pool.num_blocks > 0
         pool = host_pool if host_pool is not None else HostKVPool(0, kv.block_size)
-        super().__init__(kv, host_pool=pool, max_batch_size=max_batch_size, guard=True,
-                         tpot_margin=tpot_margin, **aligned_opts)
+        super().__init__(kv, o, host_pool=pool)
         if not self.can_align:                            # the guard never aligns, keeps no figures
             self._never_aligns, self._held = True, None
-        self.selector = KairosDecode(KVCacheManager(0, kv.block_size), max_batch_size=max_batch_size,
-                                     attention="ragged") if slack_guided else None
+        self.selector = KairosDecode(KVCacheManager(0, kv.block_size), max_batch_size=o.max_batch_size,
+                                     attention="ragged") if o.slack_guided else None
 
     def bind_cost_model(self, cost_model) -> None:
         super().bind_cost_model(cost_model)

@@ -59,6 +59,9 @@ rescanned only after the longest request left, and only with a padding cost mode
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 from laneserve.core.kv import HostKVPool, KVCacheManager, blocks_for
 from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Phase, Request
@@ -66,7 +69,8 @@ from laneserve.policies.base import StepOutcome
 from laneserve.policies.decode.aligned_guard import HeldFigures, contexts
 from laneserve.policies.decode.aligned_prefetch import PrefetchStager
 from laneserve.policies.decode.aligned_stats import AlignedBatch, AlignedStats
-from laneserve.policies.decode.base import DecodeScheduler
+from laneserve.policies.decode.base import DecodeOptions, DecodeScheduler
+from laneserve.policies.options import at_least, option_error
 from laneserve.policies.decode.quadtree import KVLengthQuadTree, Selection
 from laneserve.policies.registry import register
 
@@ -77,42 +81,66 @@ def _since(req: Request, now: float) -> float:
     return now if since is None else since
 
 
+@dataclass(frozen=True, slots=True)
+class AlignedServeOptions(DecodeOptions):
+    threshold: float = 0.4
+    n_min: int = 36
+    starvation_bound: float | None = 30.0
+    prefetch: bool = True
+    prefetch_tokens_per_s: float | None = None
+    staging_tokens: int | None = None
+    dynamic: bool = True
+    prefetch_window: int = 32
+    headroom: float = 0.02
+    leaf_width: int = 64
+    switch_evict: Literal["all", "memory", "none"] = "all"
+    guard: bool = True
+    tpot_margin: float = 0.2
+    cb_memory_fraction: float = 0.8
+    align_memory_fraction: float = 0.95
+
+    def validate(self) -> None:
+        DecodeOptions.validate(self)
+        if not 0 < self.threshold <= 1:
+            raise option_error("threshold", "is a fraction of the decode KV blocks, in (0, 1]", self.threshold)
+        at_least(self, "n_min", 1)
+        at_least(self, "tpot_margin", 0)
+        if not 0 < self.cb_memory_fraction <= self.align_memory_fraction <= 1:
+            raise option_error("cb_memory_fraction", "and align_memory_fraction need "
+                               "0 < cb_memory_fraction <= align_memory_fraction <= 1",
+                               (self.cb_memory_fraction, self.align_memory_fraction))
+
+
 @register("decode", "alignedserve", aliases={"aligned": {}, "alignedserve-nop": {"prefetch": False, "guard": False},
                                              "alignedserve-literal": {"guard": False}})
 class AlignedServeDecode(DecodeScheduler):
     name = "alignedserve"
     needs_host_pool = True
 
-    def __init__(self, kv: KVCacheManager, *, host_pool: HostKVPool | None = None,
-                 max_batch_size: int = 256, threshold: float = 0.4, n_min: int = 36,
-                 starvation_bound: float | None = 30.0, prefetch: bool = True,
-                 prefetch_tokens_per_s: float | None = None, staging_tokens: int | None = None,
-                 dynamic: bool = True, prefetch_window: int = 32, headroom: float = 0.02,
-                 leaf_width: int = 64, switch_evict: str = "all", preemption: str = "swap",
-                 guard: bool = True, tpot_margin: float = 0.2, cb_memory_fraction: float = 0.8,
-                 align_memory_fraction: float = 0.95) -> None:
+    Options = AlignedServeOptions
+    options: AlignedServeOptions
+
+    def __init__(self, kv: KVCacheManager, options: AlignedServeOptions | None = None, *,
+                 host_pool: HostKVPool | None = None, **opts) -> None:
         if host_pool is None:
             raise ValueError("alignedserve needs a host KV pool (ClusterConfig.host_kv_tokens / "
                              "EngineConfig.num_host_blocks)")
-        super().__init__(kv, max_batch_size=max_batch_size, preemption=preemption, host_pool=host_pool)
-        if not 0 < threshold <= 1:
-            raise ValueError("threshold is a fraction of the decode KV blocks, in (0, 1]")
-        if n_min < 1:
-            raise ValueError("n_min must be >= 1")
+        super().__init__(kv, options, host_pool=host_pool, **opts)
+        o = self.options
+        threshold, n_min, starvation_bound, prefetch = o.threshold, o.n_min, o.starvation_bound, o.prefetch
+        leaf_width, headroom, staging_tokens = o.leaf_width, o.headroom, o.staging_tokens
         self.pool = host_pool
         self.tree = KVLengthQuadTree(leaf_width)
         self.threshold_blocks = max(1, int(threshold * kv.num_blocks))
         self.n_min = n_min
         self.starvation_bound = starvation_bound if starvation_bound and starvation_bound > 0 else None
         self.prefetch = prefetch
-        self.dynamic = dynamic
-        self.prefetch_window = prefetch_window
+        self.dynamic = o.dynamic
+        self.prefetch_window = o.prefetch_window
         self.headroom_blocks = int(headroom * kv.num_blocks)
-        if switch_evict not in ("all", "memory", "none"):
-            raise ValueError(f"switch_evict must be 'all', 'memory' or 'none', got {switch_evict!r}")
-        self.switch_evict = switch_evict
+        self.switch_evict = o.switch_evict
         capacity = staging_tokens if staging_tokens is not None else kv.num_blocks * kv.block_size
-        self.stager = PrefetchStager(prefetch_tokens_per_s if prefetch else None, capacity)
+        self.stager = PrefetchStager(o.prefetch_tokens_per_s if prefetch else None, capacity)
         self.cand_batch: list[Request] = []
         self.cand_info: AlignedBatch | None = None
         self.cand_reqs: list[Request] = []
@@ -121,17 +149,15 @@ class AlignedServeDecode(DecodeScheduler):
         self.stats = AlignedStats()
         self._next_batch_id = 0
         self._recomputing: set[int] = set()             # device KV re-prefilled by the step
-        if not 0 < cb_memory_fraction <= align_memory_fraction <= 1 or tpot_margin < 0:
-            raise ValueError("need 0 < cb_memory_fraction <= align_memory_fraction <= 1 and tpot_margin >= 0")
-        self.guard = guard
-        self.tpot_margin = tpot_margin
-        self.cb_memory_fraction, self.align_memory_fraction = cb_memory_fraction, align_memory_fraction
-        self.aligning = not guard        # guarded: start as continuous batching
+        self.guard = o.guard
+        self.tpot_margin = o.tpot_margin
+        self.cb_memory_fraction, self.align_memory_fraction = o.cb_memory_fraction, o.align_memory_fraction
+        self.aligning = not o.guard        # guarded: start as continuous batching
         self._cost_model = None
         self._last_step: tuple[int, float] | None = None  # (decodes, seconds) of the last pure step
         self._never_aligns = False                         # set by a ragged cost model (guarded)
         # the guard's figures over self.requests; None where no guard reads them
-        self._held: HeldFigures | None = HeldFigures(kv.block_size) if guard else None
+        self._held: HeldFigures | None = HeldFigures(kv.block_size) if o.guard else None
 
     # ---- do no harm: is alignment worth it now? ---------------------------------------------
     @property

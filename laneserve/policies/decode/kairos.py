@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.plan import StepPlan, StepResult
@@ -65,12 +66,13 @@ from laneserve.core.request import Request
 from laneserve.costmodel import StepTimeLUT, make_cost_model
 from laneserve.costmodel.base import CostModel
 from laneserve.policies.base import StepOutcome
-from laneserve.policies.decode.base import DecodeScheduler
+from laneserve.policies.decode.base import DecodeOptions, DecodeScheduler
 from laneserve.policies.decode.pacing import TokenPacer
+from laneserve.policies.options import above, at_least
 from laneserve.policies.registry import register
 
-SLACK_RESERVES = ("single", "batch")
-LENGTH_KEYS = ("max", "mean")
+SlackReserve = Literal["single", "batch"]
+LengthKey = Literal["max", "mean"]
 
 
 def geometric_edges(lo: int, hi: int, per_octave: int = 2) -> tuple[int, ...]:
@@ -101,28 +103,45 @@ class KairosStats:
     lut_updates: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class KairosDecodeOptions(DecodeOptions):
+    profile: str | None = None          # engine profile JSON for the step table
+    model: str = "llama-3-8b"           # the analytic step table's model, hardware, tp, kernel
+    hardware: str = "h100"
+    tp: int = 1
+    attention: str = "padded"
+    length_key: LengthKey | None = None     # None: follow the attention kernel
+    tpot_slo: float | None = None
+    slack_reserve: SlackReserve = "single"
+    throughput_rule: bool = True
+    online_update: bool = True
+    late_binds: bool | None = None      # None: follow length_key
+    max_delay_steps: int = 64
+    pace: bool = False
+    pace_tpot: float | None = None
+
+    def validate(self) -> None:
+        DecodeOptions.validate(self)
+        above(self, "tpot_slo", 0)
+        at_least(self, "max_delay_steps", 1)
+
+
 @register("decode", "kairos", aliases={"kairos-eq2": {"slack_reserve": "batch"},
                                        "kairos-literal": {"late_binds": True},
                                        "kairos-paced": {"pace": True}})
 class KairosDecode(DecodeScheduler):
     name = "kairos"
 
-    def __init__(self, kv: KVCacheManager, *, max_batch_size: int = 256, preemption: str = "swap",
+    Options = KairosDecodeOptions
+    options: KairosDecodeOptions
+
+    def __init__(self, kv: KVCacheManager, options: KairosDecodeOptions | None = None, *,
                  host_pool: HostKVPool | None = None, lut: StepTimeLUT | None = None,
-                 cost_model: CostModel | None = None, profile: str | None = None,
-                 model: str = "llama-3-8b", hardware: str = "h100", tp: int = 1,
-                 attention: str = "padded", length_key: str | None = None, tpot_slo: float | None = None,
-                 slack_reserve: str = "single", throughput_rule: bool = True,
-                 online_update: bool = True, late_binds: bool | None = None,
-                 max_delay_steps: int = 64, pace: bool = False,
-                 pace_tpot: float | None = None) -> None:
-        super().__init__(kv, max_batch_size=max_batch_size, preemption=preemption, host_pool=host_pool)
-        if slack_reserve not in SLACK_RESERVES:
-            raise ValueError(f"slack_reserve must be one of {SLACK_RESERVES}, got {slack_reserve!r}")
-        if tpot_slo is not None and tpot_slo <= 0:
-            raise ValueError("tpot_slo must be > 0")
-        if max_delay_steps < 1:
-            raise ValueError("max_delay_steps must be >= 1")
+                 cost_model: CostModel | None = None, **opts) -> None:
+        super().__init__(kv, options, host_pool=host_pool, **opts)
+        o = self.options
+        profile, attention, length_key, late_binds, tpot_slo = (o.profile, o.attention, o.length_key,
+                                                                o.late_binds, o.tpot_slo)
         cost = cost_model
         self._table_given = lut is not None or profile is not None or cost_model is not None
         self._length_key_given = length_key is not None
@@ -134,25 +153,23 @@ class KairosDecode(DecodeScheduler):
                 from laneserve.costmodel import load_profile
                 lut = StepTimeLUT.from_profile(load_profile(profile))
             else:
-                cost = cost or make_cost_model("analytic", model=model, hardware=hardware,
-                                                     tp=tp, attention=attention)
-                lut = default_lut(cost, max_batch_size)
+                cost = cost or make_cost_model("analytic", model=o.model, hardware=o.hardware,
+                                                     tp=o.tp, attention=attention)
+                lut = default_lut(cost, o.max_batch_size)
         self.lut = lut
         if length_key is None:      # follow the attention kernel the step times come from
             kind = getattr(cost, "attention", None) if cost is not None else attention
             length_key = "mean" if kind == "ragged" else "max"
-        if length_key not in LENGTH_KEYS:
-            raise ValueError(f"length_key must be one of {LENGTH_KEYS}, got {length_key!r}")
         self.length_key = length_key
         # padded: a late straggler in every step slows everyone, so late requests do not bind;
         # ragged: a decode-all step costs little more than a partial one, so they do (Algorithm 3)
         self.late_binds = (length_key == "mean") if late_binds is None else late_binds
         self.tpot_slo = tpot_slo
-        self.slack_reserve = slack_reserve
-        self.throughput_rule = throughput_rule
-        self.online_update = online_update
-        self.max_delay_steps = max_delay_steps
-        self.pacer = TokenPacer(enabled=pace, tpot=tpot_slo, force_tpot=pace_tpot)
+        self.slack_reserve = o.slack_reserve
+        self.throughput_rule = o.throughput_rule
+        self.online_update = o.online_update
+        self.max_delay_steps = o.max_delay_steps
+        self.pacer = TokenPacer(enabled=o.pace, tpot=tpot_slo, force_tpot=o.pace_tpot)
         self.stats = KairosStats()
 
     def bind_cost_model(self, cost_model: CostModel) -> None:

@@ -80,23 +80,60 @@ of its new lane. Without a tag the instance classifies the request itself.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 from laneserve.core.plan import PrefillChunk, StepPlan
 from laneserve.core.request import Request
 from laneserve.costmodel.base import graphed_prefill_time
-from laneserve.policies.prefill.base import PrefillScheduler
+from laneserve.policies.options import at_least, within
+from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
 from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig, ShapeGrid
 from laneserve.policies.prefill.laps_lanes import (LONG, SHORT, Classifier, Lane, LaneOrder,
                                                    lane_order)
 from laneserve.policies.prefill.priority import make_predictor, priority_key
 from laneserve.policies.registry import register
 
-MODES = ("temporal", "spatial")
+Mode = Literal["temporal", "spatial"]
+MODES = get_args(Mode)
 MIXED = "mixed"                  # a merged step's lane label
 #: the paper's mechanisms without the do-no-harm guards (``laps-literal``; the ablation presets
 #: ``laps-noawd`` / ``-nobuckets`` / ``-preempt`` / ``-offline`` are ablations of this one)
 LITERAL = {"awd": True, "light_load": False, "order": "fcfs", "paid_padding": False, "merge": False,
            "step_slo_fraction": 0.0}
+
+
+@dataclass(frozen=True, slots=True)
+class LapsOptions(PrefillOptions):
+    mode: Mode = "temporal"
+    boundary: int | str = 256           # L_m in new tokens, or a classifier rule name
+    awd: bool = False
+    deadline_free: bool = False
+    order: str = "edf"                  # lane order (checked by the lane-order factory)
+    long_chunk: int = 2048
+    long_batch: Literal["fill", "single"] = "fill"
+    short_budget: int = 2048
+    shape_buckets: bool = True
+    max_short_streak: int = 4
+    lane: Literal["short", "long"] | None = None
+    sla_guard: bool = True
+    preempt: Literal["none", "operator", "layer"] = "none"
+    w_min: float = 0.0
+    w_max: float = 0.03
+    delta: float = 0.02
+    sigma: float = 0.05
+    t_max: float = 0.1
+    short_tokens: int | None = None
+    light_load: bool = True
+    paid_padding: bool = True           # pad to a captured shape only where graph replay pays
+    merge: bool = True                  # short lane + long chunks in one step while shorts keep slack
+    step_slo_fraction: float = 0.45     # long steps grow while <= this x the tightest TTFT (0: fixed)
+
+    def validate(self) -> None:
+        PrefillOptions.validate(self)
+        for name in ("long_chunk", "short_budget", "max_short_streak"):
+            at_least(self, name, 1)
+        within(self, "step_slo_fraction", 0.0, 1.0)
 
 
 @register("prefill", "laps", aliases={"laps-offline": {**LITERAL, "deadline_free": True, "long_chunk": 8192},
@@ -106,23 +143,14 @@ LITERAL = {"awd": True, "light_load": False, "order": "fcfs", "paid_padding": Fa
                                       "laps-literal": LITERAL})
 class LapsPrefill(PrefillScheduler):
     name = "laps"
+    Options = LapsOptions
+    options: LapsOptions
 
-    def __init__(self, kv, *, mode: str = "temporal", boundary: int | str = 256, awd: bool = False,
-                 deadline_free: bool = False, order: str = "edf", long_chunk: int = 2048,
-                 long_batch: str = "fill", short_budget: int = 2048, shape_buckets: bool = True,
-                 max_short_streak: int = 4, lane: str | None = None, sla_guard: bool = True,
-                 preempt: str = "none",
-                 w_min: float = 0.0, w_max: float = 0.03, delta: float = 0.02, sigma: float = 0.05,
-                 t_max: float = 0.1, short_tokens: int | None = None, light_load: bool = True,
-                 paid_padding: bool = True, merge: bool = True, step_slo_fraction: float = 0.45,
-                 **opts) -> None:
-        super().__init__(kv, **opts)
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if long_batch not in ("fill", "single"):
-            raise ValueError("long_batch must be 'fill' or 'single'")
-        if long_chunk < 1 or short_budget < 1 or max_short_streak < 1:
-            raise ValueError("long_chunk, short_budget and max_short_streak must be >= 1")
+    def __init__(self, kv, options: LapsOptions | None = None, **opts) -> None:
+        super().__init__(kv, options, **opts)
+        o = self.options
+        mode, boundary, order, deadline_free = o.mode, o.boundary, o.order, o.deadline_free
+        long_chunk, long_batch, short_budget, preempt = o.long_chunk, o.long_batch, o.short_budget, o.preempt
         self.mode = mode
         self.classifier = Classifier(boundary)
         lane_ord = self._lane_order(order)
@@ -131,18 +159,14 @@ class LapsPrefill(PrefillScheduler):
         # lane per length bucket so that the batch walks stop once a bucket is exhausted
         size_class = None if self.prefix_caching else lambda r: self.grid.length_bucket(r.remaining_prefill)
         self.lanes = {SHORT: Lane(SHORT, lane_ord, size_class=size_class), LONG: Lane(LONG, lane_ord)}
-        self.shape_buckets = shape_buckets
-        self.awd_on = awd
+        self.shape_buckets = o.shape_buckets
+        self.awd_on = o.awd
         self.long_chunk, self.long_batch, self.short_budget = long_chunk, long_batch, short_budget
-        self.max_short_streak = max_short_streak
-        if not 0.0 <= step_slo_fraction <= 1.0:
-            raise ValueError("step_slo_fraction must be in [0, 1] (0: fixed long_chunk)")
-        self.paid_padding, self.merge, self.step_slo_fraction = paid_padding, merge, step_slo_fraction
+        self.max_short_streak = o.max_short_streak
+        self.paid_padding, self.merge, self.step_slo_fraction = o.paid_padding, o.merge, o.step_slo_fraction
         self._min_slo = math.inf                     # tightest TTFT target seen (step sizing)
         self.merged_steps = 0
-        self.sla_guard = sla_guard and not deadline_free
-        if preempt not in ("none", "operator", "layer"):
-            raise ValueError(f"preempt must be 'none', 'operator' or 'layer', got {preempt!r}")
+        self.sla_guard = o.sla_guard and not deadline_free
         self.preempt = preempt
         self._running_long: StepPlan | None = None     # the long plan executing now
         self._long_started = 0.0
@@ -152,14 +176,14 @@ class LapsPrefill(PrefillScheduler):
         self._cost_model = None
         self._long_seconds = 0.0                     # last long step's observed time
         self.guard_dispatches = 0
-        cfg = AWDConfig(w_min=w_min, w_max=w_max, delta=delta, sigma=sigma, t_max=t_max,
-                        deadline_free=deadline_free, token_target=short_tokens or short_budget,
-                        light_load=light_load)
+        cfg = AWDConfig(w_min=o.w_min, w_max=o.w_max, delta=o.delta, sigma=o.sigma, t_max=o.t_max,
+                        deadline_free=deadline_free, token_target=o.short_tokens or short_budget,
+                        light_load=o.light_load)
         self.awd = AdaptiveWaitDepth(cfg, depth_cap=min(self.grid.max_depth(short_budget),
                                                         self.max_batch_size), grid=self.grid)
         self.assigned_lane: str | None = None
-        if lane is not None:
-            self.set_lane(lane)
+        if o.lane is not None:
+            self.set_lane(o.lane)
         self.name = f"laps-{mode}"
         self._wakeup: float | None = None
         self._short_streak = 0
