@@ -362,7 +362,7 @@ class GuardedKairosPrefill(KairosPrefill):
         if self._use_urgency():
             # late under the urgency order itself (not Algorithm 2's FCFS walk, which it does not follow)
             idx = np.flatnonzero(live)
-            idx = idx[np.lexsort((slots.rid[idx], arr[idx], urgency[idx]))]
+            idx = idx[np.argsort(urgency[idx], kind="stable")]     # slots are in (arrival, id) order
             at_risk = np.zeros(n, dtype=bool)
             at_risk[idx] = now + np.cumsum(step[idx]) > deadline[idx]
             yield from best_first(slots, deadline, at_risk)
