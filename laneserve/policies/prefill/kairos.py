@@ -82,7 +82,8 @@ from laneserve.policies.registry import register
 
 INF = float("inf")
 RANKS = ("auto", "urgency", "edf")
-SAME_TARGET = 1e-9      # relative TTFT spread under which the queue counts as one target
+SAME_TARGET = 1e-9      # relative TTFT spread under which the requests count as one target
+HOL_SHARE = 0.5         # a prompt whose prefill takes this share of its target can block the rest
 DEFAULT_THROUGHPUT = 1.0e4     # tokens/s before anything was observed or bound
 
 
@@ -329,12 +330,13 @@ class GuardedKairosPrefill(KairosPrefill):
         self._refresh()
         return self._fill(self._guarded(now), now, token_budget)
 
-    def _use_urgency(self) -> bool:
-        """Kairos' urgency order while every request seen so far shares one TTFT target."""
+    def _use_urgency(self, blocking: np.ndarray) -> bool:
+        """Kairos' urgency order while every request seen so far shares one TTFT target and a
+        queued prompt would take a large share of it (``blocking``: the slots that would)."""
         if self.rank != "auto":
             return self.rank == "urgency"
         low, high = self._targets
-        return high - low <= SAME_TARGET * high
+        return high - low <= SAME_TARGET * high and bool(blocking.any())
 
     def _push(self, req: Request, now: float) -> None:
         slo = req.slo.ttft
@@ -359,7 +361,7 @@ class GuardedKairosPrefill(KairosPrefill):
         score = np.where(has_slo, ((slo - (finish - arr)) / slo) / slots.plen[:n], 0.0)
         urgency = -score if self.order == "descending" else score
         live = alive & ~hopeless
-        if self._use_urgency():
+        if self._use_urgency(live & has_slo & (step >= HOL_SHARE * slo)):
             # late under the urgency order itself (not Algorithm 2's FCFS walk, which it does not follow)
             idx = np.flatnonzero(live)
             idx = idx[np.argsort(urgency[idx], kind="stable")]     # slots are in (arrival, id) order
