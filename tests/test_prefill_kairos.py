@@ -196,6 +196,17 @@ def test_guarded_urgency_on_one_target_and_the_late_go_first():
     assert plan_of(literal) == [(1, 200), (2, 200), (0, 300)]     # the pseudo-code leaves 3 for last
 
 
+def test_guarded_keeps_deadline_order_when_no_prompt_blocks_the_target():
+    s = kairos(spec="kairos", chunk=700)
+    for rid, (t, prompt) in enumerate([(0.0, 1000), (0.1, 200), (0.2, 100)]):   # 1 s at most of a 3 s target
+        s.add_request(req(rid, t, prompt, 3.0), 0.2)
+    assert plan_of(s, 0.2) == [(0, 700)]
+    literal = kairos(chunk=700)
+    for rid, (t, prompt) in enumerate([(0.0, 1000), (0.1, 200), (0.2, 100)]):
+        literal.add_request(req(rid, t, prompt, 3.0), 0.2)
+    assert plan_of(literal, 0.2) == [(2, 100), (1, 200), (0, 400)]
+
+
 def _attainment_by_class(result):
     by: dict[str, list[bool]] = {}
     for r in result.requests:
