@@ -176,7 +176,7 @@ def plan_of(s, now=0.0):
 
 
 def test_guarded_puts_a_hopeless_request_last_and_orders_targets_by_deadline():
-    s = kairos(spec="kairos", chunk=1000)
+    s = kairos(spec="kairos", chunk=1000, warmup=0)
     s.add_request(req(0, 0.0, 5000, 1.0), 0.0)      # 5 s alone > 1 s target: cannot make it
     s.add_request(req(1, 0.0, 600, 4.0), 0.0)
     s.add_request(req(2, 0.0, 300, 2.0), 0.0)       # targets differ: deadline order
@@ -184,7 +184,7 @@ def test_guarded_puts_a_hopeless_request_last_and_orders_targets_by_deadline():
 
 
 def test_guarded_urgency_on_one_target_and_the_late_go_first():
-    s = kairos(spec="kairos", chunk=700)
+    s = kairos(spec="kairos", chunk=700, warmup=0)
     for rid, prompt in enumerate((2500, 200, 200, 300)):   # one 3 s target, all at t=0, 1000 tok/s
         s.add_request(req(rid, 0.0, prompt, 3.0), 0.0)
     # Kairos' score ranks 1, 2 (short, slack) before 0; 3 is last by the score, and in that order it
@@ -197,7 +197,7 @@ def test_guarded_urgency_on_one_target_and_the_late_go_first():
 
 
 def test_guarded_keeps_deadline_order_when_no_prompt_blocks_the_target():
-    s = kairos(spec="kairos", chunk=700)
+    s = kairos(spec="kairos", chunk=700, warmup=0)
     for rid, (t, prompt) in enumerate([(0.0, 1000), (0.1, 200), (0.2, 100)]):   # 1 s at most of a 3 s target
         s.add_request(req(rid, t, prompt, 3.0), 0.2)
     assert plan_of(s, 0.2) == [(0, 700)]

@@ -315,13 +315,16 @@ class KairosPrefill(PrefillScheduler):
 class GuardedKairosPrefill(KairosPrefill):
     """Kairos urgency that does no harm (the registered ``kairos``): see the module docstring."""
 
-    def __init__(self, kv, *, chunk: int = 2048, rank: str = "auto", estimate: str = "auto", **opts) -> None:
+    def __init__(self, kv, *, chunk: int = 2048, rank: str = "auto", estimate: str = "auto", warmup: int = 8,
+                 **opts) -> None:
         self._auto_estimate = estimate == "auto"
         super().__init__(kv, chunk=chunk, estimate="throughput" if self._auto_estimate else estimate, **opts)
         if rank not in RANKS:
             raise ValueError(f"rank must be one of {RANKS}, got {rank!r}")
         self.rank = rank
         self._targets = (INF, 0.0)                   # lowest and highest TTFT target seen
+        self.warmup = warmup                         # completed steps before the guards trust the predictor
+        self._steps_seen = 0
         self.name = f"kairos-guarded-{chunk}"
 
     def bind_cost_model(self, cost_model: Any) -> None:
@@ -336,6 +339,11 @@ class GuardedKairosPrefill(KairosPrefill):
             return None
         self._refresh()
         return self._fill(self._guarded(now), now, token_budget)
+
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
+        if result.completed:
+            self._steps_seen += 1
+        return super().update(plan, result, now)
 
     def _use_urgency(self, blocking: np.ndarray) -> bool:
         """Kairos' urgency order while every request seen so far shares one TTFT target and a
@@ -359,7 +367,8 @@ class GuardedKairosPrefill(KairosPrefill):
         arr, slo = slots.arr[:n], slots.slo[:n]
         step = self._step_seconds()
         deadline = np.where(has_slo, arr + slo, INF)
-        hopeless = alive & (np.maximum(arr, now) + step > deadline)
+        warm = self._steps_seen >= self.warmup           # before, the predictor is its prior: no guard
+        hopeless = alive & (np.maximum(arr, now) + step > deadline) & warm
         # Algorithm 2 over the requests that can still make it, cursor jumps included:
         # c_k = max(c_{k-1}, a_k) + d_k = S_k + max(now, max_{j<=k} a_j - S_{j-1})
         work = np.where(hopeless, 0.0, step)
@@ -368,7 +377,7 @@ class GuardedKairosPrefill(KairosPrefill):
         score = np.where(has_slo, ((slo - (finish - arr)) / slo) / slots.plen[:n], 0.0)
         urgency = -score if self.order == "descending" else score
         live = alive & ~hopeless
-        if self._use_urgency(live & has_slo & (step >= HOL_SHARE * slo)):
+        if warm and self._use_urgency(live & has_slo & (step >= HOL_SHARE * slo)):
             # late under the urgency order itself (not Algorithm 2's FCFS walk, which it does not follow)
             idx = np.flatnonzero(live)
             idx = idx[np.argsort(urgency[idx], kind="stable")]     # slots are in (arrival, id) order
