@@ -68,6 +68,11 @@ to the baselines (bursty short/long mix 0.02–0.05x, FlowPrefill mix 0.18–0.2
   the short re-prefills of a prefix-cached chat workload (ShareGPT 1P+1D, score order, online
   predictor: 0.75x of the best baseline with ``n / μ``, 1.10x with the predictor). Without a
   cost model it falls back to ``n_r / μ``.
+- **No guard on an untrained predictor.** For its first ``warmup`` (8) completed steps the
+  instance's predictor is still its prior (a deliberately slow generic model), so nothing is
+  called hopeless and the order is plain deadline order. At 4P+4D the whole ShareGPT run arrives
+  within a fraction of a second and was decided on the prior: 0.25x of the best baseline without
+  the warm-up, 1.0x with it.
 - **``C`` = 2048 tokens** (``chunk=``), the chunk of the CP-EDF baseline: an 8K chunk let one long
   prompt hold short ones for a whole long step (``kairos-literal``'s 8192 stays available).
 """
