@@ -374,15 +374,15 @@ class GuardedKairosPrefill(KairosPrefill):
         deadline = np.where(has_slo, arr + slo, INF)
         warm = self._steps_seen >= self.warmup           # before, the predictor is its prior: no guard
         hopeless = alive & (np.maximum(arr, now) + step > deadline) & warm
-        # Algorithm 2 over the requests that can still make it, cursor jumps included:
-        # c_k = max(c_{k-1}, a_k) + d_k = S_k + max(now, max_{j<=k} a_j - S_{j-1})
-        work = np.where(hopeless, 0.0, step)
-        total = np.cumsum(work)
-        finish = total + np.maximum(now, np.maximum.accumulate(arr - (total - work)))
-        score = np.where(has_slo, ((slo - (finish - arr)) / slo) / slots.plen[:n], 0.0)
-        urgency = -score if self.order == "descending" else score
         live = alive & ~hopeless
         if warm and self._use_urgency(live & has_slo & (step >= HOL_SHARE * slo)):
+            # Algorithm 2 over the requests that can still make it, cursor jumps included:
+            # c_k = max(c_{k-1}, a_k) + d_k = S_k + max(now, max_{j<=k} a_j - S_{j-1})
+            work = np.where(hopeless, 0.0, step)
+            total = np.cumsum(work)
+            finish = total + np.maximum(now, np.maximum.accumulate(arr - (total - work)))
+            score = np.where(has_slo, ((slo - (finish - arr)) / slo) / slots.plen[:n], 0.0)
+            urgency = -score if self.order == "descending" else score
             # late under the urgency order itself (not Algorithm 2's FCFS walk, which it does not follow)
             idx = np.flatnonzero(live)
             idx = idx[np.argsort(urgency[idx], kind="stable")]     # slots are in (arrival, id) order
