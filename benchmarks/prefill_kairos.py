@@ -33,7 +33,9 @@ Setup and choices:
   time following the paper's power law (:class:`PaperLawPrefill`, the paper's 8 s SLO, rates in its
   units) instead of Llama-3-8B/H100, to separate what the algorithm does from what the steeper
   length scaling of a dense 8B model does to it.
-- 1 prefill + 1 decode instance (continuous batching decode); Kairos chunk C = 8192 tokens.
+- 1 prefill + 1 decode instance (continuous batching decode); Kairos chunk C = 8192 tokens. The
+  Kairos arms are the literal algorithm (``kairos-literal`` and its ablation presets), not the
+  registered ``kairos`` (the do-no-harm version).
 - Diagnostic arm ``kairos-costest``: Algorithm 2's FCFS walk with the cost model's prefill time
   instead of ``n / μ`` (not the paper; it measures what the constant-throughput estimate costs).
 - Headline: ``ttft_attainment_gain_at_knee`` = Kairos (pseudo-code order) − FCFS TTFT attainment
@@ -70,7 +72,7 @@ RATES = tuple(round(0.1 + 0.05 * k, 2) for k in range(19))        # 0.10 .. 1.00
 SENSITIVITY_RATES = RATES[::2]
 FCFS, KAIROS, KAIROS_ASC = "FCFS (DistServe)", "Kairos (pseudo-code, descending)", "Kairos ascending (ablation)"
 KAIROS_COST = "Kairos, cost-model finish estimate (diagnostic)"
-POLICIES = {FCFS: "fcfs", KAIROS: "kairos", KAIROS_ASC: "kairos-asc", KAIROS_COST: "kairos-costest",
+POLICIES = {FCFS: "fcfs", KAIROS: "kairos-literal", KAIROS_ASC: "kairos-asc", KAIROS_COST: "kairos-costest",
             "CP-EDF 2K": "cp-edf-2k", "CP-EDF 8K": "cp-edf-8k"}
 SENSITIVITY_POLICIES = (FCFS, KAIROS, KAIROS_ASC)
 HEADLINE = "equal reach (headline)"

@@ -1,6 +1,7 @@
-"""Kairos urgency prefill (kairos.txt §3.1, Algorithms 1–2): FCFS-simulated finish times, the
-length-normalised score, the sort order (and its ablation), partial chunks, the throughput
-estimate, and simulator runs."""
+"""Kairos urgency prefill (kairos.txt §3.1, Algorithms 1–2): the literal algorithm (``kairos-literal``
+and its ablation presets: FCFS-simulated finish times, the length-normalised score, the sort order,
+partial chunks, the throughput estimate) and the registered do-no-harm ``kairos`` (its ranking
+groups, chunk budget and a bursty mix the literal one starves), and simulator runs."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from laneserve.core.plan import StepResult
 from laneserve.core.request import Phase, Request
 from laneserve.costmodel import make_cost_model
 from laneserve.policies import make
-from laneserve.policies.prefill.kairos import fcfs_finish_times, urgency_score
+from laneserve.policies.prefill.kairos import GuardedKairosPrefill, KairosPrefill, fcfs_finish_times, urgency_score
+from laneserve.policies.registry import resolve
 from laneserve.sim import ClusterConfig, Simulator
+from laneserve.workloads import make_workload
 
 COST = make_cost_model("analytic", model="llama-3.1-8b", hardware="h100")   # Llama-3-8B shape, 128K context
 
@@ -25,7 +28,7 @@ def req(rid, arrival, prompt, ttft, out=3):
 
 
 def kairos(**opts):
-    spec = opts.pop("spec", "kairos")
+    spec = opts.pop("spec", "kairos-literal")
     opts.setdefault("throughput", 1000.0)     # 1 ms per token
     return make("prefill", spec, KVCacheManager(4096, 16), **opts)
 
@@ -104,7 +107,7 @@ def test_throughput_estimate_running_mean_and_ema():
     for d in (0.1, 0.2):
         e.update(e.schedule(0.0), StepResult(duration=d), 0.0)
     assert e.throughput == pytest.approx(0.5 * 1000 + 0.5 * 500)
-    b = make("prefill", "kairos", KVCacheManager(64, 16))
+    b = make("prefill", "kairos-literal", KVCacheManager(64, 16))
     b.bind_cost_model(COST)
     assert b.throughput == pytest.approx(8192 / COST.prefill_time([(8192, 0)]))
 
@@ -121,9 +124,9 @@ def test_short_request_with_fcfs_slack_overtakes_a_long_one():
     # the short one still has slack under the FCFS estimate: u > 0 and large (short) -> first
     specs = [RequestSpec(0, 0.0, 60_000, 2, slo=SLO(ttft=30.0)),
              RequestSpec(1, 0.5, 2000, 2, slo=SLO(ttft=20.0))]
-    ttft = _ttfts(specs, ("fcfs", "kairos"))
-    assert ttft["kairos"][1] < 1.5 < 5.0 < ttft["fcfs"][1]     # waits for one chunk at most
-    assert ttft["kairos"][0] < 30.0
+    ttft = _ttfts(specs, ("fcfs", "kairos-literal"))
+    assert ttft["kairos-literal"][1] < 1.5 < 5.0 < ttft["fcfs"][1]     # waits for one chunk at most
+    assert ttft["kairos-literal"][0] < 30.0
 
 
 def test_pseudo_code_order_puts_a_late_short_request_last():
@@ -132,12 +135,13 @@ def test_pseudo_code_order_puts_a_late_short_request_last():
     # ascending ablation serves it first (documented in kairos.py)
     specs = [RequestSpec(0, 0.0, 60_000, 2, slo=SLO(ttft=30.0)),
              RequestSpec(1, 0.5, 2000, 2, slo=SLO(ttft=2.0))]
-    ttft = _ttfts(specs, ("fcfs", "kairos", "kairos-asc"))
-    assert ttft["kairos"][1] > 2.0 and ttft["fcfs"][1] > 2.0
+    ttft = _ttfts(specs, ("fcfs", "kairos-literal", "kairos-asc"))
+    assert ttft["kairos-literal"][1] > 2.0 and ttft["fcfs"][1] > 2.0
     assert ttft["kairos-asc"][1] < 2.0
 
 
-@pytest.mark.parametrize("spec", ["kairos", "kairos-asc", "kairos:chunk=2048,mu_ema=0.3"])
+@pytest.mark.parametrize("spec", ["kairos", "kairos-literal", "kairos-asc", "kairos-literal:chunk=2048,mu_ema=0.3",
+                                  "kairos:rank=urgency", "kairos:rank=edf,estimate=cost"])
 @pytest.mark.parametrize("seed", range(3))
 def test_every_request_served_once_on_random_workloads(spec, seed):
     rng = random.Random(seed)
@@ -152,3 +156,71 @@ def test_every_request_served_once_on_random_workloads(spec, seed):
     assert all(r.phase is Phase.FINISHED and r.num_output_tokens == r.max_output_tokens for r in res.requests)
     s = sim.front[0].scheduler
     assert not s.queue and s.kv.num_free_blocks == s.kv.num_blocks
+
+
+# ---- the registered ``kairos``: Kairos urgency that does no harm --------------------------------
+def test_presets_resolve_to_the_literal_algorithm():
+    presets = {"kairos-literal": {}, "kairos-desc": {"order": "descending"}, "kairos-asc": {"order": "ascending"},
+               "kairos-ascending": {"order": "ascending"}, "kairos-costest": {"estimate": "cost"}}
+    for name, opts in presets.items():
+        factory, resolved = resolve("prefill", name)
+        assert factory is KairosPrefill and resolved == opts
+        policy = make("prefill", name, KVCacheManager(64, 16))
+        assert type(policy) is KairosPrefill and policy.chunk_size == 8192
+    guarded = make("prefill", "kairos", KVCacheManager(64, 16))
+    assert type(guarded) is GuardedKairosPrefill and guarded.chunk_size == 2048
+
+
+def plan_of(s, now=0.0):
+    return [(c.request.request_id, c.num_new_tokens) for c in s.schedule(now).prefills]
+
+
+def test_guarded_puts_a_hopeless_request_last_and_orders_targets_by_deadline():
+    s = kairos(spec="kairos", chunk=1000, warmup=0)
+    s.add_request(req(0, 0.0, 5000, 1.0), 0.0)      # 5 s alone > 1 s target: cannot make it
+    s.add_request(req(1, 0.0, 600, 4.0), 0.0)
+    s.add_request(req(2, 0.0, 300, 2.0), 0.0)       # targets differ: deadline order
+    assert plan_of(s) == [(2, 300), (1, 600), (0, 100)]
+
+
+def test_guarded_urgency_on_one_target_and_the_late_go_first():
+    s = kairos(spec="kairos", chunk=700, warmup=0)
+    for rid, prompt in enumerate((2500, 200, 200, 300)):   # one 3 s target, all at t=0, 1000 tok/s
+        s.add_request(req(rid, 0.0, prompt, 3.0), 0.0)
+    # Kairos' score ranks 1, 2 (short, slack) before 0; 3 is last by the score, and in that order it
+    # would finish at 3.2 s > 3 s: late, so it goes first (deadline order among the late)
+    assert plan_of(s) == [(3, 300), (1, 200), (2, 200)]
+    literal = kairos(chunk=700)
+    for rid, prompt in enumerate((2500, 200, 200, 300)):
+        literal.add_request(req(rid, 0.0, prompt, 3.0), 0.0)
+    assert plan_of(literal) == [(1, 200), (2, 200), (0, 300)]     # the pseudo-code leaves 3 for last
+
+
+def test_guarded_keeps_deadline_order_when_no_prompt_blocks_the_target():
+    s = kairos(spec="kairos", chunk=700, warmup=0)
+    for rid, (t, prompt) in enumerate([(0.0, 1000), (0.1, 200), (0.2, 100)]):   # 1 s at most of a 3 s target
+        s.add_request(req(rid, t, prompt, 3.0), 0.2)
+    assert plan_of(s, 0.2) == [(0, 700)]
+    literal = kairos(chunk=700)
+    for rid, (t, prompt) in enumerate([(0.0, 1000), (0.1, 200), (0.2, 100)]):
+        literal.add_request(req(rid, t, prompt, 3.0), 0.2)
+    assert plan_of(literal, 0.2) == [(2, 100), (1, 200), (0, 400)]
+
+
+def _attainment_by_class(result):
+    by: dict[str, list[bool]] = {}
+    for r in result.requests:
+        by.setdefault("long" if r.slo.ttft > 1.0 else "short", []).append(
+            r.times.first_token - r.arrival_time <= r.slo.ttft)
+    return {k: sum(v) / len(v) for k, v in by.items()}
+
+
+def test_guarded_starves_neither_class_on_a_bursty_mix_where_the_literal_one_does():
+    specs = make_workload("short_long_mix", n=120, long_share=0.2, process="gamma", cv=3.0, seed=0).with_rate(60.0).specs
+    got = {}
+    for pol in ("kairos-literal", "kairos"):
+        res = Simulator(ClusterConfig(prefill_policy=pol), COST).run(specs)
+        assert res.unfinished == 0 and all(r.phase is Phase.FINISHED for r in res.requests)
+        got[pol] = _attainment_by_class(res)
+    assert got["kairos-literal"]["short"] < 0.1          # the pseudo-code serves late short prompts last
+    assert got["kairos"]["short"] >= 0.95 and got["kairos"]["long"] >= 0.95
