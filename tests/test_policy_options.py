@@ -237,10 +237,10 @@ def test_listing_shows_options_with_types_and_defaults_and_presets(capsys):
     assert "continuous: max_batch_size: int = 256, preemption: swap|recompute = swap" in out
 
 
-def test_listing_of_a_policy_still_taking_untyped_keywords():
-    class Untyped(FCFSPrefill):
-        def __init__(self, kv, *, depth: int = 3, **opts) -> None:
-            super().__init__(kv, **opts)
+def test_registering_a_policy_needs_options():
+    class NoOptions:
+        name = "no-options"
 
-    assert registry._untyped_options(Untyped) == \
-        "depth=3, token_budget=8192, max_batch_size=256, prefix_caching=False (untyped)"
+    with pytest.raises(TypeError, match="has no Options"):
+        registry.register("router", "no-options")(NoOptions)
+    assert "no-options" not in registry.available("router")

@@ -220,10 +220,3 @@ def build_options(cls: type[O], options: O | None, overrides: Mapping[str, Any])
     if not isinstance(options, cls):
         raise TypeError(f"expected {cls.__name__}, got {type(options).__name__}")
     return dataclasses.replace(options, **overrides) if overrides else options
-
-
-def declared_options(factory: Any) -> type[PolicyOptions] | None:
-    """The ``Options`` a policy class declares itself (None for one that still takes untyped
-    keyword options, or that inherits its parent's ``Options`` but adds keywords)."""
-    opts = vars(factory).get("Options") if isinstance(factory, type) else None
-    return opts if isinstance(opts, type) and issubclass(opts, PolicyOptions) else None

@@ -7,17 +7,15 @@ error listing the valid options with their defaults, and the merged options are 
 anything is built. Aliases name presets (``cp-edf-2k`` is ``cp-edf`` with ``chunk=2048``), checked
 against the same ``Options`` when registered. A class naming ``forwards_options_to`` (colocated:
 ``"prefill"``) has the spec options that are not its own read as options of the inner policy its
-option of that name gives. Classes that still take untyped keyword options get values parsed as
-int, float, bool or left as strings.
+option of that name gives.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
-from laneserve.policies.options import (PolicyOptions, declared_options, format_options, option_defaults,
+from laneserve.policies.options import (PolicyOptions, format_options, option_defaults,
                                         parse_option, unknown_options_error)
 
 _REGISTRIES: dict[str, dict[str, Callable[..., Any]]] = {"prefill": {}, "decode": {}, "colocated": {},
@@ -28,10 +26,11 @@ _ALIASES: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {k: {} for k in _RE
 def register(kind: str, name: str, *, aliases: dict[str, dict[str, Any]] | None = None):
     """Decorator: register a factory (usually a class) under ``kind``/``name``."""
     def deco(factory: Callable[..., Any]) -> Callable[..., Any]:
-        declared = declared_options(factory)
-        if declared is not None:
-            for alias, opts in (aliases or {}).items():
-                _checked(declared, opts, f"preset {alias!r} of {kind} policy {name!r}")
+        declared = getattr(factory, "Options", None)
+        if not (isinstance(declared, type) and issubclass(declared, PolicyOptions)):
+            raise TypeError(f"{kind} policy {name!r}: {factory!r} has no Options (a PolicyOptions dataclass)")
+        for alias, opts in (aliases or {}).items():
+            _checked(declared, opts, f"preset {alias!r} of {kind} policy {name!r}")
         _REGISTRIES[kind][name] = factory
         for alias, opts in (aliases or {}).items():
             _ALIASES[kind][alias] = (name, opts)
@@ -99,9 +98,7 @@ def resolve(kind: str, spec: str) -> tuple[Callable[..., Any], dict[str, Any]]:
     factory = _REGISTRIES[kind].get(name)
     if factory is None:
         raise ValueError(f"unknown {kind} policy {name!r}; available: {', '.join(available(kind))}")
-    declared = declared_options(factory)
-    if declared is None:
-        return factory, {**preset, **{k: _parse_value(v) for k, v in raw.items()}}
+    declared = factory.Options
     what = f"{kind} policy {spec!r}"
     inner = getattr(factory, "forwards_options_to", None)
     own = option_defaults(declared).keys()
@@ -126,9 +123,7 @@ def options(kind: str, spec: str) -> PolicyOptions:
     """The typed options a spec gives its policy (presets and defaults filled in; options it
     forwards to an inner policy left out)."""
     factory, opts = resolve(kind, spec)
-    declared = declared_options(factory)
-    if declared is None:
-        raise ValueError(f"{kind} policy {spec!r} does not declare typed Options yet")
+    declared = factory.Options
     own = option_defaults(declared).keys()
     return declared(**{k: v for k, v in opts.items() if k in own})
 
@@ -148,8 +143,7 @@ def describe(kind: str) -> list[str]:
     _ensure_loaded()
     lines = []
     for name, factory in sorted(_REGISTRIES[kind].items()):
-        declared = declared_options(factory)
-        opts = format_options(declared, typed=True) if declared is not None else _untyped_options(factory)
+        opts = format_options(factory.Options, typed=True)
         presets = [f"{alias}" + (f" ({', '.join(f'{k}={v}' for k, v in preset.items())})" if preset else "")
                    for alias, (base, preset) in sorted(_ALIASES[kind].items()) if base == name]
         inner = getattr(factory, "forwards_options_to", None)
@@ -157,16 +151,6 @@ def describe(kind: str) -> list[str]:
             opts += f"; other options go to its {inner} policy"
         lines.append(f"{name}: {opts}" + (f"; presets: {', '.join(presets)}" if presets else ""))
     return lines
-
-
-def _untyped_options(factory: Any) -> str:
-    """``name=default`` of a class's keyword-only constructor parameters, then its parent's typed
-    options (for classes not converted to typed ``Options`` yet)."""
-    defaults = {p.name: p.default for p in inspect.signature(factory).parameters.values()
-                if p.kind is p.KEYWORD_ONLY}
-    for k, v in option_defaults(getattr(factory, "Options", PolicyOptions)).items():
-        defaults.setdefault(k, v)
-    return ", ".join(f"{k}={v}" for k, v in defaults.items()) + " (untyped)"
 
 
 def _ensure_loaded() -> None:

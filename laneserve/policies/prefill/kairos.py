@@ -81,19 +81,20 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 
 from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Request
 from laneserve.policies.base import StepOutcome
-from laneserve.policies.prefill.base import PrefillScheduler
+from laneserve.policies.options import above, at_least, build_options, default_to, option_error
+from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
 from laneserve.policies.prefill.kairos_slots import ArrivalSlots
 from laneserve.policies.registry import register
 
 INF = float("inf")
-RANKS = ("auto", "urgency", "edf")
 SAME_TARGET = 1e-9      # relative TTFT spread under which the requests count as one target
 HOL_SHARE = 0.5         # a prompt whose prefill takes this share of its target can block the rest
 DEFAULT_THROUGHPUT = 1.0e4     # tokens/s before anything was observed or bound
@@ -146,6 +147,24 @@ def best_first(slots: ArrivalSlots, primary: np.ndarray, mask: np.ndarray) -> It
         m *= 4
 
 
+@dataclass(frozen=True, slots=True)
+class KairosPrefillOptions(PrefillOptions):
+    token_budget: int | None = None     # None: the chunk
+    chunk: int = 8192
+    order: Literal["descending", "ascending"] = "descending"
+    throughput: float | None = None     # prior tokens/s (None: from the cost model)
+    mu_ema: float = 0.0
+    estimate: Literal["throughput", "cost"] = "throughput"
+
+    def validate(self) -> None:
+        at_least(self, "chunk", 1)
+        default_to(self, "token_budget", "chunk")
+        PrefillOptions.validate(self)
+        above(self, "throughput", 0)
+        if not 0.0 <= self.mu_ema < 1.0:
+            raise option_error("mu_ema", "must be in [0, 1)", self.mu_ema)
+
+
 @register("prefill", "kairos-literal", aliases={"kairos-desc": {"order": "descending"},
                                          "kairos-asc": {"order": "ascending"},
                                          "kairos-ascending": {"order": "ascending"},
@@ -155,20 +174,14 @@ class KairosPrefill(PrefillScheduler):
 
     name = "kairos"
 
-    def __init__(self, kv, *, chunk: int = 8192, order: str = "descending", throughput: float | None = None,
-                 mu_ema: float = 0.0, estimate: str = "throughput", cost_model: Any = None, **opts) -> None:
-        opts.setdefault("token_budget", chunk)
-        super().__init__(kv, **opts)
-        if chunk < 1:
-            raise ValueError("chunk must be >= 1")
-        if order not in ("descending", "ascending"):
-            raise ValueError(f"order must be 'descending' or 'ascending', got {order!r}")
-        if throughput is not None and throughput <= 0:
-            raise ValueError("throughput must be > 0")
-        if not 0.0 <= mu_ema < 1.0:
-            raise ValueError("mu_ema must be in [0, 1)")
-        if estimate not in ("throughput", "cost"):
-            raise ValueError(f"estimate must be 'throughput' or 'cost', got {estimate!r}")
+    Options = KairosPrefillOptions
+    options: KairosPrefillOptions
+
+    def __init__(self, kv, options: KairosPrefillOptions | None = None, *, cost_model: Any = None,
+                 **opts) -> None:
+        super().__init__(kv, options, **opts)
+        o = self.options
+        chunk, order, throughput, mu_ema, estimate = o.chunk, o.order, o.throughput, o.mu_ema, o.estimate
         self.chunk_size = chunk
         self.order = order
         self.estimate = estimate
@@ -316,21 +329,37 @@ class KairosPrefill(PrefillScheduler):
         return super().update(plan, result, now)
 
 
+@dataclass(frozen=True, slots=True)
+class GuardedKairosOptions(KairosPrefillOptions):
+    chunk: int = 2048
+    rank: Literal["auto", "urgency", "edf"] = "auto"
+    estimate: Literal["auto", "throughput", "cost"] = "auto"     # auto: the bound predictor when there is one
+    warmup: int = 8                     # completed steps before the guards trust the predictor
+
+    def validate(self) -> None:
+        KairosPrefillOptions.validate(self)
+        at_least(self, "warmup", 0)
+
+
 @register("prefill", "kairos")
 class GuardedKairosPrefill(KairosPrefill):
     """Kairos urgency that does no harm (the registered ``kairos``): see the module docstring."""
 
-    def __init__(self, kv, *, chunk: int = 2048, rank: str = "auto", estimate: str = "auto", warmup: int = 8,
+    Options = GuardedKairosOptions
+    options: GuardedKairosOptions
+
+    def __init__(self, kv, options: GuardedKairosOptions | None = None, *, cost_model: Any = None,
                  **opts) -> None:
-        self._auto_estimate = estimate == "auto"
-        super().__init__(kv, chunk=chunk, estimate="throughput" if self._auto_estimate else estimate, **opts)
-        if rank not in RANKS:
-            raise ValueError(f"rank must be one of {RANKS}, got {rank!r}")
-        self.rank = rank
+        o = build_options(GuardedKairosOptions, options, opts)     # needed before the parent's init
+        self._auto_estimate = o.estimate == "auto"
+        super().__init__(kv, o, cost_model=cost_model)
+        if self.estimate == "auto":                  # no model bound yet: tokens / throughput until one is
+            self.estimate = "throughput"
+        self.rank = o.rank
         self._targets = (INF, 0.0)                   # lowest and highest TTFT target seen
-        self.warmup = warmup                         # completed steps before the guards trust the predictor
+        self.warmup = o.warmup
         self._steps_seen = 0
-        self.name = f"kairos-guarded-{chunk}"
+        self.name = f"kairos-guarded-{o.chunk}"
 
     def bind_cost_model(self, cost_model: Any) -> None:
         """As the literal one; with ``estimate="auto"`` the bound model (the run's predictor, learned
