@@ -161,10 +161,15 @@ def check_value(name: str, value: Any, hint: Any) -> Any:
 
 
 def _readings(text: str) -> Iterable[Any]:
-    """The values a spec's text may stand for, most specific first."""
-    low = text.lower()
-    if low in ("none", "null"):
+    """The values a spec's text may stand for, most specific first (``none`` may be None)."""
+    if text.lower() in ("none", "null"):
         yield None
+    yield from scalar_readings(text)
+
+
+def scalar_readings(text: str) -> Iterable[Any]:
+    """bool, int, float, then the text itself: the readings of a value whose type is not known."""
+    low = text.lower()
     if low in ("true", "false"):
         yield low == "true"
     for conv in (int, float):

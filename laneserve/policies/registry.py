@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from laneserve.policies.options import (PolicyOptions, format_options, option_defaults,
-                                        parse_option, unknown_options_error)
+                                        parse_option, scalar_readings, unknown_options_error)
 
 _REGISTRIES: dict[str, dict[str, Callable[..., Any]]] = {"prefill": {}, "decode": {}, "colocated": {},
                                                          "router": {}}
@@ -38,16 +38,6 @@ def register(kind: str, name: str, *, aliases: dict[str, dict[str, Any]] | None 
     return deco
 
 
-def _parse_value(text: str) -> Any:
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text
 
 
 def _split_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -66,7 +56,7 @@ def _split_spec(spec: str) -> tuple[str, dict[str, str]]:
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """A spec's name and options, values read without knowing the policy (int, float, bool, str)."""
     name, raw = _split_spec(spec)
-    return name, {k: _parse_value(v) for k, v in raw.items()}
+    return name, {k: next(scalar_readings(v)) for k, v in raw.items()}
 
 
 def available(kind: str) -> list[str]:
