@@ -14,8 +14,8 @@ reproduction script's own ``run`` helper or setup constants (so the setups canno
 | Kairos (decode) | ``decode_kairos.py`` | TPOT-attainment gain over continuous batching at the reproduction's headline rate |
 
 ``adaptive`` runs under the reproductions' own settings (``predictor="oracle"``, no context check),
-as the paper policies do there. The decode sections also run ``adaptive:align=true`` (AlignedServe's
-guarded alignment switched on), since alignment is opt-in in the default. ``reached`` = adaptive's
+as the paper policies do there (adaptive decode aligns batches where a host pool is given and the
+kernel pads, as in AlignedServe's setup). ``reached`` = adaptive's
 figure >= the paper policy's figure measured here (for gains: >= 0.95 of it, the league's tolerance);
 ``adaptive_reaches_every_headline`` is whether every section is reached.
 
@@ -46,7 +46,7 @@ from laneserve.sim import ClusterConfig  # noqa: E402
 from laneserve.workloads import make_workload  # noqa: E402
 
 TOLERANCE = 0.95
-ADAPTIVE_DECODE = ("adaptive", "adaptive:align=true")
+ADAPTIVE_DECODE = ("adaptive",)          # aligns by default where a host pool is given
 
 
 def _cfg(prefill: str, decode: str = "continuous", **kw) -> ClusterConfig:

@@ -42,11 +42,14 @@ PADDED_RATES = (0.4, 0.5, 0.6, 0.7, 0.8)
 RAGGED_RATES = (0.6, 1.0, 1.5)
 PACED_RATE = 0.6
 ARMS = ("continuous", "kairos", "kairos-literal")
+#: the arms as reproduced before the do-no-harm guard (issue 18): ``guard=false`` (``kairos-literal`` has it off)
+SPECS = {"kairos": "kairos:guard=false", "kairos-paced": "kairos-paced:guard=false"}
 
 
 def run(workload, cost, policy: str, rate: float, *, record: bool = False) -> dict:
     opts = {"cost_model": cost} if policy.startswith("kairos") else {}
-    cfg = ClusterConfig(predictor="oracle", num_prefill=4, num_decode=1, prefill_policy="fcfs", decode_policy=policy,
+    cfg = ClusterConfig(predictor="oracle", num_prefill=4, num_decode=1, prefill_policy="fcfs",
+                        decode_policy=SPECS.get(policy, policy),
                         decode_opts=opts, record_token_times=record)
     sim = Simulator(cfg, cost)
     res = sim.run(workload.with_rate(rate).specs)

@@ -32,11 +32,12 @@ BASELINE = "fcfs+continuous"
 ARMS = (BASELINE, "cp-edf-2k+continuous", "fcfs+kairos", "kairos+continuous", "sedf+continuous",
         "kairos+kairos", "sedf+kairos")
 PREFILL_SPECS = {"kairos": "kairos-literal"}    # the arms' "kairos" prefill is the paper's algorithm
+DECODE_SPECS = {"kairos": "kairos:guard=false"}  # and its "kairos" decode is as reproduced before the guard
 
 
 def run(workload, cost, arm: str, rate: float) -> dict:
     prefill, decode = arm.split("+")
-    prefill = PREFILL_SPECS.get(prefill, prefill)
+    prefill, decode = PREFILL_SPECS.get(prefill, prefill), DECODE_SPECS.get(decode, decode)
     cfg = ClusterConfig(predictor="oracle", num_prefill=NUM_PREFILL, num_decode=NUM_DECODE, prefill_policy=prefill,
                         decode_policy=decode, router="least-loaded",
                         decode_opts={"cost_model": cost} if decode.startswith("kairos") else {})

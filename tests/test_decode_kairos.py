@@ -45,6 +45,8 @@ def decoding(rid, prompt, *, first=0.0, out=1, tpot=0.05):
 
 
 def kairos(lut=None, **opts):
+    """Algorithm 3's mechanics, without the do-no-harm guard (tested on its own below)."""
+    opts.setdefault("guard", False)
     return KairosDecode(KVCacheManager(4096, 16), lut=lut or LinearLUT(), **opts)
 
 
@@ -108,6 +110,26 @@ def test_starvation_bound_forces_everyone():
         r.times.first_token, r.num_output_tokens = 0.0, 1
     sizes = [len(sched.select([long, *shorts], now=0.0)) for _ in range(6)]
     assert sizes == [3, 3, 4, 3, 3, 4] and sched.stats.forced_steps == 2
+
+
+def test_the_guard_decodes_everyone_when_everyone_fits_the_smallest_slack():
+    """Ample slack: Algorithm 3's throughput rule leaves the long request out of the step (adding
+    it lowers tokens per second), so it waits; the guard decodes everyone, since the
+    everyone-decodes step fits every request's TPOT budget. Tight slack: both select the same."""
+    def requests(first):
+        out = [decoding(0, 60_000, first=first, out=2)] + [decoding(i, 200, first=first, out=2) for i in (1, 2, 3)]
+        return out
+    lut = LinearLUT(0.010, 1e-7)
+    literal, guarded = kairos(lut), kairos(lut, guard=True)
+    assert [r.request_id for r in literal.select(requests(0.0), now=0.0)] == [1, 2, 3]
+    assert [r.request_id for r in guarded.select(requests(0.0), now=0.0)] == [0, 1, 2, 3]
+    assert guarded.stats.guard_steps == 1 and literal.stats.guard_steps == 0
+    # one token due very soon: the everyone-decodes step does not fit, Algorithm 3 decides
+    tight = requests(-0.0995)
+    assert not guarded.everyone_fits(tight, now=0.0)
+    assert ([r.request_id for r in guarded.select(tight, now=0.0)]
+            == [r.request_id for r in kairos(lut).select(requests(-0.0995), now=0.0)])
+    assert registry.make("decode", "kairos-literal", KVCacheManager(4096, 16)).guard is False
 
 
 def test_lut_running_mean_update_after_pure_decode_steps():
@@ -260,7 +282,7 @@ def test_select_matches_plain_algorithm_3_on_random_states(seed):
     for trial in range(60):
         pol = KairosDecode(KVCacheManager(0), cost_model=lut, tpot_slo=rng.choice((None, 0.08)),
                            late_binds=rng.choice((True, False)), slack_reserve=rng.choice(("single", "batch")),
-                           length_key=rng.choice(("max", "mean")), max_delay_steps=10_000)
+                           length_key=rng.choice(("max", "mean")), max_delay_steps=10_000, guard=False)
         now = 100.0
         active = []
         for rid in range(rng.randint(1, 40)):

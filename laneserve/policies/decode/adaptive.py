@@ -71,7 +71,7 @@ class AdaptiveDecode(AlignedServeDecode):
         if not self.can_align:                            # the guard never aligns, keeps no figures
             self._never_aligns, self._held = True, None
         self.selector = KairosDecode(KVCacheManager(0, kv.block_size), max_batch_size=o.max_batch_size,
-                                     attention="ragged") if o.slack_guided else None
+                                     attention="ragged", guard=False) if o.slack_guided else None
 
     def bind_cost_model(self, cost_model) -> None:
         super().bind_cost_model(cost_model)
@@ -83,22 +83,9 @@ class AdaptiveDecode(AlignedServeDecode):
     def _continuous_step(self, now: float) -> StepPlan | None:
         plan = super()._continuous_step(now)
         if plan is not None and self.selector is not None and plan.decodes \
-                and not self._everyone_fits(plan.decodes, now):
+                and not self.selector.everyone_fits(plan.decodes, now):
             plan.decodes = self.selector.select(plan.decodes, now)
         return plan
-
-    def _everyone_fits(self, active: list, now: float) -> bool:
-        """The everyone-decodes step fits the smallest slack, so Algorithm 3 would take every
-        request (the table grows with batch and length): skip its per-request scan. A lower
-        bound of the smallest slack charges every request the single-request step of the longest."""
-        sel = self.selector
-        dues = [(r.times.first_token if r.times.first_token is not None else now) + tpot * r.num_output_tokens
-                for r in active if (tpot := sel.target(r)) is not None]
-        if not dues:
-            return True
-        longest = max(r.context_len for r in active)
-        s_min = min(dues) - now - sel.lut.lookup(1, longest)
-        return sel.lut.lookup(len(active), sel.batch_length(active)) <= s_min
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
         sel = self.selector

@@ -99,6 +99,7 @@ class KairosStats:
     partial_steps: int = 0     # steps that delayed at least one running request
     fallback_steps: int = 0    # nothing fitted the slack: everyone decoded
     forced_steps: int = 0      # starvation bound hit: everyone decoded
+    guard_steps: int = 0       # the everyone-decodes step fitted the smallest slack: everyone decoded
     delayed: int = 0           # request-steps delayed
     lut_updates: int = 0
 
@@ -119,6 +120,7 @@ class KairosDecodeOptions(DecodeOptions):
     max_delay_steps: int = 64
     pace: bool = False
     pace_tpot: float | None = None
+    guard: bool = True                  # do no harm: everyone decodes when everyone fits the smallest slack
 
     def validate(self) -> None:
         DecodeOptions.validate(self)
@@ -127,7 +129,7 @@ class KairosDecodeOptions(DecodeOptions):
 
 
 @register("decode", "kairos", aliases={"kairos-eq2": {"slack_reserve": "batch"},
-                                       "kairos-literal": {"late_binds": True},
+                                       "kairos-literal": {"late_binds": True, "guard": False},
                                        "kairos-paced": {"pace": True}})
 class KairosDecode(DecodeScheduler):
     name = "kairos"
@@ -169,6 +171,7 @@ class KairosDecode(DecodeScheduler):
         self.throughput_rule = o.throughput_rule
         self.online_update = o.online_update
         self.max_delay_steps = o.max_delay_steps
+        self.guard = o.guard
         self.pacer = TokenPacer(enabled=o.pace, tpot=tpot_slo, force_tpot=o.pace_tpot)
         self.stats = KairosStats()
 
@@ -220,6 +223,12 @@ class KairosDecode(DecodeScheduler):
         """The requests to decode this step (Algorithm 3, lines 3-21)."""
         if not active:
             return []
+        if self.guard and self.everyone_fits(active, now):
+            self.stats.steps += 1
+            self.stats.guard_steps += 1
+            for req in active:
+                req.policy_state.kairos_delay = 0
+            return list(active)
         s_min = self._min_slack(active, now)
         lookup = self.lut.lookup
         by_mean = self.length_key == "mean"
@@ -256,6 +265,18 @@ class KairosDecode(DecodeScheduler):
         if len(batch) < len(active):
             stats.partial_steps += 1
         return batch
+
+    def everyone_fits(self, active: list[Request], now: float) -> bool:
+        """The everyone-decodes step fits the smallest slack (the guard, and adaptive decode's
+        shortcut). A lower bound of the smallest slack charges every request the single-request
+        step of the longest, so this never says yes where Algorithm 3's own test says no."""
+        dues = [(r.times.first_token if r.times.first_token is not None else now) + tpot * r.num_output_tokens
+                for r in active if (tpot := self.target(r)) is not None]
+        if not dues:
+            return True
+        longest = max(r.context_len for r in active)
+        s_min = min(dues) - now - self.lut.lookup(1, longest)
+        return self.lut.lookup(len(active), self.batch_length(active)) <= s_min
 
     def _min_slack(self, active: list[Request], now: float) -> float:
         """``s_min`` of Algorithm 3 (without ``late_binds``: over the on-time requests when some
