@@ -16,13 +16,18 @@ RAGGED = LinearCostModel(prefill_per_token=2e-5, decode_fixed=0.01, decode_per_c
                          kv_capacity=400_000, attention="ragged")
 
 
-def chat_specs(n=200, rate=10.0, seed=0, tpot=0.05):
+def poisson_specs(n, rate, seed, tpot, prompt):
+    """``n`` Poisson arrivals, prompts drawn by ``prompt(rng)``, 2-60 output tokens, TTFT 1 s."""
     rng = random.Random(seed)
     t, out = 0.0, []
     for i in range(n):
         t += rng.expovariate(rate)
-        out.append(RequestSpec(i, t, rng.randint(500, 3000), rng.randint(2, 60), slo=SLO(1.0, tpot)))
+        out.append(RequestSpec(i, t, prompt(rng), rng.randint(2, 60), slo=SLO(1.0, tpot)))
     return out
+
+
+def chat_specs(n=200, rate=10.0, seed=0, tpot=0.05):
+    return poisson_specs(n, rate, seed, tpot, lambda rng: rng.randint(500, 3000))
 
 
 def run(specs, cost, **cfg):
@@ -64,13 +69,8 @@ PADDED = LinearCostModel(prefill_per_token=2e-5, decode_fixed=0.005, decode_per_
 
 
 def short_long_specs(n=150, rate=80.0, seed=0, tpot=0.2):
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for i in range(n):
-        t += rng.expovariate(rate)
-        prompt = rng.randint(4000, 8000) if rng.random() < 0.15 else rng.randint(100, 600)
-        out.append(RequestSpec(i, t, prompt, rng.randint(2, 60), slo=SLO(1.0, tpot)))
-    return out
+    return poisson_specs(n, rate, seed, tpot,
+                         lambda rng: rng.randint(4000, 8000) if rng.random() < 0.15 else rng.randint(100, 600))
 
 
 def test_alignedserve_still_aligns_when_decode_memory_binds_on_a_padded_kernel():

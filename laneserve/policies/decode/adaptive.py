@@ -67,16 +67,12 @@ class AdaptiveDecode(AlignedServeDecode):
         o = build_options(AdaptiveDecodeOptions, options, opts)      # needed before the parent's init
         self.can_align = o.align and host_pool is not None and host_pool.num_blocks > 0
         pool = host_pool if host_pool is not None else HostKVPool(0, kv.block_size)
-        super().__init__(kv, o, host_pool=pool)
-        if not self.can_align:                            # the guard never aligns, keeps no figures
-            self._never_aligns, self._held = True, None
+        super().__init__(kv, o, host_pool=pool)           # unable to align: the guard keeps no figures
         self.selector = KairosDecode(KVCacheManager(0, kv.block_size), max_batch_size=o.max_batch_size,
                                      attention="ragged", guard=False) if o.slack_guided else None
 
     def bind_cost_model(self, cost_model) -> None:
         super().bind_cost_model(cost_model)
-        if not self.can_align:
-            self._never_aligns, self._held = True, None
         if self.selector is not None:
             self.selector.bind_cost_model(cost_model)
 

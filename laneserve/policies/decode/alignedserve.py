@@ -116,6 +116,7 @@ class AlignedServeOptions(DecodeOptions):
 class AlignedServeDecode(DecodeScheduler):
     name = "alignedserve"
     needs_host_pool = True
+    can_align = True        # a subclass may say no (adaptive decode without a host pool)
 
     Options = AlignedServeOptions
     options: AlignedServeOptions
@@ -155,9 +156,11 @@ class AlignedServeDecode(DecodeScheduler):
         self.aligning = not o.guard        # guarded: start as continuous batching
         self._cost_model = None
         self._last_step: tuple[int, float] | None = None  # (decodes, seconds) of the last pure step
-        self._never_aligns = False                         # set by a ragged cost model (guarded)
+        # guarded and unable to align (no pool to park in, or a ragged cost model bound): for good
+        self._never_aligns = o.guard and not self.can_align
         # the guard's figures over self.requests; None where no guard reads them
-        self._held: HeldFigures | None = HeldFigures(kv.block_size) if o.guard else None
+        self._held: HeldFigures | None = (HeldFigures(kv.block_size) if o.guard and not self._never_aligns
+                                          else None)
 
     # ---- do no harm: is alignment worth it now? ---------------------------------------------
     @property
@@ -168,7 +171,8 @@ class AlignedServeDecode(DecodeScheduler):
     def bind_cost_model(self, cost_model) -> None:
         self._cost_model = cost_model
         # a ragged kernel charges a batch its total context, which no grouping lowers
-        self._never_aligns = self.guard and getattr(cost_model, "attention", None) == "ragged"
+        self._never_aligns = self.guard and (not self.can_align
+                                             or getattr(cost_model, "attention", None) == "ragged")
         if self._never_aligns:
             self._held = None
 

@@ -209,9 +209,13 @@ class KairosDecode(DecodeScheduler):
         tpot = self.target(req)
         if tpot is None:
             return math.inf
+        return self._due(req, now, tpot) - now - self.lut.lookup(batch_size, req.context_len)
+
+    @staticmethod
+    def _due(req: Request, now: float, tpot: float) -> float:
+        """When ``req``'s next token is due: T_SLO * (n_gen + 1) after its first token."""
         first = req.times.first_token if req.times.first_token is not None else now
-        due = first + tpot * req.num_output_tokens          # T_SLO * (n_gen + 1) after the first token
-        return due - now - self.lut.lookup(batch_size, req.context_len)
+        return first + tpot * req.num_output_tokens
 
     def batch_length(self, batch: list[Request]) -> int:
         """The LUT length key of a batch: its longest context (padded) or mean context (ragged)."""
@@ -270,8 +274,7 @@ class KairosDecode(DecodeScheduler):
         """The everyone-decodes step fits the smallest slack (the guard, and adaptive decode's
         shortcut). A lower bound of the smallest slack charges every request the single-request
         step of the longest, so this never says yes where Algorithm 3's own test says no."""
-        dues = [(r.times.first_token if r.times.first_token is not None else now) + tpot * r.num_output_tokens
-                for r in active if (tpot := self.target(r)) is not None]
+        dues = [self._due(r, now, tpot) for r in active if (tpot := self.target(r)) is not None]
         if not dues:
             return True
         longest = max(r.context_len for r in active)
