@@ -173,7 +173,7 @@ def _random_specs(seed, n=60):
 
 
 @pytest.mark.parametrize("attention,spec,seed", [("padded", "kairos", 0), ("padded", "kairos-literal", 1),
-                                                 ("ragged", "kairos", 2), ("padded", "kairos-paced", 3)])
+                                                 ("ragged", "kairos:guard=false", 2), ("padded", "kairos-paced", 3)])
 def test_every_request_finishes_and_tokens_are_conserved(attention, spec, seed):
     cost = make_cost_model("analytic", model="llama-3.1-8b", hardware="h100", attention=attention)
     specs = _random_specs(seed)
@@ -190,6 +190,30 @@ def test_every_request_finishes_and_tokens_are_conserved(attention, spec, seed):
     sched = sim.back[0].scheduler
     assert sched.kv.num_free_blocks == sched.kv.num_blocks and not sched.requests
     assert sched.stats.steps > 0
+
+
+@pytest.mark.parametrize("spec", ["kairos", "adaptive"])
+def test_on_a_ragged_kernel_guarded_selection_is_continuous_batching(spec):
+    """Do no harm: with a ragged kernel Kairos' selection cannot pay, so the registered kairos
+    and adaptive decode decide exactly as continuous batching (and say their batch is stable);
+    with the guard off, selection runs and the outcome differs on the same workload."""
+    cost = make_cost_model("analytic", model="llama-3.1-8b", hardware="h100", attention="ragged")
+    specs = _random_specs(5, n=80)
+
+    def run(decode):
+        cfg = ClusterConfig(num_prefill=2, num_decode=1, decode_policy=decode, decode_kv_tokens=200_000,
+                            host_kv_tokens=100_000)
+        sim = Simulator(cfg, cost)
+        res = sim.run(specs)
+        return {r.request_id: (r.times.first_token, r.times.finished) for r in res.requests}, sim.back[0].scheduler
+
+    base, _ = run("continuous")
+    guarded, sched = run(spec)
+    assert sched.stable_decode_batch
+    assert guarded == base
+    literal, sched = run("kairos-literal")
+    assert not sched.stable_decode_batch and sched.stats.partial_steps > 0
+    assert literal != base
 
 
 def test_pacing_never_early_never_later_than_schedule_or_production():

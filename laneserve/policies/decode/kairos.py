@@ -49,6 +49,10 @@ Beyond the paper, and documented as such:
   already bounds delays: a delayed request's slack shrinks every step until nothing fits.
 * ``pace=True`` turns on the token pacing buffer (:mod:`.pacing`), releasing tokens produced ahead
   of schedule at the SLO pace; off by default.
+* do no harm (``guard=True``, the registered ``kairos``; ``kairos-literal`` has it off): everyone
+  decodes when the everyone-decodes step fits the smallest slack (:meth:`everyone_fits`), and on
+  a ragged kernel selection is off for good (:func:`selection_pays`): the policy is continuous
+  batching there.
 
 Memory admission, growth and preemption are :class:`DecodeScheduler`'s (the same as continuous
 batching); Kairos only chooses which running requests decode in a step.
@@ -91,6 +95,18 @@ def default_lut(cost: CostModel, max_batch_size: int, max_length: int = 1 << 18,
         cost, prior_count=prior_count,
         batch_edges=geometric_edges(1, max(2, max_batch_size)),
         length_edges=geometric_edges(16, max_length))
+
+
+def selection_pays(kernel: str | None) -> bool:
+    """Whether slack-guided selection can pay on a decode attention kernel (do no harm: the
+    ``guard`` of :class:`KairosDecode`, and adaptive decode). Not on a ragged kernel: there a step
+    costs its total context, so leaving a long request out speeds the others up by about the time
+    it loses itself. On the policy league (Llama-3-8B, ragged kernel) selection never beat
+    continuous batching and lost on the long-context workloads (Kairos setup at 4P+4D: 0.89x of
+    its goodput), and ``benchmarks/decode_kairos.py``'s ragged rows gain nothing (-0.3 points of
+    TPOT attainment). With a padded kernel (a step pays batch x longest context: the straggler
+    effect Algorithm 3 is for) or an unknown one, it runs."""
+    return kernel != "ragged"
 
 
 @dataclass(slots=True)
@@ -174,12 +190,15 @@ class KairosDecode(DecodeScheduler):
         self.guard = o.guard
         self.pacer = TokenPacer(enabled=o.pace, tpot=tpot_slo, force_tpot=o.pace_tpot)
         self.stats = KairosStats()
+        self.selects = not self.guard or selection_pays(getattr(cost, "attention", None))
 
     def bind_cost_model(self, cost_model: CostModel) -> None:
         """The step table from the run's cost model (oracle or profile: filled once) or a
         :class:`~laneserve.policies.predictors.LearnedCostModel` (online: cells no step has been
         observed in follow the model at each of its refits), unless the constructor was given a
-        ``lut``, ``profile`` or ``cost_model``. ``length_key`` and ``late_binds``, unless given, follow the model's attention kind."""
+        ``lut``, ``profile`` or ``cost_model``. ``length_key`` and ``late_binds``, unless given, follow the model's attention kind.
+        Guarded, selection stays on only where it can pay (:func:`selection_pays`)."""
+        self.selects = not self.guard or selection_pays(getattr(cost_model, "attention", None))
         if self._table_given:
             return
         learned = hasattr(cost_model, "decode_version")
@@ -190,6 +209,12 @@ class KairosDecode(DecodeScheduler):
             self.length_key = "mean" if getattr(cost_model, "attention", None) == "ragged" else "max"
         if not self._late_binds_given:
             self.late_binds = self.length_key == "mean"
+
+    @property
+    def stable_decode_batch(self) -> bool:      # type: ignore[override]
+        """Not selecting (and not pacing), every step decodes every running request, as
+        continuous batching does, so a simulator may run stable batches as one event."""
+        return not self.selects and not self.pacer.enabled
 
     def _follow_learned(self) -> None:
         """Refresh the never-observed cells from the learned model after it refitted."""
@@ -322,7 +347,7 @@ class KairosDecode(DecodeScheduler):
     def schedule(self, now: float) -> StepPlan | None:
         self._follow_learned()
         plan = self._prepare_step(now)
-        plan.decodes = self.select(self.running, now)
+        plan.decodes = self.select(self.running, now) if self.selects else list(self.running)
         return None if plan.is_empty else plan
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
