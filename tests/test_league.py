@@ -12,7 +12,7 @@ import pytest
 from laneserve.bench.demo import BASELINE, DEFAULT, PAPER_POLICIES, demo_policies, registered, summary_line
 from laneserve.bench.league import (SHAPES, Cell, Entry, LeagueWorkload, cell_ratios, idle_multiple_slo,
                                     idle_prefill_time, league_metrics, missing_policy, plot_heatmap,
-                                    predictor_modes, run_league)
+                                    RunLength, predictor_modes, run_league, search_cell)
 from laneserve.costmodel import make_cost_model
 from laneserve.sim import ClusterConfig
 from laneserve.workloads import make_workload
@@ -72,6 +72,24 @@ def test_tiny_league_runs_every_cell_and_reduces_them(cost, tmp_path):
     png = tmp_path / "league.png"
     plot_heatmap(png, rows, shapes=list(SHAPES), mode=modes[0])
     assert png.stat().st_size > 1000
+
+
+def test_a_run_covers_the_duration_at_each_rate():
+    length = RunLength(200, duration=30.0)
+    assert length.requests(1.0, 10_000) == 200           # the floor
+    assert length.requests(100.0, 10_000) == 3000        # 30 s of arrivals at 100 req/s
+    assert length.requests(1000.0, 10_000) == 10_000     # at most what the workload holds
+    assert RunLength(200).requests(1000.0, 10_000) == 200
+
+
+def test_a_search_simulates_more_requests_at_higher_rates(cost):
+    wl = _short_long(400, cost)
+    cfg = ClusterConfig(prefill_policy="fcfs", decode_policy="continuous")
+    fixed = search_cell(wl, cfg, cost, 1.0, 64.0, 0.3, 6, RunLength(40))
+    timed = search_cell(wl, cfg, cost, 1.0, 64.0, 0.3, 6, RunLength(40, duration=10.0))
+    assert fixed["max_requests"] == 40
+    top = max(x for x, _ in timed["points"])
+    assert timed["max_requests"] == min(400, max(40, math.ceil(top * 10.0))) > 40
 
 
 def _cell(workload, entry, kind, goodput, shape="1P+1D"):
