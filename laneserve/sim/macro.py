@@ -38,7 +38,7 @@ from laneserve.core.request import Request
 from laneserve.costmodel.base import CostModel
 from laneserve.runtime import Instance
 
-#: steps computed when a run starts, and the most added at once (a run adds as many as it has);
+#: steps computed when a run starts (after its first), and the most added at once (a run adds as many as it has);
 #: 128 was the fastest of 8-512 on the Azure trace (4P+4D): a cut run wastes only cheap array steps
 FIRST_CHUNK, MAX_CHUNK = 128, 1024
 
@@ -66,6 +66,7 @@ class DecodeRun:
     cycle: list[int]                       # request ids by (first step mod block size, batch index)
     offsets: list[int]                     # offsets[r]: entries of ``cycle`` whose first step mod block size < r
     periodic: int                          # from this step on, step s allocates cycle's class s mod block size
+    first: float = 0.0                     # step 1's duration
     pending: int = 0                       # block allocations of the computed steps not made yet
     blocked: bool = False                  # the next step's growth would not fit memory
     cut: bool = False                      # ended early by a change to the batch
@@ -81,10 +82,10 @@ class DecodeRun:
         return self.ends[-1]
 
     @classmethod
-    def start(cls, inst: Instance, plan: StepPlan, duration: float, now: float,
-              cost: CostModel) -> DecodeRun | None:
-        """The run from ``plan`` (step 1, just begun at ``now``, lasting ``duration``), or None when
-        it would be a single step."""
+    def start(cls, inst: Instance, plan: StepPlan, now: float, cost: CostModel) -> DecodeRun:
+        """The run from ``plan`` (step 1, begun at ``now``), its first steps computed (step 1's
+        duration is what the executor would charge ``plan``); with one step only it is no run: the
+        simulator ends that step the ordinary way."""
         batch = plan.decodes
         kv = inst.scheduler.kv
         tables, bs = kv.tables, kv.block_size
@@ -98,9 +99,10 @@ class DecodeRun:
         offsets = [0] * (bs + 1)
         for f in firsts:
             offsets[f % bs + 1] += 1
-        run = cls(inst, batch, contexts, sum(contexts), max(contexts), firsts, limit, [now, now + duration],
+        run = cls(inst, batch, contexts, sum(contexts), max(contexts), firsts, limit, [now],
                   [batch[i].request_id for i in order], list(accumulate(offsets)), max(2, max(firsts) - bs + 1))
-        return run if run.extend(cost, FIRST_CHUNK) else None
+        run.extend(cost, FIRST_CHUNK + 1)
+        return run
 
     def extend(self, cost: CostModel, steps: int | None = None) -> bool:
         """Compute up to ``steps`` more steps (default: as many as the run has, at most
@@ -110,16 +112,17 @@ class DecodeRun:
             return False
         last = min(self.limit, k + (steps or min(k, MAX_CHUNK)))
         free = self.inst.scheduler.kv.num_free_blocks - self.pending   # less what earlier steps take
-        added = self._allocations(k + 1, last)
+        grows = max(k + 1, 2)               # the first step whose growth is the run's
+        added = self._allocations(grows, last)
         if added > free:                    # a step's growth would not fit: stop before the first such
             lo, hi = k, last - 1            # the last step whose growth (with the ones before) fits
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if self._allocations(k + 1, mid) <= free:
+                if self._allocations(grows, mid) <= free:
                     lo = mid
                 else:
                     hi = mid - 1
-            last, added = lo, self._allocations(k + 1, lo)
+            last, added = lo, self._allocations(grows, lo)
             self.blocked = True
         if last <= k:
             return False
@@ -130,6 +133,8 @@ class DecodeRun:
             durations = times(n, self.total + n * k, self.longest + k, last - k)
         else:
             durations = [cost.decode_step_time([c + j for c in self.contexts]) for j in range(k, last)]
+        if k == 0:
+            self.first = durations[0]
         ends = accumulate(durations, initial=self.ends[-1])   # the loop's float sums
         next(ends)                                            # (the initial, there already)
         self.ends += ends
