@@ -89,18 +89,20 @@ class DecodeRun:
         batch = plan.decodes
         kv = inst.scheduler.kv
         tables, bs = kv.tables, kv.block_size
+        rids = [r.request_id for r in batch]
         contexts = [r.prompt_len + r.num_output_tokens for r in batch]
         # step j needs a new block when context + j - 1 first exceeds what the table holds
-        firsts = [len(tables[r.request_id]) * bs - c + 2 for r, c in zip(batch, contexts)]
-        limit = min(r.max_output_tokens - r.num_output_tokens for r in batch)
+        firsts = [len(tables[rid]) * bs - c + 2 for rid, c in zip(rids, contexts)]
+        limit = min([r.max_output_tokens - r.num_output_tokens for r in batch])
         # request i allocates at steps firsts[i] + m * bs: from step 2 on (step 1's growth is the
         # policy's) that is every step of its class firsts[i] mod bs, unless its first comes later
-        order = sorted(range(len(batch)), key=lambda i: firsts[i] % bs)
+        classes = [f % bs for f in firsts]
         offsets = [0] * (bs + 1)
-        for f in firsts:
-            offsets[f % bs + 1] += 1
+        for c in classes:
+            offsets[c + 1] += 1
+        cycle = list(map(rids.__getitem__, sorted(range(len(batch)), key=classes.__getitem__)))
         run = cls(inst, batch, contexts, sum(contexts), max(contexts), firsts, limit, [now],
-                  [batch[i].request_id for i in order], list(accumulate(offsets)), max(2, max(firsts) - bs + 1))
+                  cycle, list(accumulate(offsets)), max(2, max(firsts) - bs + 1))
         run.extend(cost, FIRST_CHUNK + 1)
         return run
 
@@ -224,20 +226,16 @@ class DecodeRun:
     def _allocated(self, a: int, b: int) -> list[int]:
         """The request ids that steps ``a .. b`` allocate a block for, step by step in batch order
         (the order of the step-by-step loop's growth)."""
-        out: list[int] = []
-        if b < a:
-            return out
         bs = len(self.offsets) - 1
         if a < self.periodic:               # a request whose first allocation is still to come
             batch, firsts = self.batch, self.firsts
-            for s in range(a, min(b, self.periodic - 1) + 1):
-                out += [r.request_id for r, f in zip(batch, firsts) if s >= f and (s - f) % bs == 0]
-            a = self.periodic
-            if b < a:
-                return out
+            early = [r.request_id for s in range(a, min(b, self.periodic - 1) + 1)
+                     for r, f in zip(batch, firsts) if s >= f and (s - f) % bs == 0]
+            return early + self._allocated(self.periodic, b) if b >= self.periodic else early
+        if b < a:
+            return []
         # steps a .. b take a window of the cycle repeated: classes a mod bs, a + 1 mod bs, ...
-        cycle, offsets = self.cycle, self.offsets
+        cycle, offsets, n = self.cycle, self.offsets, len(self.cycle)
         start = offsets[a % bs]
-        length = (b + 1) // bs * len(cycle) + offsets[(b + 1) % bs] - a // bs * len(cycle) - start
-        out += (cycle * -(-(start + length) // len(cycle)))[start:start + length]
-        return out
+        end = (b + 1) // bs * n + offsets[(b + 1) % bs] - a // bs * n
+        return (cycle * -(-end // n))[start:end]
