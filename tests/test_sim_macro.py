@@ -5,16 +5,19 @@ baselines, SLO-aware and colocated policies, prefix caching, memory pressure and
 import pickle
 import random
 from dataclasses import asdict, replace
+from types import SimpleNamespace
 
 import pytest
 
 from laneserve.core import SLO, RequestSpec
 from laneserve.core.kv import KVCacheManager
+from laneserve.core.request import Request
 from laneserve.costmodel import make_cost_model
 from laneserve.costmodel.analytic import AnalyticCostModel
 from laneserve.costmodel.linear import LinearCostModel
 from laneserve.policies.routing import LeastLoadedRouter
 from laneserve.sim import ClusterConfig, Simulator
+from laneserve.sim.macro import DecodeRun
 
 COST = make_cost_model(model="llama-3-8b", hardware="h100")
 # every time a multiple of 1/64 s (prompts of 64k tokens, arrivals every n/16 s): step ends,
@@ -169,15 +172,11 @@ def test_a_runs_block_growth_is_each_requests_every_block_size_steps_in_batch_or
     """The growth a run lists and counts for any span of steps is what walking the steps one by one
     gives: request i allocates at firsts[i], firsts[i] + bs, ...; some tables hold spare blocks,
     so their first allocation comes after a whole block's worth of steps."""
-    from types import SimpleNamespace
-
-    from laneserve.core.request import Request
-    from laneserve.sim.macro import DecodeRun
-
     rng, late = random.Random(7), 0
     for _ in range(20):
         kv = KVCacheManager(100_000, 16)
-        batch = [Request.from_spec(RequestSpec(i, 0.0, rng.randint(1, 500), 400)) for i in range(rng.randint(1, 12))]
+        batch = [Request.from_spec(RequestSpec(i, 0.0, rng.randint(1, 500), 400))
+                 for i in range(rng.randint(1, 12))]
         for r in batch:
             kv.allocate(r.request_id, r.context_len + rng.choice([0, 0, 1, 40, 100]))
         run = DecodeRun.start(SimpleNamespace(scheduler=SimpleNamespace(kv=kv)), SimpleNamespace(decodes=batch),
