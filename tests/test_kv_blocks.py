@@ -329,3 +329,19 @@ def test_prefix_cache_on_the_pool_is_the_lru_it_replaced(capacity, ops):
         assert cache.used_tokens == ref.used and cache.evicted_tokens == ref.evicted
         assert [cache._pool.name_of(b) for b in cache._pool.cached_blocks()] == list(ref.held)
         cache._pool.check()
+
+
+def test_a_bad_release_changes_nothing():
+    pool = BlockPool(6)
+    a, b = pool.allocate(3), pool.allocate(1)
+    pool.ref(a[:1])                                   # a[0] has two holders
+    unheld = next(x for x in range(6) if pool.refcount(x) == 0)
+    state = [pool.refcount(x) for x in range(6)], pool.num_free
+    for bad in ([b[0], b[0]], [a[1], unheld], [a[1], a[2], a[2]], [a[2], a[0], a[1], a[1]]):
+        with pytest.raises(ValueError, match="freed twice"):
+            pool.free(bad)
+        assert ([pool.refcount(x) for x in range(6)], pool.num_free) == state
+        pool.check()
+    pool.free(a)
+    assert [pool.refcount(x) for x in a] == [1, 0, 0] and pool.num_free == 4
+    pool.check()

@@ -5,16 +5,19 @@ baselines, SLO-aware and colocated policies, prefix caching, memory pressure and
 import pickle
 import random
 from dataclasses import asdict, replace
+from types import SimpleNamespace
 
 import pytest
 
 from laneserve.core import SLO, RequestSpec
 from laneserve.core.kv import KVCacheManager
+from laneserve.core.request import Request
 from laneserve.costmodel import make_cost_model
 from laneserve.costmodel.analytic import AnalyticCostModel
 from laneserve.costmodel.linear import LinearCostModel
 from laneserve.policies.routing import LeastLoadedRouter
 from laneserve.sim import ClusterConfig, Simulator
+from laneserve.sim.macro import DecodeRun
 
 COST = make_cost_model(model="llama-3-8b", hardware="h100")
 # every time a multiple of 1/64 s (prompts of 64k tokens, arrivals every n/16 s): step ends,
@@ -163,3 +166,27 @@ def test_a_used_cost_model_still_pickles_for_sweep_workers():
     cost = make_cost_model(model="llama-3-8b", hardware="h100")
     want = cost.decode_step_times(4, 4000, 1500, 30)           # memoises a closure
     assert pickle.loads(pickle.dumps(cost)).decode_step_times(4, 4000, 1500, 30) == want
+
+
+def test_a_runs_block_growth_is_each_requests_every_block_size_steps_in_batch_order():
+    """The growth a run lists and counts for any span of steps is what walking the steps one by one
+    gives: request i allocates at firsts[i], firsts[i] + bs, ...; some tables hold spare blocks,
+    so their first allocation comes after a whole block's worth of steps."""
+    rng, late = random.Random(7), 0
+    for _ in range(20):
+        kv = KVCacheManager(100_000, 16)
+        batch = [Request.from_spec(RequestSpec(i, 0.0, rng.randint(1, 500), 400))
+                 for i in range(rng.randint(1, 12))]
+        for r in batch:
+            kv.allocate(r.request_id, r.context_len + rng.choice([0, 0, 1, 40, 100]))
+        run = DecodeRun.start(SimpleNamespace(scheduler=SimpleNamespace(kv=kv)), SimpleNamespace(decodes=batch),
+                              0.0, COST)
+        for _ in range(30):
+            a = rng.randint(2, 80)
+            b = rng.randint(a - 1, 300)
+            walk = [r.request_id for s in range(a, b + 1) for r, f in zip(batch, run.firsts)
+                    if s >= f and (s - f) % 16 == 0]
+            assert run._allocated(a, b) == walk
+            assert run._allocations(a, b) == len(walk)
+        late += run.periodic > 2
+    assert late          # the walk also covered requests whose first allocation comes late

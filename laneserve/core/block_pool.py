@@ -196,15 +196,21 @@ class BlockPool:
         refs = self._refs
         if not self._name_of:
             # the common case, nothing named and every block held once: one pass, all go free
-            for i, b in enumerate(blocks):
-                if refs[b] != 1:              # shared, or a bad release: undo, take the general path
-                    for c in blocks[:i]:
-                        refs[c] = 1
+            for b in blocks:
+                if refs[b] != 1:
                     break
                 refs[b] = 0
             else:
                 self._free.extend(blocks)
                 return
+            # shared, or a bad release: undo, take the general path. The pass zeroed the blocks
+            # before b's first place in the table, or before its second when it zeroed b itself
+            # (b listed twice, held once: neither free nor cached)
+            i = blocks.index(b)
+            if refs[b] == 0 and b not in self._cached and b not in self._free:
+                i = blocks.index(b, i + 1)
+            for c in blocks[:i]:
+                refs[c] = 1
         for i, b in enumerate(blocks):
             if refs[b] <= 0:
                 for c in blocks[:i]:                  # nothing changes on a bad release

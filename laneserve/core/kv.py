@@ -79,7 +79,8 @@ class KVCacheManager:
     def blocks_needed(self, request_id: int, num_tokens: int, cached: Sequence[int] = ()) -> int:
         """Available blocks that growing ``request_id`` to ``num_tokens`` tokens uses up (starting
         a new request on ``cached`` blocks takes the cached ones among them off the evictable set)."""
-        need = -(-num_tokens // self.block_size) - self.num_allocated(request_id)
+        table = self.tables.get(request_id)
+        need = -(-num_tokens // self.block_size) - (len(table) if table else 0)
         if cached:
             need += self.allocator.num_reclaimed(cached) - len(cached)
         return need if need > 0 else 0

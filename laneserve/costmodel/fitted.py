@@ -96,6 +96,8 @@ class StepTimeLUT:
     counts: np.ndarray = field(init=False, repr=False)
     _rows: list[list[float]] = field(init=False, repr=False, compare=False)     # means as floats
     _log_edges: tuple[tuple[float, ...], tuple[float, ...]] = field(init=False, repr=False, compare=False)
+    #: memoised :meth:`_position` of batch sizes and lengths (a simulation asks for the same ones)
+    _positions: tuple[dict, dict] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for edges in (self.batch_edges, self.length_edges):
@@ -103,6 +105,7 @@ class StepTimeLUT:
                 raise ValueError("edges must be increasing positive integers")
         self.batch_edges, self.length_edges = tuple(self.batch_edges), tuple(self.length_edges)
         self._log_edges = (tuple(map(math.log2, self.batch_edges)), tuple(map(math.log2, self.length_edges)))
+        self._positions = ({}, {})
         self._set_means(np.full((len(self.batch_edges), len(self.length_edges)), np.nan))
         self.counts = np.zeros(self.means.shape, dtype=np.int64)
 
@@ -141,9 +144,9 @@ class StepTimeLUT:
     def lookup(self, batch_size: float, length: float) -> float:
         # hot path: plain floats (the same IEEE operations, in the same order, as on the numpy
         # cells), the four corners unrolled
-        position = self._position
-        bi, bw = position(self.batch_edges, self._log_edges[0], batch_size)
-        li, lw = position(self.length_edges, self._log_edges[1], length)
+        batch_memo, length_memo = self._positions
+        bi, bw = batch_memo.get(batch_size) or self._remember(batch_memo, 0, batch_size)
+        li, lw = length_memo.get(length) or self._remember(length_memo, 1, length)
         if self.interpolate:
             total = 0.0
             row = self._rows[bi]
@@ -181,6 +184,13 @@ class StepTimeLUT:
         cells = np.argwhere(filled)
         nearest = cells[np.argmin(np.abs(cells - np.asarray(target)).sum(axis=1))]
         return float(self.means[tuple(nearest)])
+
+    def _remember(self, memo: dict, axis: int, value: float) -> tuple[int, float]:
+        """:meth:`_position` of ``value`` on ``axis`` (0: batch, 1: length), kept in ``memo``."""
+        pos = self._position(self.length_edges if axis else self.batch_edges, self._log_edges[axis], value)
+        if len(memo) < 1 << 16:
+            memo[value] = pos
+        return pos
 
     @staticmethod
     def _position(edges: tuple[int, ...], log_edges: tuple[float, ...], value: float) -> tuple[int, float]:

@@ -19,7 +19,7 @@ class SimExecutor:
         if plan.prefills:
             batch = plan.prefill_batch()
             if plan.decodes:
-                duration = cost.mixed_step_time(batch, [r.context_len for r in plan.decodes])
+                duration = cost.mixed_step_time(batch, [r.prompt_len + r.num_output_tokens for r in plan.decodes])
             elif plan.preemptible:
                 if plan.op_times is None:
                     plan.op_times = cost.prefill_op_times(batch)
@@ -29,7 +29,7 @@ class SimExecutor:
             else:
                 duration = cost.prefill_time(batch)
         elif plan.decodes:
-            duration = cost.decode_step_time([r.context_len for r in plan.decodes])
+            duration = cost.decode_step_time([r.prompt_len + r.num_output_tokens for r in plan.decodes])
         else:
             duration = 0.0
         for copy in plan.swap_in:

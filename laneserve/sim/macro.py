@@ -28,9 +28,9 @@ in the step-by-step loop alike.
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import reduce
-from itertools import accumulate, repeat
+from itertools import accumulate
 from operator import add, sub
 
 from laneserve.core.plan import StepPlan
@@ -38,7 +38,7 @@ from laneserve.core.request import Request
 from laneserve.costmodel.base import CostModel
 from laneserve.runtime import Instance
 
-#: steps computed when a run starts, and the most added at once (a run adds as many as it has);
+#: steps computed when a run starts (after its first), and the most added at once (a run adds as many as it has);
 #: 128 was the fastest of 8-512 on the Azure trace (4P+4D): a cut run wastes only cheap array steps
 FIRST_CHUNK, MAX_CHUNK = 128, 1024
 
@@ -63,13 +63,15 @@ class DecodeRun:
     firsts: list[int]                      # the step at which each request first needs a new block
     limit: int                             # the step that finishes a request
     ends: list[float]                      # ends[j]: end of step j (ends[0]: start of step 1)
-    growth: list[tuple[int, int, int]] = field(default_factory=list)  # (step, batch index,
-    #                                        request id) of each block allocation the computed steps make, in order
+    cycle: list[int]                       # request ids by (first step mod block size, batch index)
+    offsets: list[int]                     # offsets[r]: entries of ``cycle`` whose first step mod block size < r
+    periodic: int                          # from this step on, step s allocates cycle's class s mod block size
+    first: float = 0.0                     # step 1's duration
+    pending: int = 0                       # block allocations of the computed steps not made yet
     blocked: bool = False                  # the next step's growth would not fit memory
     cut: bool = False                      # ended early by a change to the batch
     applied: int = 0                       # steps whose tokens are counted
     grown: int = 1                         # steps whose KV growth is allocated (step 1: by the policy)
-    cursor: int = 0                        # allocations in ``growth`` made so far
 
     @property
     def steps(self) -> int:
@@ -80,19 +82,29 @@ class DecodeRun:
         return self.ends[-1]
 
     @classmethod
-    def start(cls, inst: Instance, plan: StepPlan, duration: float, now: float,
-              cost: CostModel) -> DecodeRun | None:
-        """The run from ``plan`` (step 1, just begun at ``now``, lasting ``duration``), or None when
-        it would be a single step."""
+    def start(cls, inst: Instance, plan: StepPlan, now: float, cost: CostModel) -> DecodeRun:
+        """The run from ``plan`` (step 1, begun at ``now``), its first steps computed (step 1's
+        duration is what the executor would charge ``plan``); with one step only it is no run: the
+        simulator ends that step the ordinary way."""
         batch = plan.decodes
         kv = inst.scheduler.kv
         tables, bs = kv.tables, kv.block_size
+        rids = [r.request_id for r in batch]
         contexts = [r.prompt_len + r.num_output_tokens for r in batch]
         # step j needs a new block when context + j - 1 first exceeds what the table holds
-        firsts = [len(tables[r.request_id]) * bs - c + 2 for r, c in zip(batch, contexts)]
-        limit = min(r.max_output_tokens - r.num_output_tokens for r in batch)
-        run = cls(inst, batch, contexts, sum(contexts), max(contexts), firsts, limit, [now, now + duration])
-        return run if run.extend(cost, FIRST_CHUNK) else None
+        firsts = [len(tables[rid]) * bs - c + 2 for rid, c in zip(rids, contexts)]
+        limit = min([r.max_output_tokens - r.num_output_tokens for r in batch])
+        # request i allocates at steps firsts[i] + m * bs: from step 2 on (step 1's growth is the
+        # policy's) that is every step of its class firsts[i] mod bs, unless its first comes later
+        classes = [f % bs for f in firsts]
+        offsets = [0] * (bs + 1)
+        for c in classes:
+            offsets[c + 1] += 1
+        cycle = list(map(rids.__getitem__, sorted(range(len(batch)), key=classes.__getitem__)))
+        run = cls(inst, batch, contexts, sum(contexts), max(contexts), firsts, limit, [now],
+                  cycle, list(accumulate(offsets)), max(2, max(firsts) - bs + 1))
+        run.extend(cost, FIRST_CHUNK + 1)
+        return run
 
     def extend(self, cost: CostModel, steps: int | None = None) -> bool:
         """Compute up to ``steps`` more steps (default: as many as the run has, at most
@@ -101,39 +113,40 @@ class DecodeRun:
         if self.cut or self.blocked or k >= self.limit:
             return False
         last = min(self.limit, k + (steps or min(k, MAX_CHUNK)))
-        kv = self.inst.scheduler.kv
-        bs = kv.block_size
-        # each request's allocations after step k: ``first``, then every ``bs`` steps
-        batch = self.batch
-        added: list[tuple[int, int, int]] = []
-        for i, first in enumerate(self.firsts):
-            j = first if first > k else first + ((k - first) // bs + 1) * bs
-            if j <= last:
-                added += zip(range(j, last + 1, bs), repeat(i), repeat(batch[i].request_id))
-        added.sort()
-        free = kv.num_free_blocks - (len(self.growth) - self.cursor)   # less what earlier steps take
-        if len(added) > free:               # that step's growth would not fit: stop before it
-            last = added[free][0] - 1
-            added = [a for a in added if a[0] <= last]
+        free = self.inst.scheduler.kv.num_free_blocks - self.pending   # less what earlier steps take
+        grows = max(k + 1, 2)               # the first step whose growth is the run's
+        added = self._allocations(grows, last)
+        if added > free:                    # a step's growth would not fit: stop before the first such
+            lo, hi = k, last - 1            # the last step whose growth (with the ones before) fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self._allocations(grows, mid) <= free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            last, added = lo, self._allocations(grows, lo)
             self.blocked = True
         if last <= k:
             return False
         times = getattr(cost, "decode_step_times", None)
+        batch = self.batch
         if times is not None:     # the same floats as decode_step_time, from the summed and longest context
             n = len(batch)
             durations = times(n, self.total + n * k, self.longest + k, last - k)
         else:
             durations = [cost.decode_step_time([c + j for c in self.contexts]) for j in range(k, last)]
+        if k == 0:
+            self.first = durations[0]
         ends = accumulate(durations, initial=self.ends[-1])   # the loop's float sums
         next(ends)                                            # (the initial, there already)
         self.ends += ends
-        self.growth += added
+        self.pending += added
         return True
 
     def growth_fits(self) -> bool:
         """Whether the block allocations of the computed steps not made yet fit the instance's free
         blocks (asked after a reservation took some: if they do, every step runs as computed)."""
-        return len(self.growth) - self.cursor <= self.inst.scheduler.kv.num_free_blocks
+        return self.pending <= self.inst.scheduler.kv.num_free_blocks
 
     def sync(self, now: float) -> None:
         """Bring the instance to ``now``: the running step's KV grown, the steps ended before it
@@ -193,9 +206,36 @@ class DecodeRun:
 
     def _grow(self, step: int) -> None:
         """Allocate the blocks steps ``grown + 1 .. step`` grow into, in the loop's order."""
-        growth, i = self.growth, self.cursor
-        end = bisect_right(growth, (step, len(self.batch)), i)
-        if end > i:
-            self.inst.scheduler.kv.append_blocks([rid for _, _, rid in growth[i:end]])
-        self.cursor = end
+        rids = self._allocated(self.grown + 1, step)
+        if rids:
+            self.inst.scheduler.kv.append_blocks(rids)
+            self.pending -= len(rids)
         self.grown = step
+
+    # ---- the block allocations of steps ``a .. b`` (``a >= 2``) -----------------------------
+    def _allocations(self, a: int, b: int) -> int:
+        """How many blocks steps ``a .. b`` allocate."""
+        if b < a:
+            return 0
+        if a < self.periodic:
+            return len(self._allocated(a, b))
+        bs, n, offsets = len(self.offsets) - 1, len(self.cycle), self.offsets
+        b += 1                              # the allocations before step b + 1, less those before step a
+        return (b // bs - a // bs) * n + offsets[b % bs] - offsets[a % bs]
+
+    def _allocated(self, a: int, b: int) -> list[int]:
+        """The request ids that steps ``a .. b`` allocate a block for, step by step in batch order
+        (the order of the step-by-step loop's growth)."""
+        bs = len(self.offsets) - 1
+        if a < self.periodic:               # a request whose first allocation is still to come
+            batch, firsts = self.batch, self.firsts
+            early = [r.request_id for s in range(a, min(b, self.periodic - 1) + 1)
+                     for r, f in zip(batch, firsts) if s >= f and (s - f) % bs == 0]
+            return early + self._allocated(self.periodic, b) if b >= self.periodic else early
+        if b < a:
+            return []
+        # steps a .. b take a window of the cycle repeated: classes a mod bs, a + 1 mod bs, ...
+        cycle, offsets, n = self.cycle, self.offsets, len(self.cycle)
+        start = offsets[a % bs]
+        end = (b + 1) // bs * n + offsets[(b + 1) % bs] - a // bs * n
+        return (cycle * -(-end // n))[start:end]

@@ -173,16 +173,15 @@ class Simulator:
             if plan is None:
                 schedule_wakeup(inst, t)
                 return
-            result = executor.execute(plan)
+            run = DecodeRun.start(inst, plan, t, cost) if macro and stable_decode_plan(inst, plan) else None
+            result = executor.execute(plan) if run is None else StepResult(duration=run.first)
             inst.result, inst.step_start = result, t
             inst.step_token += 1
             inst.preempt_at = None
             seq += 1
             end = t + result.duration
-            if macro and stable_decode_plan(inst, plan):
-                run = DecodeRun.start(inst, plan, result.duration, t, cost)
-                if run is not None:
-                    inst.run, end = run, run.end_time
+            if run is not None and run.steps > 1:
+                inst.run, end = run, run.end_time
             push(heap, (end, seq - inst.tie, _STEP, inst, inst.step_token))
             if plan.preemptible:          # a wake-up may preempt it (FlowPrefill suspension bound)
                 schedule_wakeup(inst, t)

@@ -299,11 +299,19 @@ class KairosDecode(DecodeScheduler):
         """The everyone-decodes step fits the smallest slack (the guard, and adaptive decode's
         shortcut). A lower bound of the smallest slack charges every request the single-request
         step of the longest, so this never says yes where Algorithm 3's own test says no."""
-        dues = [self._due(r, now, tpot) for r in active if (tpot := self.target(r)) is not None]
-        if not dues:
+        default, due, longest = self.tpot_slo, math.inf, 0
+        for r in active:       # the earliest next-token due time (_due, target) and the longest context
+            tpot = r.slo.tpot if r.slo.tpot is not None else default
+            if tpot is not None:
+                first = r.times.first_token
+                d = (first if first is not None else now) + tpot * r.num_output_tokens
+                if d < due:
+                    due = d
+            if r.prompt_len + r.num_output_tokens > longest:
+                longest = r.prompt_len + r.num_output_tokens
+        if due == math.inf:    # no target (or none that can be missed)
             return True
-        longest = max(r.context_len for r in active)
-        s_min = min(dues) - now - self.lut.lookup(1, longest)
+        s_min = due - now - self.lut.lookup(1, longest)
         return self.lut.lookup(len(active), self.batch_length(active)) <= s_min
 
     def _min_slack(self, active: list[Request], now: float) -> float:
