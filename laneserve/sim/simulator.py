@@ -14,9 +14,11 @@ draws random numbers.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -32,6 +34,9 @@ from laneserve.policies.predictors import PredictorSource
 from laneserve.sim.config import ClusterConfig, context_limit, default_host_kv_tokens, kv_capacity_tokens
 from laneserve.sim.executor import SimExecutor
 from laneserve.sim.macro import DecodeRun, stable_decode_plan
+
+#: young-generation threshold of the garbage collector during a run (fewer_collections)
+GC_YOUNG_THRESHOLD = 50_000
 
 _STEP, _TRANSFER, _WAKEUP = 0, 1, 2
 _DECODE_FIRST = 1 << 62      # taken off the sequence number of a decode instance's step end
@@ -75,6 +80,21 @@ class SimResult:
     @property
     def finished(self) -> list[Request]:
         return [r for r in self.requests if r.phase is Phase.FINISHED]
+
+
+@contextmanager
+def fewer_collections(young: int = GC_YOUNG_THRESHOLD) -> Iterator[None]:
+    """Run the cyclic garbage collector's youngest generation every ``young`` allocations instead
+    of Python's 700 for the duration of the block (restored after). A run allocates events,
+    plans and outcomes by the million, almost none of them in reference cycles, and each young
+    collection also walks whatever the caller keeps alive: on the Azure trace (4P+4D) collections
+    took 10-15% of a run. Memory is still freed by reference counting as before."""
+    old = gc.get_threshold()
+    gc.set_threshold(max(young, old[0]), *old[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
 
 
 class Simulator:
@@ -134,6 +154,11 @@ class Simulator:
     # ---- the run -----------------------------------------------------------------------------
     def run(self, specs: Iterable[RequestSpec], *, slo_scale: float = 1.0,
             progress: Callable[[int, int], None] | None = None) -> SimResult:
+        with fewer_collections():
+            return self._run(specs, slo_scale=slo_scale, progress=progress)
+
+    def _run(self, specs: Iterable[RequestSpec], *, slo_scale: float,
+             progress: Callable[[int, int], None] | None) -> SimResult:
         wall0 = time.perf_counter()
         cfg = self.config
         requests = [Request.from_spec(s, slo_scale=slo_scale, record_token_times=cfg.record_token_times)
