@@ -15,7 +15,10 @@ wall time); the wall-clock figures are in the rows too, with the machine's load 
 the shared 2-core machine other jobs take a varying share of the cores (the sweep speedup, a
 parallel figure, is wall time). The policy modules are imported before the first timed run (a
 one-time cost, not per request); the runs share one cost model, whose memoised terms carry over
-from run to run (the headline run is the first).
+from run to run. The headline (``requests_per_second``) is the median of three runs of its config
+(fcfs+continuous, full trace, native rate), the first of them the first run of the process (memo
+cold); all three are in ``requests_per_second_runs``, with their mean. On this VM identical runs
+vary by up to +-20% even on a quiet machine, so one run cannot say which side of 10,000 it is.
 
     PYTHONPATH=. python benchmarks/sim_speed.py
 """
@@ -36,6 +39,7 @@ from laneserve.workloads import Workload, make_workload
 BASE = ClusterConfig(num_prefill=4, num_decode=4)
 POLICIES = {"fcfs+continuous": BASE,
             "cp-edf-2k+continuous": replace(BASE, prefill_policy="cp-edf-2k", router="least-loaded")}
+HEADLINE_RUNS = 3
 SEDF_KAIROS = replace(BASE, prefill_policy="sedf", decode_policy="kairos")
 ADAPTIVE = replace(BASE, prefill_policy="adaptive", decode_policy="adaptive")
 
@@ -104,7 +108,13 @@ def main() -> None:
                           ("10K tiled, 4x rate", tiled(azure, 10_000).with_rate(4 * azure.mean_rate)),
                           ("100K tiled, 4x rate", tiled(azure, 100_000).with_rate(4 * azure.mean_rate))):
             run(name, label, wl, config)
-    headline, baselines = rows[0], list(rows)
+    baselines = list(rows)
+    # the headline is the median of three runs of its config: single runs on this shared VM vary
+    # by up to +-20% from run to run, and the first also fills the cost model's memo
+    repeats = [rows[0]] + [run("fcfs+continuous", f"azure full, native rate (run {k} of {HEADLINE_RUNS})",
+                               azure, BASE) for k in range(2, HEADLINE_RUNS + 1)]
+    speeds = sorted(r["requests_per_second"] for r in repeats)
+    headline_speed = speeds[len(speeds) // 2]
     step = run("fcfs+continuous", "azure full, native rate, step by step", azure, BASE, macro_steps=False)
     assert outcomes[("fcfs+continuous", "azure full, native rate")] == outcomes[
         ("fcfs+continuous", "azure full, native rate, step by step")], "macro steps changed a result"
@@ -112,11 +122,13 @@ def main() -> None:
     adaptive = run("adaptive+adaptive", "azure full, native rate", azure, ADAPTIVE)
     mooncake = run("fcfs+continuous", "mooncake full, native rate (llama-3.1-8b)",
                    make_workload("mooncake_conv"), BASE, make_cost_model(model="llama-3.1-8b", hardware="h100"))
-    metrics = {"requests_per_second": headline["requests_per_second"],
+    metrics = {"requests_per_second": headline_speed,
+               "requests_per_second_runs": [r["requests_per_second"] for r in repeats],
+               "requests_per_second_mean": sum(speeds) / len(speeds),
                "requests_per_second_min": min(r["requests_per_second"] for r in baselines),
                "requests_per_second_100k": min(r["requests_per_second"] for r in baselines if r["requests"] == 100_000),
                "requests_per_second_step_by_step": step["requests_per_second"],
-               "macro_step_speedup": headline["requests_per_second"] / step["requests_per_second"],
+               "macro_step_speedup": rows[0]["requests_per_second"] / step["requests_per_second"],
                "requests_per_second_sedf_kairos": kairos["requests_per_second"],
                "requests_per_second_adaptive": adaptive["requests_per_second"],
                "requests_per_second_mooncake": mooncake["requests_per_second"],
@@ -125,7 +137,7 @@ def main() -> None:
     note = (f"Requests per second per CPU second of the simulating process; load average (1 min) on the "
             f"machine: {load}. The headline run's per-request results "
             f"equal the step-by-step loop's (checked); the runs of a stable decode batch are one event "
-            f"each (laneserve/sim/macro.py), so events fall from {step['events']} to {headline['events']}.\n")
+            f"each (laneserve/sim/macro.py), so events fall from {step['events']} to {rows[0]['events']}.\n")
     write_result("sim_speed", metrics, extra={"rows": rows, "load_average": load},
                  markdown=markdown_table(rows, ["policy", "run", "requests", "cpu_s", "wall_s", "requests_per_second",
                                                 "requests_per_wall_second", "events", "decode_steps"])
