@@ -40,8 +40,8 @@ of rates) 400 requests left the 90% crossing to one or two requests, so equal po
 by 5-7%. ``--duration 0`` restores fixed counts; ``--quick`` uses ``QUICK_SIZES`` and a coarser
 search. Bisection to 2% of the rate (``REL_TOL``; 10% earlier, coarser than the 5% the
 do-no-harm rule compares). The committed run's wall time is in its metrics.
-``sedf+kairos`` runs on 1P+1D only: Kairos decode is about 4x slower to simulate than continuous
-batching, and kairos+kairos already covers it at 4P. The bursty mix has 20% long requests, not
+``sedf+kairos`` runs on 1P+1D only (kairos+kairos covers Kairos decode at 4P; on this ragged
+kernel the registered Kairos decode is continuous batching, see ``selection_pays``). The bursty mix has 20% long requests, not
 10%: with 10%, a policy that starves every long prompt still passes the 90% target. Outputs: ``benchmarks/results/league.{json,md,png}`` (``--quick``:
 ``out/league-quick/``).
 
