@@ -19,6 +19,8 @@ from run to run. The headline (``requests_per_second``) is the median of three r
 (fcfs+continuous, full trace, native rate), the first of them the first run of the process (memo
 cold); all three are in ``requests_per_second_runs``, with their mean. On this VM identical runs
 vary by up to +-20% even on a quiet machine, so one run cannot say which side of 10,000 it is.
+Each row also gives ``machine_speed`` (:func:`machine_speed`, a fixed pure-Python loop timed just
+before the run), so that runs taken at different times can be read against the VM's speed then.
 
     PYTHONPATH=. python benchmarks/sim_speed.py
 """
@@ -58,8 +60,24 @@ def tiled(base: Workload, n: int) -> Workload:
     return Workload.from_specs(f"{base.name}x{n}", specs)
 
 
+def machine_speed(n: int = 400_000) -> float:
+    """Iterations per CPU second of a fixed pure-Python loop (dict, list and float work, as in the
+    simulator), timed just before a run: the VM's speed at that moment. The runs' figures are to
+    be read against it: on this VM it moves by 20-30% from one minute to the next."""
+    c0 = time.process_time()
+    table: dict[int, int] = {}
+    acc, seen = 0.0, []
+    for i in range(n):
+        table[i & 1023] = i
+        acc += table.get(i & 511, 0) * 0.5
+        if not i & 63:
+            seen.append(acc)
+    return n / (time.process_time() - c0)
+
+
 def measure(workload: Workload, config: ClusterConfig, cost, *, macro_steps: bool = True) -> tuple[dict, list]:
     """The run's figures, and every request's outcome (to compare runs)."""
+    speed = machine_speed()
     t0, c0 = time.perf_counter(), time.process_time()
     res = Simulator(config, cost, macro_steps=macro_steps).run(workload.specs)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -67,7 +85,7 @@ def measure(workload: Workload, config: ClusterConfig, cost, *, macro_steps: boo
     outcome = [(r.request_id, r.finish_reason, r.num_output_tokens, asdict(r.times)) for r in res.requests]
     return {"requests": len(workload), "cpu_s": cpu, "wall_s": wall,
             "requests_per_second": len(workload) / cpu, "requests_per_wall_second": len(workload) / wall,
-            "simulated_s": res.duration, "events": res.events,
+            "simulated_s": res.duration, "events": res.events, "machine_speed": speed,
             "decode_steps": sum(i["steps"] for i in res.instances if i["role"] == "decode"),
             "output_tokens_per_second": out_tokens / cpu, "unfinished": res.unfinished}, outcome
 
@@ -125,6 +143,7 @@ def main() -> None:
     metrics = {"requests_per_second": headline_speed,
                "requests_per_second_runs": [r["requests_per_second"] for r in repeats],
                "requests_per_second_mean": sum(speeds) / len(speeds),
+               "machine_speed_runs": [r["machine_speed"] for r in repeats],
                "requests_per_second_min": min(r["requests_per_second"] for r in baselines),
                "requests_per_second_100k": min(r["requests_per_second"] for r in baselines if r["requests"] == 100_000),
                "requests_per_second_step_by_step": step["requests_per_second"],
@@ -140,7 +159,8 @@ def main() -> None:
             f"each (laneserve/sim/macro.py), so events fall from {step['events']} to {rows[0]['events']}.\n")
     write_result("sim_speed", metrics, extra={"rows": rows, "load_average": load},
                  markdown=markdown_table(rows, ["policy", "run", "requests", "cpu_s", "wall_s", "requests_per_second",
-                                                "requests_per_wall_second", "events", "decode_steps"])
+                                                "requests_per_wall_second", "events", "decode_steps",
+                                                "machine_speed"])
                  + "\n" + note)
 
 
