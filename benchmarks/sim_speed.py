@@ -62,8 +62,9 @@ def tiled(base: Workload, n: int) -> Workload:
 
 def machine_speed(n: int = 400_000) -> float:
     """Iterations per CPU second of a fixed pure-Python loop (dict, list and float work, as in the
-    simulator), timed just before a run: the VM's speed at that moment. The runs' figures are to
-    be read against it: on this VM it moves by 20-30% from one minute to the next."""
+    simulator), timed just before a run: the VM's speed at that moment, to read runs taken at
+    different times against (it does not capture everything: in one process the first run is
+    slower than the next at the same figure)."""
     c0 = time.process_time()
     table: dict[int, int] = {}
     acc, seen = 0.0, []

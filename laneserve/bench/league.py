@@ -208,6 +208,8 @@ def run_league(workloads: Sequence[LeagueWorkload], entries: Sequence[Entry], co
     ``duration`` seconds of arrivals at each evaluated rate, at most ``max_sizes``, whose first
     requests the workload is built with). Returns ``{"cells", "skipped", "modes", "ranges", "wall_s"}``."""
     from laneserve.bench.parallel import map_jobs
+    if duration is not None and not max_sizes:
+        raise ValueError("duration needs max_sizes: the requests the workloads are built with")
     modes = tuple(modes or predictor_modes())
     skipped = {e.name: why for e in entries if (why := missing_policy(e)) is not None}
     runnable = [e for e in entries if e.name not in skipped]
@@ -215,7 +217,7 @@ def run_league(workloads: Sequence[LeagueWorkload], entries: Sequence[Entry], co
     for lw in workloads:
         for shape in shapes:
             length = RunLength(sizes[shape], duration)
-            wl = lw.build(max_sizes[shape] if duration is not None and max_sizes else sizes[shape], cost)
+            wl = lw.build(sizes[shape] if duration is None else max_sizes[shape], cost)
             cap = capacity_estimate(wl, cost, SHAPES[shape][0],
                                     cached=bool(lw.prefill_opts.get("prefix_caching")))
             lo, hi = cap / 4, cap * 32

@@ -22,7 +22,7 @@ steps). Three mechanisms compose:
    pure decode step into its cell (a running mean), so a predictor ~20% off converges to the
    measured times instead of steering by its error. Only with a padded kernel (or an unknown
    one): with a ragged kernel selection cannot pay (:func:`.kairos.selection_pays`; on the
-   league it lost 0.95x of continuous batching's goodput on the Kairos setup at 4P+4D) and every
+   league it got 0.95x continuous batching's goodput on the Kairos setup at 4P+4D) and every
    request decodes, so there this policy is continuous batching (a stable batch, which the
    simulator runs as one event).
 3. Memory admission, growth and preemption are continuous batching's (swap to the host pool when
@@ -99,7 +99,7 @@ class AdaptiveDecode(AlignedServeDecode):
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
         sel = self.selector
-        if (sel is not None and not self.aligning and result.completed and plan.decodes
+        if (self.selecting and not self.aligning and result.completed and plan.decodes
                 and not (plan.prefills or plan.swap_in or plan.swap_out)):
             sel.lut.observe(len(plan.decodes), sel.batch_length(plan.decodes), result.duration)
             sel.stats.lut_updates += 1

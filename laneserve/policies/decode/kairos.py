@@ -190,7 +190,7 @@ class KairosDecode(DecodeScheduler):
         self.guard = o.guard
         self.pacer = TokenPacer(enabled=o.pace, tpot=tpot_slo, force_tpot=o.pace_tpot)
         self.stats = KairosStats()
-        self.selects = not self.guard or selection_pays(getattr(cost, "attention", None))
+        self._follow_kernel(getattr(cost, "attention", None))
 
     def bind_cost_model(self, cost_model: CostModel) -> None:
         """The step table from the run's cost model (oracle or profile: filled once) or a
@@ -198,7 +198,7 @@ class KairosDecode(DecodeScheduler):
         observed in follow the model at each of its refits), unless the constructor was given a
         ``lut``, ``profile`` or ``cost_model``. ``length_key`` and ``late_binds``, unless given, follow the model's attention kind.
         Guarded, selection stays on only where it can pay (:func:`selection_pays`)."""
-        self.selects = not self.guard or selection_pays(getattr(cost_model, "attention", None))
+        self._follow_kernel(getattr(cost_model, "attention", None))
         if self._table_given:
             return
         learned = hasattr(cost_model, "decode_version")
@@ -209,6 +209,12 @@ class KairosDecode(DecodeScheduler):
             self.length_key = "mean" if getattr(cost_model, "attention", None) == "ragged" else "max"
         if not self._late_binds_given:
             self.late_binds = self.length_key == "mean"
+
+    def _follow_kernel(self, kernel: str | None) -> None:
+        """``selects``: Algorithm 3 runs unless the guard is on and the kernel is one where
+        selection cannot pay. Not selecting, the step table is neither refreshed nor updated
+        (nothing reads it)."""
+        self.selects = not self.guard or selection_pays(kernel)
 
     @property
     def stable_decode_batch(self) -> bool:      # type: ignore[override]
@@ -353,13 +359,14 @@ class KairosDecode(DecodeScheduler):
 
     # ---- the scheduler contract ------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan | None:
-        self._follow_learned()
+        if self.selects:
+            self._follow_learned()
         plan = self._prepare_step(now)
         plan.decodes = self.select(self.running, now) if self.selects else list(self.running)
         return None if plan.is_empty else plan
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
-        if (self.online_update and result.completed and plan.decodes and not plan.prefills
+        if (self.selects and self.online_update and result.completed and plan.decodes and not plan.prefills
                 and not plan.swap_in and not plan.swap_out):
             # keyed before the counters advance: the contexts this step attended over
             self.lut.observe(len(plan.decodes), self.batch_length(plan.decodes), result.duration)
