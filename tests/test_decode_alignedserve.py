@@ -358,3 +358,28 @@ def test_entering_aligned_mode_keeps_the_batch_cap_and_parks_the_rest():
     assert pol.aligning and len(pol.running) <= 4 and len(plan.decodes) <= 4
     assert not pol.waiting and len(plan.swap_out) >= 6
     assert len(pol.tree) + len(pol.cand_batch) + len(pol.cand_reqs) + len(pol.running) == 10
+
+
+def test_entering_aligned_mode_fills_only_an_unaligned_batch_and_aligns_at_once():
+    """Requests left running (or waiting on the device) from continuous mode are no aligned batch:
+    on entering aligned mode at most ``n_min`` of them run, and a length-aligned batch is formed
+    and switched to in the same step instead of waiting for that mixed batch to drain."""
+    from laneserve.core.kv import HostKVPool, KVCacheManager
+    from laneserve.core.request import Phase, Request
+    pol = CheckedAlignedServe(KVCacheManager(10_000, 16), host_pool=HostKVPool(20_000, 16),
+                              max_batch_size=64, n_min=4)
+    pol.bind_cost_model(COST)                       # padded
+    for i in range(12):
+        req = Request(i, 0.0, 100 if i % 2 else 20_000, 50, SLO(5.0, 0.001))   # no step meets this TPOT
+        req.num_computed_tokens = req.prompt_len
+        req.record_token(0.0)
+        req.phase = Phase.TRANSFERRING
+        pol.reserve(req)
+        pol.add_request(req, 0.0)
+    assert not pol.aligning and pol.current is None
+    plan = pol.schedule(0.1)
+    assert pol.aligning and pol.current is not None          # an aligned batch runs now
+    members = [r for r in pol.running if r.policy_state.aligned_batch == pol.current.batch_id]
+    assert members and len(plan.swap_out) >= 12 - 4
+    lengths = {r.context_len > 1_000 for r in members}
+    assert len(lengths) == 1                                  # the batch is one length class

@@ -237,10 +237,13 @@ class AlignedServeDecode(DecodeScheduler):
 
     def _to_aligned(self, plan: StepPlan, now: float) -> None:
         """Enter aligned mode: device-resident waiting requests join the running set while it has
-        slots (they hold their blocks; case 3 evicts if needed), the rest are evicted to the
-        pool; swapped ones go to the quad-tree."""
+        slots (they hold their blocks; case 3 evicts if needed) up to ``n_min`` (what an
+        unaligned batch may fill: the under-filled rule), the rest are evicted to the pool;
+        swapped ones go to the quad-tree. The running set is no aligned batch, so the first
+        candidate batch forms at once (:meth:`_undersaturated`) and the switch rule replaces it."""
         self.aligning = True
-        while self.waiting and len(self.running) < self.max_batch_size:
+        cap = min(self.n_min, self.max_batch_size)
+        while self.waiting and len(self.running) < cap:
             self._admit(self.waiting.popleft(), now)
         while self.waiting:
             self._evict(self.waiting.popleft(), plan, now)
@@ -444,6 +447,8 @@ class AlignedServeDecode(DecodeScheduler):
         self._form(sel, now, starving=False)
 
     def _undersaturated(self) -> bool:
+        if self.guard and self.current is None and self.running:
+            return True                               # left from continuous mode: not aligned
         cur = self.current.batch_id if self.current else None
         queued = sum(1 for r in self.cand_reqs if r.policy_state.aligned_batch == cur)
         return len(self.running) + queued < self.n_min
