@@ -45,6 +45,11 @@ kernel the registered Kairos decode is continuous batching, see ``selection_pays
 10%: with 10%, a policy that starves every long prompt still passes the 90% target. Outputs: ``benchmarks/results/league.{json,md,png}`` (``--quick``:
 ``out/league-quick/``).
 
+Samples: the committed league is seed 0 of every workload; ``--seed k`` draws another sample
+(``seeded``: fresh arrival and length draws, or another block of a recorded trace), and
+``benchmarks/league_seeds.py`` reruns adaptive and the baselines on seeds 0-2 to show how far a
+cell's ratio moves with the sample.
+
     PYTHONPATH=. nice -n 10 python benchmarks/league.py --jobs 2
 """
 
@@ -54,6 +59,7 @@ import argparse
 import sys
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -85,46 +91,67 @@ MULTI_SLO = {"interactive": (0.3, SLO(ttft=0.25, tpot=0.025)), "standard": (0.5,
              "relaxed": (0.2, SLO(ttft=5.0, tpot=0.1))}
 
 
-# ---- workloads: build(n, cost) -> the first n requests with the SLO rule applied ----------------
-def azure(n: int, cost) -> Workload:
-    return make_workload("azure_conv", limit=n)                      # CHAT_SLO: 0.4 s / 50 ms
+# ---- workloads: build(n, cost, seed) -> n requests with the SLO rule applied --------------------
+# Seed 0 is the committed league. Another seed draws a fresh sample of the same workload: new
+# arrival (and, for the synthetic mixes, length) draws, and for the recorded traces another block
+# of the trace (``trace_block``).
+def trace_block(name: str, n: int, seed: int) -> Workload:
+    """Seed 0: the trace's first ``n`` requests. Seed k (1 or 2): ``n`` consecutive requests from
+    k/2 of the way between the start and the last block that fits, arrival times shifted to start
+    at 0 (Mooncake's 12,031 requests hold two disjoint blocks of 6,000, not three)."""
+    if seed == 0:
+        return make_workload(name, limit=n)
+    if seed not in (1, 2):
+        raise SystemExit(f"recorded traces take seeds 0-2, got {seed}")
+    full = make_workload(name)
+    start = seed * ((len(full) - n) // 2)
+    return full.window(full.specs[start].arrival_time, float("inf")).head(n)
 
 
-def mooncake(n: int, cost) -> Workload:
-    wl = make_workload("mooncake_conv", limit=n).spread_ticks(3.0, seed=0)
+def azure(n: int, cost, seed: int = 0) -> Workload:
+    return trace_block("azure_conv", n, seed)                        # CHAT_SLO: 0.4 s / 50 ms
+
+
+def mooncake(n: int, cost, seed: int = 0) -> Workload:
+    wl = trace_block("mooncake_conv", n, seed).spread_ticks(3.0, seed=seed)
     return idle_multiple_slo(wl, cost, multiple=IDLE_MULTIPLE, floor=IDLE_FLOOR, tpot=TPOT)
 
 
-def sharegpt(n: int, cost) -> Workload:
-    return make_workload("sharegpt", max_conversations=n // 3 + 10, max_context=8192).head(n)
+def sharegpt(n: int, cost, seed: int = 0) -> Workload:
+    return make_workload("sharegpt", max_conversations=n // 3 + 10, max_context=8192, seed=seed).head(n)
 
 
-def flowprefill(n: int, cost) -> Workload:
-    return make_workload("flowprefill_mix", n=n, model="Llama3-8B", tpot=TPOT, seed=0)
+def flowprefill(n: int, cost, seed: int = 0) -> Workload:
+    return make_workload("flowprefill_mix", n=n, model="Llama3-8B", tpot=TPOT, seed=seed)
 
 
 def aligned(short_ratio: float):
-    def build(n: int, cost) -> Workload:
-        wl = make_workload("alignedserve_mix", n=n, short_ratio=short_ratio, seed=0)
+    def build(n: int, cost, seed: int = 0) -> Workload:
+        wl = make_workload("alignedserve_mix", n=n, short_ratio=short_ratio, seed=seed)
         return idle_multiple_slo(wl, cost, multiple=IDLE_MULTIPLE, floor=IDLE_FLOOR, tpot=TPOT)
     return build
 
 
-def kairos(n: int, cost) -> Workload:
-    base = make_workload("mooncake_conv", limit=n)
+def kairos(n: int, cost, seed: int = 0) -> Workload:
+    base = trace_block("mooncake_conv", n, seed)
     slo = scaled_slos(cost, np.array([s.prompt_len for s in base.specs]))[HEADLINE]
-    return base.with_arrivals("poisson", 1.0, seed=0).with_slo(SLO(ttft=slo, tpot=TPOT))
+    return base.with_arrivals("poisson", 1.0, seed=seed).with_slo(SLO(ttft=slo, tpot=TPOT))
 
 
-def bursty(n: int, cost) -> Workload:
-    return make_workload("short_long_mix", n=n, long_share=0.2, process="gamma", cv=3.0, seed=0)
+def bursty(n: int, cost, seed: int = 0) -> Workload:
+    return make_workload("short_long_mix", n=n, long_share=0.2, process="gamma", cv=3.0, seed=seed)
 
 
-def multislo(n: int, cost) -> Workload:
-    wl = make_workload("azure_conv", limit=n)
-    labels = exact_mix(np.random.default_rng(0), len(wl), {c: share for c, (share, _) in MULTI_SLO.items()})
+def multislo(n: int, cost, seed: int = 0) -> Workload:
+    wl = trace_block("azure_conv", n, seed)
+    labels = exact_mix(np.random.default_rng(seed), len(wl), {c: share for c, (share, _) in MULTI_SLO.items()})
     specs = [replace(s, slo_class=c, slo=MULTI_SLO[c][1]) for s, c in zip(wl.specs, labels)]
     return Workload.from_specs("multislo", specs, wl.meta)
+
+
+def seeded(workloads: list[LeagueWorkload], seed: int) -> list[LeagueWorkload]:
+    """``workloads`` built with ``seed`` (seed 0: unchanged)."""
+    return workloads if seed == 0 else [replace(w, build=partial(w.build, seed=seed)) for w in workloads]
 
 
 WORKLOADS = [
@@ -221,10 +248,13 @@ def main() -> None:
     ap.add_argument("--predictor", choices=["both", *modes] if len(modes) > 1 else list(modes),
                     default="both" if len(modes) > 1 else modes[0],
                     help="predictor modes to run (the axis exists when the sim config has a predictor field)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="workload sample (0: the committed league; see trace_block for the traces)")
     ap.add_argument("--output", type=Path, help="results folder (default benchmarks/results, "
                                                 "--quick: out/league-quick)")
     args = ap.parse_args()
-    workloads = [w for w in WORKLOADS if not args.workloads or w.name in args.workloads.split(",")]
+    workloads = seeded([w for w in WORKLOADS if not args.workloads or w.name in args.workloads.split(",")],
+                       args.seed)
     shapes = [s for s in SHAPES if s in args.shapes.split(",")]
     entries = select_entries(ENTRIES, args.entries.split(",") if args.entries else None)
     run_modes = modes if args.predictor == "both" else (args.predictor,)
@@ -264,7 +294,7 @@ def main() -> None:
     setup = (f"Cost model {cost!r}; requests per evaluation {per_eval}; goodput = highest rate with >= 90% "
              f"meeting both TTFT and TPOT, bisection to {rel_tol:g} relative; host KV pool {HOST_KV_TOKENS} "
              f"tokens per decode instance; 4P+4D entries use least-loaded unless named; predictor modes "
-             f"{list(run_modes)}.")
+             f"{list(run_modes)}; workload seed {args.seed}.")
     wl_rows = [{"workload": w.name, "requests": w.description, "slo_rule": w.slo_rule} for w in workloads]
     detail_rows = [{"metric": k, "value": _fmt(d["value"]), "where": d["where"] or "-", "cells": d["cells"]}
                    for k, d in detail.items()]

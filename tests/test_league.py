@@ -166,6 +166,21 @@ def test_benchmark_workloads_build_with_their_slo_rules(cost):
     assert any(e.name == "adaptive+adaptive" for e in bench.ENTRIES)
 
 
+def test_benchmark_workload_seeds_draw_fresh_samples_and_seed_0_is_the_league(cost):
+    spec = importlib.util.spec_from_file_location("league_bench", ROOT / "benchmarks" / "league.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.seeded(bench.WORKLOADS, 0) is bench.WORKLOADS
+    for lw0, lw1 in zip(bench.WORKLOADS, bench.seeded(bench.WORKLOADS, 1)):
+        a, b = lw0.build(40, cost), lw1.build(40, cost)
+        assert len(a) == len(b) == 40, lw0.name
+        assert [(s.arrival_time, s.prompt_len) for s in a.specs] != [(s.arrival_time, s.prompt_len)
+                                                                   for s in b.specs], lw0.name
+        assert {s.slo for s in b.specs} and all(math.isfinite(s.slo.ttft) for s in b.specs), lw0.name
+    with pytest.raises(SystemExit):
+        bench.trace_block("azure_conv", 40, 3)
+
+
 # ---- the demo ----------------------------------------------------------------------------------
 def test_summary_line_with_the_default():
     line = summary_line({BASELINE: 10.0, "sedf+continuous": 30.0, DEFAULT: 25.0})

@@ -50,9 +50,13 @@ below ``cb_memory_fraction``, a hysteresis), or that step times ``1 + tpot_margi
 tightest TPOT target -- and the padding the step pays (its time less that of a batch of the same
 total context at uniform length) is at least ``tpot_margin`` of it. Otherwise it runs as
 continuous batching: incoming KV lands on the device, pooled requests are swapped in, everyone
-decodes. The guard reads running figures (:mod:`.aligned_guard`) kept as requests arrive, decode
-and leave, so a decision costs O(1) however many requests are held (the longest context is
-rescanned only after the longest request left, and only with a padding cost model).
+decodes. Entering aligned mode, the batch left running from continuous mode is no aligned batch:
+device-resident waiting requests join it only up to ``n_min`` and the first length-aligned batch
+replaces it at once (on AlignedServe's 95%-short mix the mixed batch otherwise lingered ~1,000
+steps: 2.18x continuous batching's decode throughput instead of 2.57x). The guard reads running
+figures (:mod:`.aligned_guard`) kept as requests arrive, decode and leave, so a decision costs O(1)
+however many requests are held (the longest context is rescanned only after the longest request
+left, and only with a padding cost model).
 ``alignedserve-literal`` (``guard=False``) is the paper's algorithm, used by
 ``benchmarks/decode_alignedserve.py``.
 """
