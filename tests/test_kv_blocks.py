@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from laneserve.core.block_pool import BlockPool, KVOutOfMemory, chain_hashes, chain_root
+from laneserve.core.block_pool import BlockPool, ExclusiveBlockPool, KVOutOfMemory, chain_hashes, chain_root
 from laneserve.core.kv import KVCacheManager
 from laneserve.core.request import Request
 from laneserve.core.slo import SLO
@@ -345,3 +345,54 @@ def test_a_bad_release_changes_nothing():
     pool.free(a)
     assert [pool.refcount(x) for x in a] == [1, 0, 0] and pool.num_free == 4
     pool.check()
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["grow", "append", "free"]), st.integers(0, 5), st.integers(1, 90)),
+                    max_size=60))
+def test_an_exclusive_manager_hands_out_the_blocks_a_counting_one_would(ops):
+    """The simulator's managers keep no reference counts: every table, free count and
+    out-of-memory refusal must be what the reference-counted pool gives."""
+    counted, exclusive = KVCacheManager(24, 4), KVCacheManager(24, 4, exclusive=True)
+    assert isinstance(exclusive.allocator, ExclusiveBlockPool)
+    for op, rid, tokens in ops:
+        results = []
+        for kv in (counted, exclusive):
+            try:
+                if op == "grow":
+                    results.append(kv.allocate(rid, kv.num_allocated(rid) * 4 + tokens))
+                elif op == "append":
+                    holders = sorted(r for r in kv.tables if kv.tables[r])
+                    kv.append_blocks(holders[:tokens % 3 + 1])
+                    results.append(holders)
+                else:
+                    results.append(kv.free(rid))
+            except KVOutOfMemory:
+                results.append("oom")
+        assert results[0] == results[1]
+        assert counted.tables == exclusive.tables
+        assert counted.num_free_blocks == exclusive.num_free_blocks and counted.usage == exclusive.usage
+        exclusive.allocator.check()
+    for b in range(24):
+        assert exclusive.allocator.refcount(b) == counted.allocator.refcount(b)
+
+
+def test_an_exclusive_pool_refuses_sharing_and_an_over_release():
+    pool = ExclusiveBlockPool(4)
+    a = pool.allocate(3)
+    with pytest.raises(ValueError, match="shares no blocks"):
+        pool.ref(a[:1])
+    with pytest.raises(ValueError, match="names no blocks"):
+        pool.name(a[0], "x")
+    pool.free(a)
+    with pytest.raises(ValueError, match="double or foreign free"):
+        pool.free(a[:1])
+    assert pool.num_free == 4
+    pool.check()
+    with pytest.raises(ValueError, match="prefix caching"):
+        KVCacheManager(8, 4, prefix_caching=True, exclusive=True)
+    kv = KVCacheManager(8, 4, exclusive=True)
+    kv.allocate(1, 6)
+    with pytest.raises(ValueError, match="shares no blocks"):
+        kv.fork(1, 2, 6)
+    assert 2 not in kv.tables and kv.num_free_blocks == 6

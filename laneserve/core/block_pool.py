@@ -267,3 +267,55 @@ class BlockPool:
         assert cached <= set(self._name_of) and not (free & set(self._name_of))
         assert all(self._block_of[n] == b for b, n in self._name_of.items())
         assert len(self._block_of) == len(self._name_of)
+
+
+class ExclusiveBlockPool(BlockPool):
+    """A pool whose blocks are never shared or named: each used block is in exactly one table
+    (the simulator's KV without prefix caching or forks). Reference counts would all be 1, so they
+    are not kept: allocation and release are list operations, without the per-block bookkeeping
+    that is most of :class:`BlockPool`'s cost when a simulation grows millions of blocks.
+
+    What it gives up: a release is checked only against the pool's size (freeing more blocks than
+    are in use raises ``ValueError``), not block by block; a :class:`~laneserve.core.kv.KVCacheManager`
+    releases each table once (it pops the table first), so through the manager a double free
+    cannot happen. Sharing (:meth:`ref`, :meth:`name`) raises ``ValueError``."""
+
+    __slots__ = ()
+
+    def refcount(self, block: int) -> int:
+        """1 when used, 0 when free (a scan of the free list: tests and debugging only)."""
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(block)
+        return 0 if block in self._free else 1
+
+    def num_reclaimed(self, blocks: Sequence[int]) -> int:
+        return 0                                      # nothing is ever cached
+
+    def allocate(self, n: int) -> list[int]:
+        if n <= 0:
+            return []
+        free = self._free
+        if n > len(free):
+            raise KVOutOfMemory(f"need {n} blocks, {len(free)} free of {self.num_blocks}")
+        blocks = free[-n:]
+        del free[-n:]
+        return blocks
+
+    def free(self, blocks: Sequence[int]) -> None:
+        free = self._free
+        if len(free) + len(blocks) > self.num_blocks:
+            raise ValueError(f"{len(blocks)} blocks released with only "
+                             f"{self.num_blocks - len(free)} in use: a double or foreign free")
+        free.extend(blocks)
+
+    def ref(self, blocks: Sequence[int]) -> None:
+        raise ValueError("an exclusive block pool shares no blocks (fork or prefix caching need BlockPool)")
+
+    def name(self, block: int, name: Hashable) -> bool:
+        raise ValueError("an exclusive block pool names no blocks (prefix caching needs BlockPool)")
+
+    def check(self) -> None:
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        assert free <= set(range(self.num_blocks))
+        assert not self._cached and not self._name_of and not self._block_of

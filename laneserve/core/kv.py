@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from laneserve.core.block_pool import BlockPool, KVOutOfMemory, chain_hashes, chain_root
+from laneserve.core.block_pool import BlockPool, ExclusiveBlockPool, KVOutOfMemory, chain_hashes, chain_root
 
 if TYPE_CHECKING:
     from laneserve.core.request import Request
@@ -40,11 +40,13 @@ class KVCacheManager:
                  "_hashes", "query_tokens", "hit_tokens")
 
     def __init__(self, num_blocks: int, block_size: int = 16, watermark: float = 0.0, *,
-                 prefix_caching: bool = False, cache_key: bytes = b"") -> None:
+                 prefix_caching: bool = False, cache_key: bytes = b"", exclusive: bool = False) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if exclusive and prefix_caching:
+            raise ValueError("prefix caching shares blocks: it needs a non-exclusive KV manager")
         self.block_size = block_size
-        self.allocator = BlockPool(num_blocks)
+        self.allocator = ExclusiveBlockPool(num_blocks) if exclusive else BlockPool(num_blocks)
         self.tables: dict[int, list[int]] = {}
         self.watermark_blocks = int(num_blocks * watermark)
         self.prefix_caching = prefix_caching

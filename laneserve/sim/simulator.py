@@ -115,13 +115,15 @@ class Simulator:
         predictors = PredictorSource(cfg.predictor, self.cost)
 
         def kv(tokens: int | None) -> KVCacheManager:
-            return KVCacheManager(blocks_for(tokens or default_tokens, bs), bs)
+            # no forks and no prefix caching in the simulator's managers (its prefix cache is a
+            # PrefixCache beside them): exclusive pools, without per-block reference counts
+            return KVCacheManager(blocks_for(tokens or default_tokens, bs), bs, exclusive=True)
 
         def host(kind: str, spec: str) -> HostKVPool | None:
             tokens = cfg.host_kv_tokens
             if not tokens and getattr(registry.resolve(kind, spec)[0], "needs_host_pool", False):
                 tokens = default_host_kv_tokens(self.cost)
-            return HostKVPool(blocks_for(tokens, bs), bs) if tokens else None
+            return HostKVPool(blocks_for(tokens, bs), bs, exclusive=True) if tokens else None
 
         def instance(i: int, role: str, scheduler) -> SimInstance:
             """Every instance's policy that reads predictors (overrides ``bind_cost_model``) reads
