@@ -338,21 +338,28 @@ def test_guard_figures_decide_like_a_scan_of_every_request(seed, predictor, cost
     assert modes == ({False} if cost == "ragged" else {False, True})    # both modes exercised
 
 
-def test_entering_aligned_mode_keeps_the_batch_cap_and_parks_the_rest():
-    """Switching to aligned mode with more device-resident requests waiting than batch slots: the
-    running set stays within ``max_batch_size``, the rest are swapped out into the length tree
-    (one swap each, no quadratic eviction loop)."""
+def _padded_with_arrivals(n: int, **opts) -> CheckedAlignedServe:
+    """A guarded policy on the padded cost model in continuous mode with ``n`` prefilled requests
+    arrived (alternately 20,000 and 100 prompt tokens) whose TPOT target no step meets."""
     from laneserve.core.kv import HostKVPool, KVCacheManager
     from laneserve.core.request import Phase, Request
-    pol = CheckedAlignedServe(KVCacheManager(10_000, 16), host_pool=HostKVPool(20_000, 16), max_batch_size=4)
+    pol = CheckedAlignedServe(KVCacheManager(10_000, 16), host_pool=HostKVPool(20_000, 16), **opts)
     pol.bind_cost_model(COST)                       # padded
-    for i in range(10):
-        req = Request(i, 0.0, 100 if i % 2 else 20_000, 50, SLO(5.0, 0.001))   # no step meets this TPOT
+    for i in range(n):
+        req = Request(i, 0.0, 100 if i % 2 else 20_000, 50, SLO(5.0, 0.001))
         req.num_computed_tokens = req.prompt_len
         req.record_token(0.0)
         req.phase = Phase.TRANSFERRING
         pol.reserve(req)
         pol.add_request(req, 0.0)
+    return pol
+
+
+def test_entering_aligned_mode_keeps_the_batch_cap_and_parks_the_rest():
+    """Switching to aligned mode with more device-resident requests waiting than batch slots: the
+    running set stays within ``max_batch_size``, the rest are swapped out into the length tree
+    (one swap each, no quadratic eviction loop)."""
+    pol = _padded_with_arrivals(10, max_batch_size=4)
     assert not pol.aligning and len(pol.waiting) == 10
     plan = pol.schedule(0.1)
     assert pol.aligning and len(pol.running) <= 4 and len(plan.decodes) <= 4
@@ -364,18 +371,7 @@ def test_entering_aligned_mode_fills_only_an_unaligned_batch_and_aligns_at_once(
     """Requests left running (or waiting on the device) from continuous mode are no aligned batch:
     on entering aligned mode at most ``n_min`` of them run, and a length-aligned batch is formed
     and switched to in the same step instead of waiting for that mixed batch to drain."""
-    from laneserve.core.kv import HostKVPool, KVCacheManager
-    from laneserve.core.request import Phase, Request
-    pol = CheckedAlignedServe(KVCacheManager(10_000, 16), host_pool=HostKVPool(20_000, 16),
-                              max_batch_size=64, n_min=4)
-    pol.bind_cost_model(COST)                       # padded
-    for i in range(12):
-        req = Request(i, 0.0, 100 if i % 2 else 20_000, 50, SLO(5.0, 0.001))   # no step meets this TPOT
-        req.num_computed_tokens = req.prompt_len
-        req.record_token(0.0)
-        req.phase = Phase.TRANSFERRING
-        pol.reserve(req)
-        pol.add_request(req, 0.0)
+    pol = _padded_with_arrivals(12, max_batch_size=64, n_min=4)
     assert not pol.aligning and pol.current is None
     plan = pol.schedule(0.1)
     assert pol.aligning and pol.current is not None          # an aligned batch runs now
