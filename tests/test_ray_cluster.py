@@ -184,6 +184,7 @@ def test_leases_expire_release_and_claim_once():
     assert leases.claim(a) == ["ref-a"] and leases.claim(a) is None       # once
     assert leases.release(b) and not leases.release(b)
     assert leases.reap() == 1 and len(leases) == 0 and leases.expired == 1
+    assert leases.claim(c) is None                                      # expired: gone
 
 
 def test_decode_node_loss_fails_in_flight_requests_and_a_new_node_restores_service(env):
