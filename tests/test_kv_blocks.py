@@ -384,6 +384,8 @@ def test_an_exclusive_pool_refuses_sharing_and_an_over_release():
         pool.ref(a[:1])
     with pytest.raises(ValueError, match="names no blocks"):
         pool.name(a[0], "x")
+    pool.forget(a[0])                                 # nothing named: nothing changes
+    assert pool.num_free == 1 and pool.refcount(a[0]) == 1
     pool.free(a)
     with pytest.raises(ValueError, match="double or foreign free"):
         pool.free(a[:1])

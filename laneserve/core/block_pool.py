@@ -314,6 +314,9 @@ class ExclusiveBlockPool(BlockPool):
     def name(self, block: int, name: Hashable) -> bool:
         raise ValueError("an exclusive block pool names no blocks (prefix caching needs BlockPool)")
 
+    def forget(self, block: int) -> None:
+        """Nothing is named: nothing to drop."""
+
     def check(self) -> None:
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
