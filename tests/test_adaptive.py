@@ -63,6 +63,33 @@ def test_adaptive_prefill_detects_bimodal_lengths(lengths, expect):
     assert pol.bimodal is expect
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_adaptive_prefill_bimodality_kept_incrementally_matches_a_rescan(seed):
+    """The lane switch is kept as arrivals come (a sorted list of the window's long lengths); it
+    must say what a rescan of the window says after every arrival, through phases that cross
+    the thresholds both ways."""
+    from statistics import median
+    rng = random.Random(seed)
+    window = rng.choice([16, 40, 100])
+    pol = make("prefill", "adaptive", KVCacheManager(1 << 18), window=window)
+    lengths, seen = [], set()
+    phases = [(0.2, (1000, 5000)), (0.0, None), (0.5, (256, 900)), (0.2, (1000, 5000)), (1.0, (1000, 5000)),
+              (0.03, (1000, 5000)), (0.97, (1000, 5000)), (0.3, (1000, 5000))]   # long share, long lengths
+    rng.shuffle(phases)
+    for share_long, long_range in phases:
+        for _ in range(rng.randint(window // 2, 2 * window)):
+            n = rng.randint(*long_range) if rng.random() < share_long else rng.randint(1, 255)
+            lengths.append(n)
+            pol.add_request(Request(len(lengths), 0.0, n, 1, SLO(1.0, None)), 0.0)
+            recent = lengths[-window:]
+            long = [m for m in recent if m >= 256]
+            share = 1 - len(long) / len(recent)
+            expect = len(recent) >= 16 and 0.05 <= share <= 0.95 and median(long) >= 4 * 256
+            assert pol.bimodal is expect
+            seen.add(expect)
+    assert seen == {True, False}                       # the stream crossed the thresholds
+
+
 def test_adaptive_prefill_never_batches_short_with_long_when_bimodal():
     pol = make("prefill", "adaptive", KVCacheManager(1 << 18), token_budget=1 << 14)
     pol.bind_cost_model(COST)
