@@ -69,13 +69,15 @@ class BlockPool:
     order. A release of a block nobody holds (double or foreign free) raises ``ValueError``."""
 
     __slots__ = ("num_blocks", "_free", "_refs", "_cached", "_name_of", "_block_of", "evicted", "events")
+    #: whether blocks carry reference counts (:class:`ExclusiveBlockPool` keeps none)
+    counts_refs = True
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 0:
             raise ValueError("num_blocks must be >= 0")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._refs = [0] * num_blocks
+        self._refs = [0] * num_blocks if self.counts_refs else []
         self._cached: dict[int, None] = {}            # refcount 0 and named; insertion order = LRU first
         self._name_of: dict[int, Hashable] = {}
         self._block_of: dict[Hashable, int] = {}
@@ -281,6 +283,7 @@ class ExclusiveBlockPool(BlockPool):
     cannot happen. Sharing (:meth:`ref`, :meth:`name`) raises ``ValueError``."""
 
     __slots__ = ()
+    counts_refs = False
 
     def refcount(self, block: int) -> int:
         """1 when used, 0 when free (a scan of the free list: tests and debugging only)."""
