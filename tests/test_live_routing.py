@@ -19,6 +19,7 @@ from server_support import serving, wait_for
 openai = pytest.importorskip("openai")
 
 MODEL = "smoke-llama"
+KV_TOKENS = 16384
 
 
 def _req(rid: int, tokens: list[int]) -> Request:
@@ -69,7 +70,7 @@ def test_summary_events_order_and_restart():
 
 @pytest.fixture(scope="module")
 def cache_aware_server():
-    with serving("--prefill", "2", "--decode", "1", "--router", "cache-aware", "--kv-tokens", "16384") as server:
+    with serving("--prefill", "2", "--decode", "1", "--router", "cache-aware", "--kv-tokens", str(KV_TOKENS)) as server:
         yield server
 
 
@@ -80,7 +81,7 @@ def test_cache_aware_router_sends_later_turns_to_the_instance_holding_their_hist
     that balancing by load alone would put some on the other instance)."""
     server = cache_aware_server
     client = server.client()
-    sessions = []
+    sessions, prompt_tokens = [], []
     for k in range(4):
         system = f"session {k} keeps its own long system prompt about topic {k}. " * 10
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": f"question {k}"}]
@@ -88,12 +89,17 @@ def test_cache_aware_router_sends_later_turns_to_the_instance_holding_their_hist
                                              extra_body={"ignore_eos": True})
         sessions.append(msgs + [{"role": "assistant", "content": one.choices[0].message.content},
                                 {"role": "user", "content": "go on"}])
+        prompt_tokens.append(one.usage.prompt_tokens)
 
     def summaries():
-        blocks = [i["prefix_blocks"] or 0 for i in server.state()["instances"] if i["role"] == "prefill"]
-        return blocks if all(b > 0 for b in blocks) else None
-    # both prefill instances served first turns and the router heard what they now hold
-    wait_for(summaries, 30, "router summaries of both prefill instances' caches")
+        prefill = [i for i in server.state()["instances"] if i["role"] == "prefill"]
+        blocks = [i["prefix_blocks"] or 0 for i in prefill]
+        block_size = KV_TOKENS // prefill[0]["kv_total_blocks"]
+        every_session = sum(n // block_size for n in prompt_tokens)
+        return blocks if all(b > 0 for b in blocks) and sum(blocks) >= every_session else None
+    # both prefill instances served first turns and the router heard all they now hold (the
+    # summaries lag the caches: waiting for "both non-empty" alone raced the last session's news)
+    wait_for(summaries, 30, "router summaries of every first turn's cached prompt")
     for msgs in reversed(sessions):      # another order than the first turns': load balancing alone would miss
         two = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0,
                                              extra_body={"ignore_eos": True})
