@@ -25,7 +25,9 @@ Workloads and their SLO rules (also in the results):
 Entries (data: ``ENTRIES``; an entry whose policy is not registered is skipped and reported):
 baselines, one entry per paper policy, compositions, routers at 4P held against least-loaded with
 the same policies, and ``adaptive+adaptive``. The 4P+4D entries use the least-loaded router unless
-the entry names one. When the simulator config has a ``predictor`` field every cell runs with
+the entry names one; decode placement is least-loaded too, except adaptive decode's own
+``tpot-aware`` router (``decode_router="auto"``), which the router entry
+``fcfs+continuous@decode=tpot-aware`` also gives to the FCFS baseline (held against it). When the simulator config has a ``predictor`` field every cell runs with
 ``online`` and ``oracle`` predictors (the axis doubles the cost; ``--predictor`` picks one).
 
 Run length: each evaluation simulates at least ``SIZES`` requests (1,000 on 1P+1D, 2,000 on
@@ -194,6 +196,7 @@ ENTRIES = [
     Entry("sedf", "continuous", "router", router="laps-pools", shapes=FOUR, reference="sedf+continuous"),
     Entry("laps:mode=spatial", "continuous", "router", router="laps-pools", shapes=FOUR,
           paper="LAPS spatial", reference="laps+continuous"),
+    Entry("fcfs", "continuous", "router", decode_router="tpot-aware", shapes=FOUR, reference="fcfs+continuous"),
     Entry("adaptive", "adaptive", "adaptive"),
 ]
 
@@ -293,7 +296,8 @@ def main() -> None:
                 f"max({sizes}, rate x {duration:g} s), at most {MAX_SIZES} (the workload's first requests)")
     setup = (f"Cost model {cost!r}; requests per evaluation {per_eval}; goodput = highest rate with >= 90% "
              f"meeting both TTFT and TPOT, bisection to {rel_tol:g} relative; host KV pool {HOST_KV_TOKENS} "
-             f"tokens per decode instance; 4P+4D entries use least-loaded unless named; predictor modes "
+             f"tokens per decode instance; 4P+4D entries use least-loaded unless named (decode side: least-loaded, "
+             f"except adaptive decode's own tpot-aware and the entry that names it); predictor modes "
              f"{list(run_modes)}; workload seed {args.seed}.")
     wl_rows = [{"workload": w.name, "requests": w.description, "slo_rule": w.slo_rule} for w in workloads]
     detail_rows = [{"metric": k, "value": _fmt(d["value"]), "where": d["where"] or "-", "cells": d["cells"]}

@@ -16,7 +16,8 @@ A decode policy gets ``N`` prefilled requests (KV transferred, first token out) 
 decode steps; its device KV holds all of them (the scheduler really holds ``N``; 256-token blocks
 keep the block lists small), AlignedServe's host pool likewise. A router routes ``STEPS`` arrivals
 over 4 prefill instances (FCFS; LAPS in spatial mode for ``laps-pools``) that hold ``N`` queued
-requests between them.
+requests between them, and ``STEPS`` finished prefills over 4 continuous-batching decode instances
+that hold ``N`` requests between them (event ``route_decode``).
 
 Policies: every registry name, aliases with the same options counted once (``--list`` prints them).
 ``metrics.worst_mean_decision_ms_10k`` / ``worst_max_decision_ms_10k``: the largest mean / max over
@@ -232,7 +233,30 @@ def run_router(spec: str, n: int, steps: int, cost) -> Clock:
         i = clock.time("route", router.route, req, instances, req.arrival_time)
         instances[i].scheduler.add_request(req, req.arrival_time)
     gc.unfreeze()
+    route_decode(spec, n, steps, cost, clock)
     return clock
+
+
+def route_decode(spec: str, n: int, steps: int, cost, clock: Clock) -> None:
+    """The decode side: finished prefills placed on 4 continuous-batching decode instances that
+    hold ``n`` requests between them (event ``route_decode``); a router that predicts step times
+    (``tpot-aware``) reads the run's cost model."""
+    instances = [SimInstance(NUM_ROUTED_INSTANCES + i, "decode",
+                             registry.make("decode", "continuous", KVCacheManager(1, DECODE_BLOCK)))
+                 for i in range(NUM_ROUTED_INSTANCES)]
+    router = registry.make("router", spec)
+    if getattr(router, "reads_step_times", False):
+        router.bind_cost_model(cost)
+    fill = requests(n, seed=2, rate=n / FILL_SECONDS)
+    live = requests(steps, seed=3, rate=LIVE_RATE, start=FILL_SECONDS, first_id=n)
+    for req in fill:                          # held without KV: the routers read requests, not blocks
+        instances[router.route(req, instances, req.arrival_time)].scheduler.add_request(req, req.arrival_time)
+    gc.collect()
+    gc.freeze()
+    for req in live:
+        i = clock.time("route_decode", router.route, req, instances, req.arrival_time)
+        instances[i].scheduler.add_request(req, req.arrival_time)
+    gc.unfreeze()
 
 
 RUNNERS = {"prefill": run_prefill, "decode": run_decode, "router": run_router}

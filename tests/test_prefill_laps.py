@@ -574,3 +574,23 @@ def test_pool_router_does_not_starve_a_pool_on_a_bursty_short_long_mix():
     assert res.requests and {r.prefill_instance for r in res.requests} == {0, 1, 2, 3}
     assert pools >= ll - 0.01
     assert literal < pools - 0.05
+
+
+def test_pool_router_places_decode_instances_as_least_loaded():
+    """Given as the decode router, ``laps-pools`` keeps no pools of decode instances and tags no
+    lane: it places each finished prefill where least-loaded would."""
+    from dataclasses import replace as dc_replace
+    from laneserve.policies.routing import LeastLoadedRouter
+    specs = [RequestSpec(i, i * 0.05, 4000 if i % 5 == 0 else 300, 40) for i in range(120)]
+    base = ClusterConfig(num_prefill=2, num_decode=3)
+    runs = {}
+    for name in ("least-loaded", "laps-pools"):
+        res = Simulator(dc_replace(base, decode_router=name), LinearCostModel()).run(specs)
+        runs[name] = [(r.request_id, r.decode_instance, r.times.finished) for r in res.requests]
+        assert len({d for _, d, _ in runs[name]}) == 3
+    assert runs["laps-pools"] == runs["least-loaded"]
+    router, ll = LapsPoolRouter(), LeastLoadedRouter()
+    req = Request.from_spec(RequestSpec(0, 0.0, 5000, 4))
+    decoders = Simulator(base, LinearCostModel())._make_instances()[1]
+    assert router.route(req, decoders, 0.0) == ll.route(req, decoders, 0.0)
+    assert router.pools == {} and req.policy_state.lane is None

@@ -64,6 +64,9 @@ CONFIGS = {
     "recompute pressure": replace(B44, num_decode=2, decode_kv_tokens=9_000,
                                   decode_opts={"preemption": "recompute"}),
     "token times": replace(BASE, num_decode=2, record_token_times=True),
+    # the tpot-aware decode router reads every decode instance's contexts and last step mid-run
+    "adaptive (tpot-aware decode router)": replace(B44, prefill_policy="adaptive", decode_policy="adaptive"),
+    "fcfs, tpot-aware decode router, oracle": replace(B44, decode_router="tpot-aware", predictor="oracle"),
 }
 
 

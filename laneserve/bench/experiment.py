@@ -12,6 +12,7 @@ from laneserve.bench.metrics import summarize
 from laneserve.bench.search import SearchResult, goodput_search, slo_scale_search
 from laneserve.costmodel.base import CostModel
 from laneserve.sim import ClusterConfig, Simulator
+from laneserve.sim.config import decode_router_name
 from laneserve.workloads import Workload
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ def validate(config: ClusterConfig, cost: CostModel) -> None:
     from laneserve.policies import registry
     Simulator(config, cost)._make_instances()
     registry.make("router", config.router)
-    registry.make("router", config.decode_router)
+    registry.make("router", decode_router_name(config))
 
 
 def run_point(workload: Workload, config: ClusterConfig, cost: CostModel, *, rate: float | None = None,

@@ -76,6 +76,7 @@ class Entry:
     shapes: tuple[str, ...] = tuple(SHAPES)
     paper: str = ""
     reference: str | None = None
+    decode_router: str | None = None      # None: the run's default ("auto")
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -83,8 +84,10 @@ class Entry:
 
     @property
     def name(self) -> str:
-        base = f"{self.prefill}+{self.decode}"
-        return f"{base}@{self.router}" if self.router else base
+        name = f"{self.prefill}+{self.decode}"
+        if self.router:
+            name += f"@{self.router}"
+        return name + f"@decode={self.decode_router}" if self.decode_router else name
 
 
 @dataclass(slots=True)
@@ -131,7 +134,8 @@ def entry_config(entry: Entry, shape: str, workload: LeagueWorkload, mode: str, 
     n_prefill, n_decode = SHAPES[shape]
     cfg = ClusterConfig(num_prefill=n_prefill, num_decode=n_decode, prefill_policy=entry.prefill,
                         decode_policy=entry.decode, router=entry.router or DEFAULT_ROUTER,
-                        host_kv_tokens=host_kv_tokens, prefill_opts=dict(workload.prefill_opts))
+                        host_kv_tokens=host_kv_tokens, prefill_opts=dict(workload.prefill_opts),
+                        decode_router=entry.decode_router or "auto")
     return cfg if mode == "default" else replace(cfg, predictor=mode)
 
 

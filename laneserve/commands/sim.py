@@ -47,7 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--prefill", type=int, default=1, help="prefill instances (or colocated instances)")
     c.add_argument("--decode", type=int, default=1, help="decode instances")
     c.add_argument("--router", default="round-robin", help="prefill router")
-    c.add_argument("--decode-router", default="least-loaded", help="decode router")
+    c.add_argument("--decode-router", default="auto",
+                   help="decode router (auto: the decode policy's own, adaptive -> tpot-aware; else least-loaded)")
     c.add_argument("--host-kv-tokens", type=int, default=0,
                    help="host KV pool per decode instance (default 0: none, except AlignedServe, which "
                         "gets 250 GB of host memory per GPU: 2 TB / 8 GPUs of a DGX H100)")

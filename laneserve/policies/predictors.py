@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from laneserve.core.plan import StepPlan
-from laneserve.costmodel.fitted import FittedCostModel, LinearStepModel, decode_features, prefill_features
+from laneserve.costmodel.fitted import FittedCostModel, LinearStepModel, prefill_features
 from laneserve.costmodel.laps_fit import nnls
 from laneserve.costmodel.profile import synthesize_profile
 
@@ -49,6 +49,8 @@ PREDICTORS = ("online", "oracle", "profile")
 #: s/KV token, s/step)
 PRIOR_PREFILL = (1e-4, 0.0, 0.0, 0.01)
 PRIOR_DECODE = (1e-4, 5e-8, 0.01)
+#: ragged kernels: the same with the longest context's term (none in the prior)
+PRIOR_DECODE_RAGGED = (1e-4, 5e-8, 0.0, 0.01)
 _PRIOR_PREFILL_BATCHES = ([(16, 0)], [(256, 0)], [(4096, 0)], [(512, 0)] * 4, [(2048, 6144)])
 _PRIOR_DECODE_BATCHES = ([256], [2048] * 16, [512] * 128)
 PRIOR_WEIGHT = 0.05
@@ -57,6 +59,20 @@ MAX_EPOCH = 256            # observations between refits once the doubling reach
 # feature scales: keep the Gram matrix well conditioned (tokens ~1e3, query-key pairs ~1e6)
 _PREFILL_SCALE = np.array([1e3, 1e6, 1.0, 1.0])
 _DECODE_SCALE = np.array([1e2, 1e5, 1.0])
+_DECODE_SCALE_RAGGED = np.array([1e2, 1e5, 1e4, 1.0])
+
+
+def learned_decode_features(batch: int, total: int, longest: int, attention: str) -> list[float]:
+    """The online learner's decode features of a step of ``batch`` requests whose contexts sum to
+    ``total``, the longest ``longest``: :func:`~laneserve.costmodel.fitted.decode_features`, and
+    on a ragged kernel the longest context too (``(batch, kv tokens, longest, 1)``). A ragged
+    kernel reads a batch's total KV, but one request's attention runs on the blocks of its own
+    heads, so a single long context sets a floor under the step that the total alone does not
+    show (Llama-3.1-8B/H100: one 64K-token request makes a 31-request step 63 ms, 31 requests of
+    1K tokens take 10 ms)."""
+    if attention == "padded":
+        return [batch, batch * longest, 1.0]
+    return [batch, total, longest, 1.0]
 
 
 class _OnlineFit:
@@ -113,8 +129,9 @@ class LearnedCostModel(LinearStepModel):
         self.name = "learned"
         self._prefill = _OnlineFit(_PREFILL_SCALE, [(prefill_features(b, attention), _prior_prefill(b, attention))
                                                     for b in _PRIOR_PREFILL_BATCHES])
-        self._decode = _OnlineFit(_DECODE_SCALE, [(decode_features(b, attention), _prior_decode(b, attention))
-                                                  for b in _PRIOR_DECODE_BATCHES])
+        self._decode = _OnlineFit(_DECODE_SCALE if attention == "padded" else _DECODE_SCALE_RAGGED,
+                                  [(_summary_features(b, attention), _prior_decode(b, attention))
+                                   for b in _PRIOR_DECODE_BATCHES])
 
     @property
     def prefill_coef(self) -> np.ndarray:
@@ -142,9 +159,26 @@ class LearnedCostModel(LinearStepModel):
         return self._prefill.add(prefill_features(batch, self.attention), seconds)
 
     def observe_decode(self, context_lens: Sequence[int], seconds: float) -> bool:
-        if seconds <= 0 or not context_lens:
+        if not context_lens:
             return False
-        return self._decode.add(decode_features(context_lens, self.attention), seconds)
+        return self.observe_decode_summary(len(context_lens), sum(context_lens), max(context_lens), seconds)
+
+    def observe_decode_summary(self, batch: int, total: int, longest: int, seconds: float) -> bool:
+        """:meth:`observe_decode` of a step given by its request count, context sum and longest."""
+        if seconds <= 0 or batch <= 0:
+            return False
+        return self._decode.add(learned_decode_features(batch, total, longest, self.attention), seconds)
+
+    def decode_step_time(self, context_lens: Sequence[int]) -> float:
+        if not context_lens:
+            return 0.0
+        return self.decode_summary_time(len(context_lens), sum(context_lens), max(context_lens))
+
+    def decode_summary_time(self, batch: int, total: int, longest: int) -> float:
+        """A decode step of ``batch`` requests whose contexts sum to ``total``, the longest ``longest``."""
+        if batch <= 0:
+            return 0.0
+        return float(np.dot(self._decode.coef, learned_decode_features(batch, total, longest, self.attention)))
 
     def observe(self, plan: StepPlan, seconds: float) -> bool:
         """One completed step (call before the scheduler advances the counters). Left out: steps
@@ -173,8 +207,13 @@ def _prior_prefill(batch: list[tuple[int, int]], attention: str) -> float:
     return float(np.dot(PRIOR_PREFILL, prefill_features(batch, attention)))
 
 
+def _summary_features(context_lens: list[int], attention: str) -> list[float]:
+    return learned_decode_features(len(context_lens), sum(context_lens), max(context_lens), attention)
+
+
 def _prior_decode(context_lens: list[int], attention: str) -> float:
-    return float(np.dot(PRIOR_DECODE, decode_features(context_lens, attention)))
+    prior = PRIOR_DECODE if attention == "padded" else PRIOR_DECODE_RAGGED
+    return float(np.dot(prior, _summary_features(context_lens, attention)))
 
 
 class LearnedTTFT:

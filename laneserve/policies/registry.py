@@ -150,3 +150,4 @@ def _ensure_loaded() -> None:
     import laneserve.policies.colocated  # noqa: F401
     import laneserve.policies.routing  # noqa: F401
     import laneserve.policies.routing_laps  # noqa: F401
+    import laneserve.policies.routing_tpot  # noqa: F401

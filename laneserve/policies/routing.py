@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain, islice
 from typing import ClassVar, Protocol
 
 from laneserve.core.request import Request
@@ -57,6 +58,12 @@ class SchedulerLoad:
     @property
     def kv_usage(self) -> float:
         return self.scheduler.kv.usage
+
+    def decode_residents(self, limit: int | None = None) -> list[Request]:
+        """The requests the instance holds, then those it has been offered, in arrival order: the
+        first ``limit`` (decode side: what its next steps decode)."""
+        held = chain(self.scheduler.requests.values(), self._outside())
+        return list(held if limit is None else islice(held, limit))
 
     def cached_prefix(self, req: Request) -> int:
         """Prompt tokens of ``req`` this instance holds in its prefix cache (0 without one)."""

@@ -15,6 +15,8 @@ re-prefill lands wherever the load is lowest and loses its cached history. A req
 short by a history that only a long-pool instance holds would be a long prefill on the short
 instance it is routed to, so it goes to the long pool instead. The router is called on
 every arrival with ``now``; when a control period has elapsed it first runs the controller.
+Given decode instances (``--decode-router laps-pools``) it places as least-loaded does: the pools
+are of prefill instances.
 
 Per-instance signals over the last period (our concrete reading of "queue, SLA deviation,
 utilisation"; all dimensionless so the two pools compare):
@@ -74,7 +76,7 @@ from laneserve.core.request import Phase, Request
 from laneserve.policies.prefill.laps_lanes import LONG, SHORT
 from laneserve.policies.options import PolicyOptions, above, at_least, option_error, within
 from laneserve.policies.registry import register
-from laneserve.policies.routing import InstanceLoad, Router, affinity_candidates, cached_prefix
+from laneserve.policies.routing import InstanceLoad, LeastLoadedRouter, Router, affinity_candidates, cached_prefix
 
 
 def p90(values: Sequence[float], q: float = 0.9) -> float:
@@ -210,6 +212,7 @@ class LapsPoolRouter(Router):
         self.history: list[dict] = []             # per period: pressures and pool sizes
         self._last_pick: dict[int, int] = {}
         self._picks = 0
+        self._decode_side = LeastLoadedRouter()
 
     # ---- routing -------------------------------------------------------------------------
     def classify(self, req: Request, instances: Sequence[InstanceLoad] = ()) -> str:
@@ -225,6 +228,8 @@ class LapsPoolRouter(Router):
         return SHORT if req.prompt_len - cached < self.boundary else LONG
 
     def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
+        if instances and instances[0].role == "decode":      # the pools are of prefill instances
+            return self._decode_side.pick(instances, self._candidates(instances))
         if not self.pools:
             self._init_pools(instances)
         if self.last_tick is None:

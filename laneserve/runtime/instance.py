@@ -53,6 +53,10 @@ class Instance(SchedulerLoad):
         self.steps = 0
         self.busy_time = 0.0
         self.preemptions = 0                            # steps stopped at an operator boundary
+        #: kept only when a router asks (``record_decode``): the last completed pure decode step
+        #: as (requests, context sum, longest context, seconds), a new tuple for each such step
+        self.record_decode = False
+        self.last_decode: tuple[int, int, int, float] | None = None
 
     # ---- load figures ----------------------------------------------------------------------
     def _outside(self) -> list[Request]:
@@ -77,8 +81,12 @@ class Instance(SchedulerLoad):
         self.busy_time += duration
         if not result.completed:
             self.preemptions += 1
-        elif self.learner is not None:
-            self.learner.observe(plan, duration)
+        else:
+            if self.learner is not None:
+                self.learner.observe(plan, duration)
+            if self.record_decode and plan.decodes and not (plan.prefills or plan.swap_in or plan.swap_out):
+                ctx = [r.context_len for r in plan.decodes]
+                self.last_decode = (len(ctx), sum(ctx), max(ctx), duration)
         return self.scheduler.update(plan, result, now)
 
     # ---- events ----------------------------------------------------------------------------

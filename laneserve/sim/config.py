@@ -23,7 +23,9 @@ class ClusterConfig:
     decode_policy: str = "continuous"
     colocated_policy: str = "colocated"
     router: str = "round-robin"          # arrivals -> prefill (or colocated) instances
-    decode_router: str = "least-loaded"  # finished prefills -> decode instances
+    #: finished prefills -> decode instances; "auto": the decode policy's own
+    #: (``preferred_decode_router``: adaptive -> tpot-aware), else least-loaded
+    decode_router: str = "auto"
     #: KV capacity per instance in tokens; None derives it from the cost model's memory
     prefill_kv_tokens: int | None = None
     decode_kv_tokens: int | None = None
@@ -91,6 +93,15 @@ def default_host_kv_tokens(cost_model: Any) -> int:
     if not per_token:
         return 1 << 22
     return int(HOST_BYTES_PER_GPU * getattr(cost_model, "tp", 1) / per_token)
+
+
+def decode_router_name(config: ClusterConfig) -> str:
+    """The decode router a run uses: ``config.decode_router``, with "auto" resolved."""
+    if config.decode_router != "auto":
+        return config.decode_router
+    from laneserve.policies import registry
+    policy = registry.resolve("decode", config.decode_policy)[0]
+    return getattr(policy, "preferred_decode_router", None) or "least-loaded"
 
 
 def context_limit(config: ClusterConfig, cost_model: Any) -> int | None:

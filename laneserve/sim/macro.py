@@ -199,6 +199,9 @@ class DecodeRun:
             if times.token_times is not None:
                 times.token_times.extend(ends[a + 1:done + 1])
         inst = self.inst
+        if inst.record_decode:          # the last step counted, as Instance.end_step records it
+            b, k = len(self.batch), done - 1
+            inst.last_decode = (b, self.total + b * k, self.longest + k, gaps[-1])
         inst.steps += m
         inst.busy_time = reduce(add, gaps, inst.busy_time)   # the loop's float sums, in order
         inst.step_start = last

@@ -31,7 +31,8 @@ from laneserve.policies import registry
 from laneserve.policies.base import InstanceScheduler
 from laneserve.runtime import Instance
 from laneserve.policies.predictors import PredictorSource
-from laneserve.sim.config import ClusterConfig, context_limit, default_host_kv_tokens, kv_capacity_tokens
+from laneserve.sim.config import (ClusterConfig, context_limit, decode_router_name, default_host_kv_tokens,
+                                  kv_capacity_tokens)
 from laneserve.sim.executor import SimExecutor
 from laneserve.sim.macro import DecodeRun, stable_decode_plan
 
@@ -112,7 +113,7 @@ class Simulator:
         cfg = self.config
         default_tokens = kv_capacity_tokens(self.cost, cfg.gpu_memory_utilization)
         bs = cfg.block_size
-        predictors = PredictorSource(cfg.predictor, self.cost)
+        predictors = self.predictors = PredictorSource(cfg.predictor, self.cost)
 
         def kv(tokens: int | None) -> KVCacheManager:
             # no forks and no prefix caching in the simulator's managers (its prefix cache is a
@@ -169,7 +170,12 @@ class Simulator:
         front, back = self._make_instances()
         self.front, self.back = front, back
         router = registry.make("router", cfg.router)
-        decode_router = registry.make("router", cfg.decode_router)
+        decode_router = registry.make("router", decode_router_name(cfg))
+        reads_contexts = getattr(decode_router, "reads_step_times", False)
+        if reads_contexts:                   # the router predicts step times: give it the predictor
+            decode_router.bind_cost_model(*self.predictors.for_instance())
+            for inst in back:
+                inst.record_decode = True
         executor, cost, link = self.executor, self.cost, cfg.kv_link
         limit = context_limit(cfg, cost)
         macro = self.macro_steps
@@ -313,8 +319,8 @@ class Simulator:
                 for req in outcome.prefilled:
                     req.phase = Phase.TRANSFERRING
                     for dec in back:               # the router reads their memory as of now
-                        if dec.run is not None:
-                            dec.run.grow(now)
+                        if dec.run is not None:    # (and, reading contexts, their counters)
+                            dec.run.sync(now) if reads_contexts else dec.run.grow(now)
                     dec = back[decode_router.route(req, back, now)]
                     req.decode_instance = dec.instance_id
                     dec_run = dec.run

@@ -27,6 +27,11 @@ steps). Three mechanisms compose:
    simulator runs as one event).
 3. Memory admission, growth and preemption are continuous batching's (swap to the host pool when
    there is one, else recompute).
+4. **Placement** (``preferred_decode_router``): with ``decode_router="auto"`` (the simulator's and
+   ``laneserve sim``'s default) finished prefills reach adaptive decode instances through the
+   ``tpot-aware`` router (:mod:`laneserve.policies.routing_tpot`), which keeps long contexts from
+   joining the steps of short requests whose TPOT they would break. On the league's Kairos
+   workload (Mooncake lengths, 4P+4D) that, not prefill order, bounds goodput.
 
 The Kairos selector is a :class:`~.kairos.KairosDecode` used only for its ``select`` rule and its
 table; it holds no requests.
@@ -60,6 +65,9 @@ class AdaptiveDecodeOptions(AlignedServeOptions):
 class AdaptiveDecode(AlignedServeDecode):
     name = "adaptive"
     needs_host_pool = False          # aligns only with a host pool the user gives (--host-kv-tokens)
+    #: the decode router of ``decode_router="auto"``: placement that keeps long contexts from
+    #: slowing short requests' steps (laneserve.policies.routing_tpot)
+    preferred_decode_router = "tpot-aware"
 
     Options = AdaptiveDecodeOptions
     options: AdaptiveDecodeOptions
