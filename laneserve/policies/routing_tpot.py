@@ -79,7 +79,7 @@ class TpotAwareRouter(Router):
 
     def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
         live = self._candidates(instances)
-        if self.model is None or instances[live[0]].role != "decode":
+        if self.model is None or len(live) == 1 or instances[live[0]].role != "decode":
             return self.fallback.pick(instances, live)
         if self.learner is not None:
             self._observe(instances)
