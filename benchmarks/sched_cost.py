@@ -221,40 +221,38 @@ def run_router(spec: str, n: int, steps: int, cost) -> Clock:
     tokens = kv_capacity_tokens(cost, 0.9)
     instances = [SimInstance(i, "prefill", registry.make("prefill", policy, KVCacheManager(blocks_for(tokens, 16), 16)))
                  for i in range(NUM_ROUTED_INSTANCES)]
-    router = registry.make("router", spec)
-    fill = requests(n, seed=0, rate=n / FILL_SECONDS)
-    live = requests(steps, seed=1, rate=LIVE_RATE, start=FILL_SECONDS, first_id=n)
     clock = Clock()
-    for req in fill:                          # untimed, but routed by the router under test
-        instances[router.route(req, instances, req.arrival_time)].scheduler.add_request(req, req.arrival_time)
-    gc.collect()
-    gc.freeze()
-    for req in live:
-        i = clock.time("route", router.route, req, instances, req.arrival_time)
-        instances[i].scheduler.add_request(req, req.arrival_time)
-    gc.unfreeze()
+    timed_routes(registry.make("router", spec), instances, n, steps, (0, 1), "route", clock)
     route_decode(spec, n, steps, cost, clock)
     return clock
 
 
 def route_decode(spec: str, n: int, steps: int, cost, clock: Clock) -> None:
     """The decode side: finished prefills placed on 4 continuous-batching decode instances that
-    hold ``n`` requests between them (event ``route_decode``); a router that predicts step times
-    (``tpot-aware``) reads the run's cost model."""
+    hold ``n`` requests between them (event ``route_decode``; held without KV: the routers read
+    requests, not blocks); a router that predicts step times (``tpot-aware``) reads the run's
+    cost model."""
     instances = [SimInstance(NUM_ROUTED_INSTANCES + i, "decode",
                              registry.make("decode", "continuous", KVCacheManager(1, DECODE_BLOCK)))
                  for i in range(NUM_ROUTED_INSTANCES)]
     router = registry.make("router", spec)
     if getattr(router, "reads_step_times", False):
         router.bind_cost_model(cost)
-    fill = requests(n, seed=2, rate=n / FILL_SECONDS)
-    live = requests(steps, seed=3, rate=LIVE_RATE, start=FILL_SECONDS, first_id=n)
-    for req in fill:                          # held without KV: the routers read requests, not blocks
+    timed_routes(router, instances, n, steps, (2, 3), "route_decode", clock)
+
+
+def timed_routes(router, instances: list, n: int, steps: int, seeds: tuple[int, int], event: str,
+                 clock: Clock) -> None:
+    """``n`` requests routed untimed (by the router under test) to fill ``instances``, then
+    ``steps`` more timed as ``event``; each lands in the chosen instance's scheduler."""
+    fill = requests(n, seed=seeds[0], rate=n / FILL_SECONDS)
+    live = requests(steps, seed=seeds[1], rate=LIVE_RATE, start=FILL_SECONDS, first_id=n)
+    for req in fill:
         instances[router.route(req, instances, req.arrival_time)].scheduler.add_request(req, req.arrival_time)
     gc.collect()
     gc.freeze()
     for req in live:
-        i = clock.time("route_decode", router.route, req, instances, req.arrival_time)
+        i = clock.time(event, router.route, req, instances, req.arrival_time)
         instances[i].scheduler.add_request(req, req.arrival_time)
     gc.unfreeze()
 
