@@ -22,8 +22,9 @@ least squares of relative error over a running Gram matrix (O(1) per observation
 epochs — after observation 1, 2, 4, 8, … then every :data:`MAX_EPOCH` — so the amortised cost per
 step stays O(1). Before any observation it predicts the prior: a deliberately conservative linear
 model (prefill 10 ms + 0.1 ms per token, i.e. 10K tokens/s; decode 10 ms + 0.1 ms per request +
-50 ns per KV token), a few pseudo-samples of which stay in the fit with weight
-:data:`PRIOR_WEIGHT` each (they only decide directions the observations do not span).
+50 ns per KV token; on a ragged kernel the decode model also has a term in the longest context,
+:func:`learned_decode_features`, which the prior leaves at 0), a few pseudo-samples of which stay
+in the fit with weight :data:`PRIOR_WEIGHT` each (they only decide directions the observations do not span).
 ``prefill_version`` / ``decode_version`` count the refits; policies that cache predictions rebuild
 when they change.
 """
