@@ -21,6 +21,17 @@ def test_sim_cli_writes_report(tmp_path, capsys):
     assert "| policy" in (out / "sim.md").read_text()
 
 
+def test_sim_cli_says_which_decode_router_auto_chose(tmp_path, capsys):
+    rc = main(["sim", "--num-requests", "100", "--rates", "5", "--no-progress", "--jobs", "1", "--decode", "2",
+               "--policies", "adaptive+adaptive,fcfs+continuous", "--output", str(tmp_path / "o")])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "decode router (auto): adaptive+adaptive -> tpot-aware, fcfs+continuous -> least-loaded" in err
+    rc = main(["sim", "--num-requests", "100", "--rates", "5", "--no-progress", "--jobs", "1", "--decode", "2",
+               "--policies", "adaptive+adaptive", "--decode-router", "least-loaded", "--output", str(tmp_path / "p")])
+    assert rc == 0 and "decode router (auto)" not in capsys.readouterr().err
+
+
 def test_sim_cli_trace_and_colocated(tmp_path):
     trace = tmp_path / "t.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"

@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from laneserve.bench.report import format_console_table, write_report
     from laneserve.costmodel import make_cost_model
     from laneserve.sim import ClusterConfig
+    from laneserve.sim.config import decode_router_name
     from laneserve.workloads import IdleLatencySLO
 
     try:
@@ -173,6 +174,11 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"workload: {wl.name}, {len(wl)} requests, native rate {wl.mean_rate:.2f} req/s; "
           f"cost model: {cost!r}; predictor: {args.predictor}", file=sys.stderr)
+    if args.decode_router == "auto" and base.mode == "disaggregated":
+        routers = {spec: decode_router_name(config) for spec, config in policies.items()
+                   if config.mode == "disaggregated"}
+        print("decode router (auto): " + ", ".join(f"{spec} -> {name}" for spec, name in routers.items()),
+              file=sys.stderr)
     t0 = time.perf_counter()
     bar = progress_bar(total=len(policies) * len(rates), desc=f"simulating ({jobs if args.ray_address else f'{jobs} jobs'})",
                        enabled=False if args.no_progress else None)
