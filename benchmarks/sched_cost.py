@@ -236,7 +236,7 @@ def route_decode(spec: str, n: int, steps: int, cost, clock: Clock) -> None:
                              registry.make("decode", "continuous", KVCacheManager(1, DECODE_BLOCK)))
                  for i in range(NUM_ROUTED_INSTANCES)]
     router = registry.make("router", spec)
-    if getattr(router, "reads_step_times", False):
+    if router.reads_step_times:
         router.bind_cost_model(cost)
     timed_routes(router, instances, n, steps, (2, 3), "route_decode", clock)
 

@@ -12,7 +12,8 @@ from laneserve.costmodel import make_cost_model
 from laneserve.policies import registry
 from laneserve.policies.predictors import LearnedCostModel
 from laneserve.policies.routing import LeastLoadedRouter
-from laneserve.policies.routing_tpot import TpotAwareRouter, summary_step_time
+from laneserve.costmodel.base import decode_summary_time as summary_step_time
+from laneserve.policies.routing_tpot import TpotAwareRouter
 from laneserve.sim import ClusterConfig, Simulator
 from laneserve.sim.config import decode_router_name
 from laneserve.workloads import make_workload

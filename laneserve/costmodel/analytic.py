@@ -339,9 +339,14 @@ class AnalyticCostModel:
     def decode_step_time(self, context_lens: Sequence[int]) -> float:
         if not context_lens:
             return 0.0
-        batch = len(context_lens)
-        return self._step_time(batch, self._decode_attention(batch)(sum(context_lens), max(context_lens)),
-                               batch)
+        return self.decode_summary_time(len(context_lens), sum(context_lens), max(context_lens))
+
+    def decode_summary_time(self, batch: int, total: int, longest: int) -> float:
+        """:meth:`decode_step_time` of ``batch`` requests whose contexts sum to ``total``, the
+        longest ``longest`` (all it reads of a decode batch)."""
+        if batch <= 0:
+            return 0.0
+        return self._step_time(batch, self._decode_attention(batch)(total, longest), batch)
 
     def decode_step_times(self, batch: int, total: int, longest: int, steps: int) -> list[float]:
         """:meth:`decode_step_time` of ``steps`` consecutive steps of the same ``batch`` requests,

@@ -63,3 +63,23 @@ def graphed_prefill_time(cost: CostModel, batch: PrefillBatch) -> float:
     fn = getattr(cost, "graphed_prefill_time", None)
     return fn(batch) if fn is not None else cost.prefill_time(batch)
 
+
+
+def contexts(n: int, total: int, longest: int) -> list[int]:
+    """``n`` context lengths that sum to ``total``, the longest ``longest``: a batch that every
+    cost model charges like any batch with these three figures (the models read a decode batch
+    through its size, total and longest context only)."""
+    if n == 1:
+        return [total]
+    q, r = divmod(total - longest, n - 1)
+    return [longest] + [q + 1] * r + [q] * (n - 1 - r)
+
+
+def decode_summary_time(cost: CostModel, n: int, total: int, longest: int) -> float:
+    """Duration of a decode step of ``n`` requests whose contexts sum to ``total``, the longest
+    ``longest``. A cost model that can say so from the three figures implements
+    ``decode_summary_time``; for the others it is ``decode_step_time`` of :func:`contexts`."""
+    if n <= 0:
+        return 0.0
+    fn = getattr(cost, "decode_summary_time", None)
+    return fn(n, total, longest) if fn is not None else cost.decode_step_time(contexts(n, total, longest))

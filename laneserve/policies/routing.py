@@ -85,9 +85,18 @@ class Router:
     def __init__(self, options: PolicyOptions | None = None, **opts) -> None:
         self.options = build_options(type(self).Options, options, opts)
 
+    #: the router predicts decode step times: a driver binds the run's predictor to it
+    #: (:meth:`bind_cost_model`) and has its decode instances record their last completed decode
+    #: step (``Instance.last_decode``)
+    reads_step_times: ClassVar[bool] = False
+
     def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
         """Index into ``instances`` of the chosen one."""
         raise NotImplementedError
+
+    def bind_cost_model(self, model, learner=None) -> None:
+        """The model a router that ``reads_step_times`` predicts with, and (online) the learner it
+        feeds with observed steps; others ignore it."""
 
     @staticmethod
     def _candidates(instances: Sequence[InstanceLoad]) -> list[int]:

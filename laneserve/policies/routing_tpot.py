@@ -37,32 +37,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from laneserve.core.request import Request
+from laneserve.costmodel.base import decode_summary_time
 from laneserve.policies.options import PolicyOptions
 from laneserve.policies.registry import register
 from laneserve.policies.routing import InstanceLoad, LeastLoadedRouter, Router
-
-
-def summary_step_time(model: Any, batch: int, total: int, longest: int) -> float:
-    """``model``'s decode step of ``batch`` requests whose contexts sum to ``total``, the longest
-    ``longest``: its ``decode_summary_time`` when it has one, else its ``decode_step_time`` of a
-    batch with that count, sum and longest."""
-    if batch <= 0:
-        return 0.0
-    exact = getattr(model, "decode_summary_time", None)
-    if exact is not None:
-        return exact(batch, total, longest)
-    if batch == 1:
-        return model.decode_step_time([longest])
-    rest, extra = divmod(total - longest, batch - 1)
-    return model.decode_step_time([longest] + [rest + 1] * extra + [rest] * (batch - 1 - extra))
 
 
 @register("router", "tpot-aware")
 class TpotAwareRouter(Router):
     name = "tpot-aware"
     Options = PolicyOptions
-    #: the simulator records each decode instance's last step (``Instance.last_decode``) and binds
-    #: the run's predictor to a router that declares this
     reads_step_times = True
 
     def __init__(self, options: PolicyOptions | None = None, **opts) -> None:
@@ -74,7 +58,6 @@ class TpotAwareRouter(Router):
         self.narrowed = 0           # decode placements where some accepting instance was ruled out
 
     def bind_cost_model(self, model: Any, learner: Any = None) -> None:
-        """The model predictions come from, and (online) the learner to feed with observed steps."""
         self.model, self.learner = model, learner
 
     def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
@@ -90,12 +73,12 @@ class TpotAwareRouter(Router):
             inst = instances[i]
             residents = inst.decode_residents(getattr(getattr(inst, "scheduler", None), "max_batch_size", None))
             if not residents:
-                keys[i] = (0, summary_step_time(model, 1, length, length) > target)
+                keys[i] = (0, decode_summary_time(model, 1, length, length) > target)
                 continue
             contexts = [r.context_len for r in residents]
             n, total, longest = len(contexts), sum(contexts), max(contexts)
-            before = summary_step_time(model, n, total, longest)
-            after = summary_step_time(model, n + 1, total + length, max(longest, length))
+            before = decode_summary_time(model, n, total, longest)
+            after = decode_summary_time(model, n + 1, total + length, max(longest, length))
             broken = 0
             if after > before:
                 for r in residents:

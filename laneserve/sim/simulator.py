@@ -171,7 +171,7 @@ class Simulator:
         self.front, self.back = front, back
         router = registry.make("router", cfg.router)
         decode_router = registry.make("router", decode_router_name(cfg))
-        reads_contexts = getattr(decode_router, "reads_step_times", False)
+        reads_contexts = decode_router.reads_step_times
         if reads_contexts:                   # the router predicts step times: give it the predictor
             decode_router.bind_cost_model(*self.predictors.for_instance())
             for inst in back:
@@ -319,8 +319,12 @@ class Simulator:
                 for req in outcome.prefilled:
                     req.phase = Phase.TRANSFERRING
                     for dec in back:               # the router reads their memory as of now
-                        if dec.run is not None:    # (and, reading contexts, their counters)
-                            dec.run.sync(now) if reads_contexts else dec.run.grow(now)
+                        if dec.run is None:
+                            continue
+                        if reads_contexts:         # (and, reading contexts, their counters)
+                            dec.run.sync(now)
+                        else:
+                            dec.run.grow(now)
                     dec = back[decode_router.route(req, back, now)]
                     req.decode_instance = dec.instance_id
                     dec_run = dec.run

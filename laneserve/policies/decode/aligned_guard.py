@@ -9,18 +9,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from laneserve.core.kv import blocks_for
+from laneserve.costmodel.base import contexts  # noqa: F401  (re-exported: the guard's batches)
 from laneserve.core.request import Request
 from laneserve.core.sorted_keys import SortedKeys
-
-
-def contexts(n: int, total: int, longest: int) -> list[int]:
-    """``n`` context lengths that sum to ``total``, the longest ``longest``: a batch that every
-    cost model charges like any batch with these three figures (the models read a decode batch
-    through its size, total and longest context only)."""
-    if n == 1:
-        return [total]
-    q, r = divmod(total - longest, n - 1)
-    return [longest] + [q + 1] * r + [q] * (n - 1 - r)
 
 
 @dataclass(slots=True)

@@ -70,7 +70,8 @@ from laneserve.core.kv import HostKVPool, KVCacheManager, blocks_for
 from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Phase, Request
 from laneserve.policies.base import StepOutcome
-from laneserve.policies.decode.aligned_guard import HeldFigures, contexts
+from laneserve.costmodel.base import decode_summary_time
+from laneserve.policies.decode.aligned_guard import HeldFigures
 from laneserve.policies.decode.aligned_prefetch import PrefetchStager
 from laneserve.policies.decode.aligned_stats import AlignedBatch, AlignedStats
 from laneserve.policies.decode.base import DecodeOptions, DecodeScheduler
@@ -197,7 +198,7 @@ class AlignedServeDecode(DecodeScheduler):
                 return None
             size, seconds = self._last_step
             return seconds * max(1.0, n / size)
-        return self._cost_model.decode_step_time(contexts(n, total, longest))
+        return decode_summary_time(self._cost_model, n, total, longest)
 
     def _alignment_pays(self) -> bool:
         """The guard (issue 18): align only where the predicted step-time saving is real and
