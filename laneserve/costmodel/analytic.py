@@ -339,7 +339,9 @@ class AnalyticCostModel:
     def decode_step_time(self, context_lens: Sequence[int]) -> float:
         if not context_lens:
             return 0.0
-        return self.decode_summary_time(len(context_lens), sum(context_lens), max(context_lens))
+        batch = len(context_lens)     # (decode_summary_time's formula, inline: a hot path)
+        return self._step_time(batch, self._decode_attention(batch)(sum(context_lens), max(context_lens)),
+                               batch)
 
     def decode_summary_time(self, batch: int, total: int, longest: int) -> float:
         """:meth:`decode_step_time` of ``batch`` requests whose contexts sum to ``total``, the
