@@ -157,6 +157,72 @@ def test_adaptive_decode_aligning_by_default_changes_nothing_on_a_ragged_kernel(
     assert make("decode", "adaptive", KVCacheManager(1000), host_pool=HostKVPool(4000)).can_align
 
 
+# ---- intake of offered KV transfers when decode memory binds ------------------------------------------------
+def _offer(i, first_token, prompt=600):
+    req = Request(i, first_token - 0.1, prompt, 50, SLO(1.0, 0.05))
+    req.num_computed_tokens, req.num_output_tokens = prompt, 1
+    req.times.first_token = first_token
+    return req
+
+
+def _finished(i, n=11, per_token=0.01):
+    req = Request(1000 + i, 0.0, 100, n, SLO(1.0, 0.05))
+    req.num_output_tokens, req.finish_reason = n, "length"
+    req.times.first_token = req.times.decode_start = 0.0
+    req.times.finished = per_token * (n - 1)
+    return req
+
+
+def _taken(policy, now, history=(), times=(0.0, 1.0, 2.0)):
+    """Ids the decode instance takes in at ``now`` from three offers made at ``times`` (room for two)."""
+    from laneserve.runtime import Instance
+    sched = make("decode", policy, KVCacheManager(80, 16))       # 1280 tokens: two 601-token contexts
+    for req in history:
+        sched.intake.finished(req)
+    inst = Instance(0, sched)
+    for i, t in enumerate(times):
+        inst.offer_kv(_offer(i, t))
+    return [req.request_id for req, _ in inst.admit_kv(now)]
+
+
+def test_adaptive_decode_takes_the_newest_offer_once_the_oldest_is_past_its_allowance():
+    short = [_finished(i) for i in range(20)]       # 11 tokens at 10 ms: allowance (11 - 1) x (50 - 10) ms = 0.4 s
+    assert _taken("continuous", 3.0) == [0, 1]                            # vLLM's order
+    assert _taken("adaptive", 3.0) == [0, 1]                              # nothing finished yet: oldest first
+    assert _taken("adaptive", 0.3, short, times=(0.0, 0.1, 0.2)) == [0, 1]   # waited 0.3 s < 0.4 s
+    assert _taken("adaptive", 3.0, short) == [2, 1]                       # the oldest waited 3 s > 0.4 s
+    assert _taken("adaptive:intake=oldest", 3.0, short) == [0, 1]
+    assert _taken("adaptive:max_offer_wait=2.5", 3.0, short) == [0, 2]   # the bound: waited 3 s >= 2.5 s
+    long = [_finished(i, n=400) for i in range(20)]   # allowance 399 x 40 ms = 16 s: still oldest first
+    assert _taken("adaptive", 3.0, long) == [0, 1]
+    with pytest.raises(ValueError, match="intake"):
+        make("decode", "adaptive:intake=lifo", KVCacheManager(80, 16))
+
+
+def _memory_bound(policy, rate):
+    specs = specs_of(chat(300, seed=5), rate=rate, seed=5, tpot=0.05, out=(10, 120))
+    res = Simulator(ClusterConfig(num_prefill=2, decode_policy=policy, decode_kv_tokens=20_000), COST).run(specs)
+    assert res.unfinished == 0                      # no offer starves for good
+    waits = [r.times.transfer_start - r.times.prefill_end for r in res.requests]
+    return summarize(res.requests, duration=res.duration)["attainment_tpot"], max(waits)
+
+
+def test_adaptive_decode_intake_never_loses_to_oldest_first_when_decode_memory_binds():
+    """A short backlog (12 req/s): newest first would break targets that oldest first meets, and
+    adaptive keeps the oldest-first order; a long one (14 req/s): adaptive switches and gains."""
+    for rate in (12.0, 14.0):
+        oldest, _ = _memory_bound("adaptive:intake=oldest", rate)
+        ours, longest = _memory_bound("adaptive", rate)
+        newest, _ = _memory_bound("adaptive:intake=newest", rate)
+        assert oldest == _memory_bound("continuous", rate)[0]
+        if rate == 12.0:
+            assert newest < oldest and ours == oldest
+        else:
+            assert newest > oldest and ours > oldest
+            bounded, shorter = _memory_bound("adaptive:max_offer_wait=2", rate)
+            assert shorter < longest                 # the bound cuts the longest wait
+
+
 # ---- the composition -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lengths,rate", [(chat(300), 14.0), (bimodal(300), 20.0)],
                          ids=["chat", "bimodal"])

@@ -67,13 +67,17 @@ CONFIGS = {
     # the tpot-aware decode router reads every decode instance's contexts and last step mid-run
     "adaptive (tpot-aware decode router)": replace(B44, prefill_policy="adaptive", decode_policy="adaptive"),
     "fcfs, tpot-aware decode router, oracle": replace(B44, decode_router="tpot-aware", predictor="oracle"),
+    # adaptive decode's intake takes the newest offer once the backlog is long (seed 2 makes it switch)
+    "adaptive, decode memory binds": replace(B44, num_decode=2, prefill_policy="adaptive", decode_policy="adaptive",
+                                             decode_kv_tokens=9_000, host_kv_tokens=60_000),
 }
+SEEDS = {"adaptive, decode memory binds": (2,)}
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_macro_steps_match_the_step_by_step_loop(name):
     config = CONFIGS[name]
-    for seed in (1, 2) if config.decode_policy == "continuous" else (1,):
+    for seed in SEEDS.get(name, (1, 2) if config.decode_policy == "continuous" else (1,)):
         specs = workload(seed)
         step = fingerprint(config, specs, COST, macro=False)
         macro = fingerprint(config, specs, COST, macro=True)
@@ -86,6 +90,12 @@ def test_memory_pressure_configs_do_preempt():
     for name in ("swap pressure", "recompute pressure"):
         _, instances, *_ = fingerprint(CONFIGS[name], workload(1), COST, macro=True)
         assert sum(i["preemptions"] for i in instances) > 0, name
+
+
+def test_adaptive_intake_switches_in_its_config():
+    sim = Simulator(CONFIGS["adaptive, decode memory binds"], COST, macro_steps=True)
+    assert sim.run(workload(2)).unfinished == 0
+    assert all(inst.scheduler.intake.newest_first > 0 for inst in sim.back)
 
 
 def test_prefix_caching_matches():

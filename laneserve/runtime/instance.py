@@ -14,8 +14,9 @@ What a driver feeds in besides steps:
 - ``arrive(req, now)``: a new request enters the scheduler; ``preempt_wanted(now)`` then says
   whether the running (preemptible) step should stop at its next operator boundary.
 - ``offer_kv(req, payload)``: a prefilled request whose KV waits to come in (decode side);
-  ``admit_kv(now)`` yields, in arrival order, each one that fits now with its blocks reserved, and
-  fails (finish reason ``error``) one that can never fit this instance's memory.
+  ``admit_kv(now)`` yields each one that fits now with its blocks reserved, in the order the decode
+  policy picks (``offer_end``: the oldest first, except adaptive decode's intake rule), and fails
+  (finish reason ``error``) one that can never fit this instance's memory.
 - ``abort(rid, now)``: drops the request wherever it is here (an offered transfer too).
 
 An instance may carry a ``learner`` (:class:`~laneserve.policies.predictors.LearnedCostModel`,
@@ -107,22 +108,24 @@ class Instance(SchedulerLoad):
 
     def admit_kv(self, now: float, on_drop: Callable[[Request, Any], None] | None = None,
                  ) -> Iterator[tuple[Request, Any]]:
-        """Offered transfers that fit now, in order, with their blocks reserved (the policy decides
-        where: device or host pool); stops at the first that does not fit yet. One that can never
-        fit this instance's KV memory is dropped (``on_drop(req, payload)``: free what it holds
-        elsewhere) and finished with ``error``."""
+        """Offered transfers that fit now, with their blocks reserved (the policy decides where:
+        device or host pool), each taken from the end its policy names (``offer_end``); stops at
+        the first that does not fit yet. One that can never fit this instance's KV memory is
+        dropped (``on_drop(req, payload)``: free what it holds elsewhere) and finished with
+        ``error``."""
         sched, pending = self.scheduler, self.pending
         while pending:
-            req, payload = pending[0]
+            end = sched.offer_end(pending, now)
+            req, payload = pending[end]
             if not sched.kv.fits_ever(req.context_len + 1):
-                pending.popleft()
+                pending.popleft() if end == 0 else pending.pop()
                 if on_drop is not None:
                     on_drop(req, payload)
                 req.finish(now, "error")
                 continue
             if not sched.can_reserve(req):
                 return
-            pending.popleft()
+            pending.popleft() if end == 0 else pending.pop()
             sched.reserve(req)
             yield req, payload
 
