@@ -15,8 +15,9 @@ wake-up the policy asked for with :meth:`InstanceScheduler.next_wakeup`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from laneserve.core.kv import KVCacheManager
 from laneserve.core.plan import PrefillChunk, StepPlan, StepResult
@@ -66,6 +67,11 @@ class InstanceScheduler(ABC):
 
     @abstractmethod
     def _enqueue(self, req: Request, now: float) -> None: ...
+
+    def offer_end(self, pending: Sequence[tuple[Request, Any]], now: float) -> int:
+        """Which end of the offered KV transfers (``(request, payload)`` pairs, oldest first, never
+        empty) the instance takes in next: 0, the oldest (the default), or -1, the newest."""
+        return 0
 
     @abstractmethod
     def schedule(self, now: float) -> StepPlan | None:

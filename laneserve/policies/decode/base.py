@@ -4,9 +4,8 @@ running set, growth of block tables, and preemption by swap (host pool) or recom
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.plan import PrefillChunk, StepPlan
@@ -53,11 +52,6 @@ class DecodeScheduler(InstanceScheduler):
         self.num_preemptions = 0
 
     # ---- arrival -------------------------------------------------------------------------
-    def offer_end(self, pending: Sequence[tuple[Request, Any]], now: float) -> int:
-        """Which end of the offered transfers (``(request, payload)``, oldest first, never empty)
-        the instance takes in next: 0, the oldest (every policy's default), or -1, the newest."""
-        return 0
-
     def can_reserve(self, req: Request) -> bool:
         return self.kv.can_admit(req.request_id, req.context_len)
 
