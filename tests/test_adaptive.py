@@ -263,3 +263,29 @@ def test_engine_adaptive_greedy_tokens_equal_fcfs_and_continuous_batching():
         outs[decode] = {r.request_id: r.output_token_ids for r in done}
         assert len(outs[decode]) == len(ps)
     assert outs["adaptive"] == outs["continuous"]
+
+
+def test_engine_adaptive_intake_takes_the_newest_offer_and_loses_nothing():
+    """Decode memory for about two requests, TPOT targets no step can meet (every offer is past its
+    allowance once a request has finished): the engine's decode instance takes offers newest
+    first, every request finishes, and greedy outputs equal continuous batching's."""
+    from engine_support import prompts, tiny_checkpoint
+    from laneserve.cluster import LocalCluster
+    from laneserve.core import SamplingParams
+    from laneserve.engine import EngineConfig
+
+    path = tiny_checkpoint("qwen3")
+    ps = prompts([40, 60, 30, 70, 50, 45, 65, 35], seed=7)
+    outs, newest = {}, {}
+    for decode in ("continuous", "adaptive"):
+        reqs = [Request(i, 0.0, len(p), 12, SLO(5.0, 1e-6), prompt_token_ids=list(p),
+                        sampling=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+                for i, p in enumerate(ps)]
+        cluster = LocalCluster(path, num_prefill=2, prefill_policy="fcfs", decode_policy=decode, kv_tokens=192,
+                               config=EngineConfig(num_threads=1))
+        done = cluster.run(reqs, timeout=120)
+        outs[decode] = {r.request_id: r.output_token_ids for r in done}
+        assert len(outs[decode]) == len(ps) and all(r.finish_reason == "length" for r in done)
+        newest[decode] = getattr(cluster.decode[0].scheduler, "intake", None)
+    assert outs["adaptive"] == outs["continuous"]
+    assert newest["continuous"] is None and newest["adaptive"].newest_first > 0
