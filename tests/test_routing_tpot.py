@@ -11,7 +11,7 @@ from laneserve.core import SLO, RequestSpec
 from laneserve.costmodel import make_cost_model
 from laneserve.policies import registry
 from laneserve.policies.predictors import LearnedCostModel
-from laneserve.policies.routing import LeastLoadedRouter
+from laneserve.policies.routing import DecodeSummary, LeastLoadedRouter
 from laneserve.costmodel.base import decode_summary_time as summary_step_time
 from laneserve.policies.routing_tpot import TpotAwareRouter
 from laneserve.sim import ClusterConfig, Simulator
@@ -49,6 +49,9 @@ class FakeDecode:
 
     def decode_residents(self, limit=None) -> list:
         return list(self.residents[:limit])
+
+    def decode_summary(self) -> DecodeSummary:
+        return DecodeSummary.of(self.residents)
 
 
 def cluster() -> list[FakeDecode]:

@@ -15,6 +15,39 @@ from laneserve.policies.options import PolicyOptions, at_least, build_options, w
 from laneserve.policies.registry import register
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeSummary:
+    """A decode instance's next step, summed for a router (``tpot-aware``): how many requests,
+    their context sum and longest context, and their TPOT targets as ``(target, count)`` pairs.
+    The simulator's and the engine's instances build it from their residents; an instance process
+    sends it in its stats (``to_wire``), so the server's router reads the same figures."""
+
+    count: int = 0
+    total: int = 0
+    longest: int = 0
+    tpots: tuple[tuple[float, int], ...] = ()
+
+    @classmethod
+    def of(cls, residents: Sequence[Request]) -> DecodeSummary:
+        if not residents:
+            return cls()
+        contexts = [r.context_len for r in residents]
+        targets: dict[float, int] = {}
+        for r in residents:
+            t = r.slo.tpot
+            if t is not None:
+                targets[t] = targets.get(t, 0) + 1
+        return cls(len(contexts), sum(contexts), max(contexts), tuple(targets.items()))
+
+    def to_wire(self) -> list:
+        return [self.count, self.total, self.longest, [list(p) for p in self.tpots]]
+
+    @classmethod
+    def from_wire(cls, m) -> DecodeSummary:
+        count, total, longest, tpots = m
+        return cls(int(count), int(total), int(longest), tuple((float(t), int(n)) for t, n in tpots))
+
+
 class InstanceLoad(Protocol):
     """What a router may look at on an instance."""
 
@@ -64,6 +97,11 @@ class SchedulerLoad:
         first ``limit`` (decode side: what its next steps decode)."""
         held = chain(self.scheduler.requests.values(), self._outside())
         return list(held if limit is None else islice(held, limit))
+
+    def decode_summary(self) -> DecodeSummary:
+        """What a decode step of this instance would hold, summed (:class:`DecodeSummary`): its
+        first ``max_batch_size`` residents (:meth:`decode_residents`)."""
+        return DecodeSummary.of(self.decode_residents(getattr(self.scheduler, "max_batch_size", None)))
 
     def cached_prefix(self, req: Request) -> int:
         """Prompt tokens of ``req`` this instance holds in its prefix cache (0 without one)."""

@@ -70,21 +70,13 @@ class TpotAwareRouter(Router):
         target = req.slo.tpot if req.slo.tpot is not None else math.inf
         keys: dict[int, tuple[int, bool]] = {}
         for i in live:
-            inst = instances[i]
-            residents = inst.decode_residents(getattr(getattr(inst, "scheduler", None), "max_batch_size", None))
-            if not residents:
+            s = instances[i].decode_summary()
+            if not s.count:
                 keys[i] = (0, decode_summary_time(model, 1, length, length) > target)
                 continue
-            contexts = [r.context_len for r in residents]
-            n, total, longest = len(contexts), sum(contexts), max(contexts)
-            before = decode_summary_time(model, n, total, longest)
-            after = decode_summary_time(model, n + 1, total + length, max(longest, length))
-            broken = 0
-            if after > before:
-                for r in residents:
-                    tpot = r.slo.tpot
-                    if tpot is not None and before <= tpot < after:
-                        broken += 1
+            before = decode_summary_time(model, s.count, s.total, s.longest)
+            after = decode_summary_time(model, s.count + 1, s.total + length, max(s.longest, length))
+            broken = sum(k for tpot, k in s.tpots if before <= tpot < after) if after > before else 0
             keys[i] = (broken, after > target)
         best = min(keys.values())
         chosen = [i for i in live if keys[i] == best]
