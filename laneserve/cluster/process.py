@@ -56,6 +56,8 @@ from laneserve.core.request import Phase, Request
 from laneserve.core.sampling import SamplingParams
 from laneserve.core.slo import SLO
 from laneserve.policies import registry
+from laneserve.policies.predictors import LearnedCostModel
+from laneserve.policies.routing import DecodeSummary
 
 WORKER_MODULES = {"engine": "laneserve.cluster.worker", "stub": "laneserve.cluster.stub"}
 
@@ -85,7 +87,7 @@ class ClusterSpec:
     prefill_policy: str = "fcfs"
     decode_policy: str = "continuous"
     router: str = "round-robin"
-    decode_router: str = "least-loaded"
+    decode_router: str = "auto"           # auto: the decode policy's own (tpot-aware for adaptive)
     kv_tokens: int = 65536
     engine: dict[str, Any] = field(default_factory=dict)
     devices: tuple[str, ...] = ("cpu",)
@@ -126,6 +128,9 @@ class InstanceHandle:
     restarting: bool = False
     prefix: PrefixSummary | None = None  # what its prefix cache holds (from its kv_events)
     lane: str | None = None              # the length lane a pool router gave it (laps-pools)
+    summary: DecodeSummary = field(default_factory=DecodeSummary)   # decode: its next step (stats)
+    last_decode: tuple | None = None     # decode: its last pure decode step (a new tuple per step)
+    decode_seq: int = -1                 # ...and that step's number
 
     @property
     def accepting(self) -> bool:
@@ -170,6 +175,10 @@ class InstanceHandle:
         self.lane = lane
         if self.alive and self.ready and self.sock is not None:
             self.sock.send(pack({"k": "lane", "lane": lane}), copy=False)
+
+    def decode_summary(self) -> DecodeSummary:
+        """Its next decode step as of its last stats (requests offered since are not in it)."""
+        return self.summary
 
     def cached_prefix(self, req: Request) -> int:
         """Prompt tokens of ``req`` its prefix cache holds, by the summary (0 without caching)."""
@@ -225,7 +234,11 @@ class ProcessCluster:
         self.restarts = 0
         self.on_instance_down: Callable[[InstanceHandle], None] | None = None
         self.router = registry.make("router", spec.router)
-        self.decode_router = registry.make("router", spec.decode_router)
+        self.decode_router = registry.make("router", registry.decode_router_for(spec.decode_policy,
+                                                                                spec.decode_router))
+        if self.decode_router.reads_step_times:      # tpot-aware: a model learned from the decode steps
+            learner = LearnedCostModel(attention=spec.engine.get("attention") or "ragged")
+            self.decode_router.bind_cost_model(learner, learner)
 
     # ---- topology ------------------------------------------------------------------------
     @property
@@ -482,6 +495,11 @@ class ProcessCluster:
             self._on_handoff(h, msg)
         elif kind == "stats":
             h.stats = msg
+            if "decode" in msg:
+                h.summary = DecodeSummary.from_wire(msg["decode"])
+                step = msg.get("last_decode")
+                if step is not None and step[4] != h.decode_seq:
+                    h.last_decode, h.decode_seq = tuple(step[:4]), step[4]
             if h.prefix is not None:
                 h.prefix.apply(msg.get("kv_events") or ())
         elif kind == "err":
@@ -639,7 +657,11 @@ class ProcessCluster:
         s = self.spec
         return {"mode": "colocated" if s.colocated else "disaggregated", "worker": s.worker,
                 "prefill_policy": s.prefill_policy, "decode_policy": s.decode_policy, "router": s.router,
-                "decode_router": s.decode_router, "num_prefill": s.num_prefill,
+                "decode_router": self.decode_router.name,
+                # decode steps the router's online model has learned from (None: it reads none)
+                "decode_router_steps": (self.decode_router.learner.observations
+                                        if self.decode_router.learner is not None else None),
+                "num_prefill": s.num_prefill,
                 "host_kv_tokens": int(s.engine.get("num_host_blocks", 0)) * int(s.engine.get("block_size", 16)),
                 "num_decode": 0 if s.colocated else s.num_decode, "kv_tokens": s.kv_tokens,
                 "in_flight": len(self.tracks), "max_inflight": s.max_inflight, "restarts": self.restarts,
@@ -657,4 +679,7 @@ class ProcessCluster:
                                "prefix_blocks": len(h.prefix) if h.prefix is not None else None,
                                "kv_forks": h.stats.get("kv_forks"),
                                "lane": h.lane,
-                               "steps": h.stats.get("steps")} for h in self.instances]}
+                               "steps": h.stats.get("steps"),
+                               # decode: its pure decode steps reported to the router (tpot-aware)
+                               "decode_steps_reported": h.decode_seq if h.decode_seq >= 0 else None}
+                              for h in self.instances]}

@@ -168,6 +168,8 @@ class InstanceWorker:
         self.stopping = False
         self._last_stats = 0.0
         self._dirty = True
+        self._last_decode: tuple | None = None       # the last decode step sent, and its number
+        self._decode_seq = 0
 
     # ---- set-up --------------------------------------------------------------------------
     def build(self) -> None:
@@ -213,6 +215,8 @@ class InstanceWorker:
                      "prefix_root": kv.root if kv.prefix_caching else None}
         if kv.prefix_caching:
             kv.allocator.record_events()   # the router's summary (core/prefix_summary.py)
+        if spec.role == "decode":          # the tpot-aware decode router reads its last decode step
+            self.instance.record_decode = True
 
     # ---- messages --------------------------------------------------------------------------
     def _receiver(self, sock: zmq.Socket) -> None:
@@ -499,9 +503,20 @@ class InstanceWorker:
                     "prefix_queries": kv.query_tokens, "prefix_hits": kv.hit_tokens,
                     "steps": inst.steps, "busy": inst.busy_time, "live": len(self.live),
                     "incoming": len(inst.pending), "kv_held": self.transport.held(),
-                    "kv_events": kv.allocator.take_events(), "kv_forks": inst.kv_forks})
+                    "kv_events": kv.allocator.take_events(), "kv_forks": inst.kv_forks,
+                    **(self._decode_figures() if inst.role == "decode" else {})})
         self._last_stats = now
         self._dirty = False
+
+    def _decode_figures(self) -> dict:
+        """What the server's decode router reads (``tpot-aware``): the summary of the next step and
+        the last completed pure decode step, numbered so the router learns from each step once."""
+        inst = self.instance
+        step = inst.last_decode
+        if step is not None and step is not self._last_decode:
+            self._last_decode, self._decode_seq = step, self._decode_seq + 1
+        return {"decode": inst.decode_summary().to_wire(),
+                "last_decode": [*step, self._decode_seq] if step is not None else None}
 
     # ---- the loop ------------------------------------------------------------------------------
     def serve(self) -> None:

@@ -48,7 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="prefill policy spec (default adaptive; laneserve sim --list)")
     c.add_argument("--decode-policy", default="adaptive", help="decode policy spec (default adaptive)")
     c.add_argument("--router-policy", "--router", dest="router", default="round-robin", help="prefill router")
-    c.add_argument("--decode-router-policy", dest="decode_router", default="least-loaded", help="decode router")
+    c.add_argument("--decode-router-policy", dest="decode_router", default="auto",
+                   help="decode router (default auto: the decode policy's own, tpot-aware for adaptive, "
+                        "else least-loaded)")
     c.add_argument("--devices", default="cpu", help="comma-separated devices, assigned to instances in turn")
     c.add_argument("--kv-tokens", type=int, default=65536, help="KV-cache tokens per instance")
     c.add_argument("--kv-transport", default=None,
@@ -170,8 +172,8 @@ def build_server(args: argparse.Namespace, log=None):
     if args.prefill < 1 or (not args.colocated and args.decode < 1):
         raise ValueError("need at least one prefill and one decode instance (or --colocated)")
     from laneserve.policies import registry
-    for kind, spec in (("prefill", args.prefill_policy), ("decode", args.decode_policy),
-                       ("router", args.router), ("router", args.decode_router)):
+    for kind, spec in (("prefill", args.prefill_policy), ("decode", args.decode_policy), ("router", args.router),
+                       ("router", registry.decode_router_for(args.decode_policy, args.decode_router))):
         registry.resolve(kind, spec)        # unknown names fail here, listing the valid ones
     name = args.served_model_name or (Path(model).name if model is not None else "laneserve-stub")
     engine = {"dtype": args.dtype, "attention": args.attention, "num_threads": args.threads,

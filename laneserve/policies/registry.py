@@ -127,6 +127,15 @@ def make(kind: str, spec: str, *args: Any, **defaults: Any) -> Any:
         raise ValueError(f"bad options for {kind} policy {spec!r}: {exc}") from exc
 
 
+def decode_router_for(decode_policy: str, decode_router: str = "auto") -> str:
+    """The decode router to use: ``decode_router``, or with "auto" the decode policy's own
+    (``preferred_decode_router``: ``tpot-aware`` for adaptive decode), else least-loaded."""
+    if decode_router != "auto":
+        return decode_router
+    policy = resolve("decode", decode_policy)[0]
+    return getattr(policy, "preferred_decode_router", None) or "least-loaded"
+
+
 def describe(kind: str) -> list[str]:
     """One line per registered ``kind`` policy: its name, its options with their defaults, and
     its presets (aliases) with the options each sets."""

@@ -127,6 +127,7 @@ class Router:
     #: (:meth:`bind_cost_model`) and has its decode instances record their last completed decode
     #: step (``Instance.last_decode``)
     reads_step_times: ClassVar[bool] = False
+    learner = None          # the online model a router that reads step times fits (bind_cost_model)
 
     def route(self, req: Request, instances: Sequence[InstanceLoad], now: float) -> int:
         """Index into ``instances`` of the chosen one."""

@@ -23,8 +23,10 @@ Predictions come from the run's predictor (``bind_cost_model``): online (default
 :class:`~laneserve.policies.predictors.LearnedCostModel` the router fits from the last completed
 decode step of each decode instance, read at each decision (``Instance.last_decode``, recorded
 because ``reads_step_times`` asks for it); oracle, the run's cost model; profile, the offline
-fit. Without a bound model (an engine cluster, whose instances report no step times to the
-router) it is least-loaded.
+fit. ``laneserve serve`` binds an online model too: its instance processes send the summary of
+their next step (:class:`~laneserve.policies.routing.DecodeSummary`) and their last decode step in
+their stats, so the server's router reads them as of the last stats (50 ms while busy). Without a
+bound model (the in-process ``LocalCluster``) it is least-loaded.
 
 Cost: one pass over at most ``max_batch_size`` residents of each decode instance per placement
 (about 0.1 ms per thousand on the 2-core dev machine), however long its queue.

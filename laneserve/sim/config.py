@@ -97,11 +97,8 @@ def default_host_kv_tokens(cost_model: Any) -> int:
 
 def decode_router_name(config: ClusterConfig) -> str:
     """The decode router a run uses: ``config.decode_router``, with "auto" resolved."""
-    if config.decode_router != "auto":
-        return config.decode_router
     from laneserve.policies import registry
-    policy = registry.resolve("decode", config.decode_policy)[0]
-    return getattr(policy, "preferred_decode_router", None) or "least-loaded"
+    return registry.decode_router_for(config.decode_policy, config.decode_router)
 
 
 def context_limit(config: ClusterConfig, cost_model: Any) -> int | None:
