@@ -52,6 +52,11 @@ class DecodeScheduler(InstanceScheduler):
         self.num_preemptions = 0
 
     # ---- arrival -------------------------------------------------------------------------
+    def _batch_limit(self) -> int:
+        """How many requests the running set may hold once this step's waiting requests are
+        admitted (``max_batch_size``; adaptive decode lets it grow while TPOT allows)."""
+        return self.max_batch_size
+
     def can_reserve(self, req: Request) -> bool:
         return self.kv.can_admit(req.request_id, req.context_len)
 
@@ -183,8 +188,9 @@ class DecodeScheduler(InstanceScheduler):
         self._grow_running(plan)
         self._readmit_parked(plan, now)
         kv, waiting, running = self.kv, self.waiting, self.running
+        limit = self._batch_limit() if waiting else self.max_batch_size
         while True:
-            while waiting and len(running) < self.max_batch_size:
+            while waiting and len(running) < limit:
                 req = waiting[0]
                 if not kv.can_grow(req.request_id, req.context_len):
                     break
