@@ -223,6 +223,40 @@ def test_adaptive_decode_intake_never_loses_to_oldest_first_when_decode_memory_b
             assert shorter < longest                 # the bound cuts the longest wait
 
 
+# ---- slack-sized batches --------------------------------------------------------------------------------------
+def _first_step(policy, tpot, n=12):
+    """Requests in the first step of a decode instance holding ``n`` waiting 101-token contexts."""
+    sched = make("decode", policy, KVCacheManager(1000, 16))
+    sched.bind_cost_model(COST)                     # a step: 10 ms + 10 ns per context token
+    for i in range(n):
+        req = Request(i, 0.0, 100, 50, SLO(1.0, tpot))
+        req.num_computed_tokens, req.num_output_tokens = 100, 1
+        sched.reserve(req)
+        sched.add_request(req, 0.0)
+    return len(sched.schedule(0.0).decodes)
+
+
+def test_adaptive_decode_grows_the_batch_past_max_batch_size_only_while_tpot_allows():
+    assert _first_step("continuous:max_batch_size=4", 0.05) == 4
+    assert _first_step("adaptive:max_batch_size=4", 0.05) == 12              # 12 x 101 tokens: ~10 ms
+    assert _first_step("adaptive:max_batch_size=4,batch_ceiling=8", 0.05) == 8
+    assert _first_step("adaptive:max_batch_size=4,batch_ceiling=0", 0.05) == 4
+    assert _first_step("adaptive:max_batch_size=4", 0.011) == 4              # 5 x 1.2 x ~10 ms > 11 ms
+
+
+def test_slack_sized_batches_meet_tpot_where_the_fixed_cap_makes_requests_wait():
+    rng = random.Random(3)
+    specs = specs_of([rng.randint(50, 200) for _ in range(300)], rate=40.0, seed=3, out=(50, 150))
+    tpot = {}
+    for policy in ("continuous:max_batch_size=8", "adaptive:max_batch_size=8,batch_ceiling=0",
+                   "adaptive:max_batch_size=8"):
+        res = Simulator(ClusterConfig(decode_policy=policy), COST).run(specs)
+        assert res.unfinished == 0
+        tpot[policy] = summarize(res.requests, duration=res.duration)["attainment_tpot"]
+    assert tpot["adaptive:max_batch_size=8,batch_ceiling=0"] == tpot["continuous:max_batch_size=8"] < 0.5
+    assert tpot["adaptive:max_batch_size=8"] == 1.0
+
+
 # ---- the composition -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lengths,rate", [(chat(300), 14.0), (bimodal(300), 20.0)],
                          ids=["chat", "bimodal"])
