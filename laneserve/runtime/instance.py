@@ -117,15 +117,15 @@ class Instance(SchedulerLoad):
         while pending:
             end = sched.offer_end(pending, now)
             req, payload = pending[end]
-            if not sched.kv.fits_ever(req.context_len + 1):
-                pending.popleft() if end == 0 else pending.pop()
+            fits = sched.kv.fits_ever(req.context_len + 1)
+            if fits and not sched.can_reserve(req):
+                return
+            pending.popleft() if end == 0 else pending.pop()
+            if not fits:
                 if on_drop is not None:
                     on_drop(req, payload)
                 req.finish(now, "error")
                 continue
-            if not sched.can_reserve(req):
-                return
-            pending.popleft() if end == 0 else pending.pop()
             sched.reserve(req)
             yield req, payload
 

@@ -63,6 +63,7 @@ from laneserve.policies.decode.intake import OfferIntake
 from laneserve.policies.decode.kairos import KairosDecode, selection_pays
 from laneserve.policies.options import above, at_least, build_options, option_error
 from laneserve.policies.registry import register
+from laneserve.policies.routing import DecodeSummary
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +78,6 @@ class AdaptiveDecodeOptions(AlignedServeOptions):
         AlignedServeOptions.validate(self)
         if not self.guard:
             raise option_error("guard", "is always on in adaptive decode", self.guard)
-        if self.intake not in ("slack", "newest", "oldest"):
-            raise option_error("intake", "must be 'slack', 'newest' or 'oldest'", self.intake)
         above(self, "max_offer_wait", 0)
         at_least(self, "batch_ceiling", 0)
 
@@ -114,13 +113,9 @@ class AdaptiveDecode(AlignedServeDecode):
         cap, running, waiting = self.max_batch_size, self.running, self.waiting
         if len(running) + len(waiting) <= cap or self.options.batch_ceiling <= cap:
             return cap
-        n, total, longest, tight = 0, 0, 0, math.inf
-        for r in running:
-            c = r.context_len
-            n, total = n + 1, total + c
-            longest = c if c > longest else longest
-            if r.slo.tpot is not None and r.slo.tpot < tight:
-                tight = r.slo.tpot
+        batch = DecodeSummary.of(running)
+        n, total, longest = batch.count, batch.total, batch.longest
+        tight = min((t for t, _ in batch.tpots), default=math.inf)
         margin, ceiling = 1 + self.tpot_margin, self.options.batch_ceiling
         for r in waiting:
             if n >= ceiling:

@@ -33,43 +33,11 @@ O(``window``) memmove per finish.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, insort
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from laneserve.core.request import Request
-
-
-class SortedWindow:
-    """The last ``size`` values, with their median and quantiles in O(1) (a sorted copy kept by
-    insort)."""
-
-    __slots__ = ("_recent", "_sorted")
-
-    def __init__(self, size: int) -> None:
-        self._recent: deque[float] = deque(maxlen=size)
-        self._sorted: list[float] = []
-
-    def __len__(self) -> int:
-        return len(self._recent)
-
-    def add(self, value: float) -> None:
-        recent, ordered = self._recent, self._sorted
-        if len(recent) == recent.maxlen:
-            del ordered[bisect_left(ordered, recent[0])]
-        recent.append(value)
-        insort(ordered, value)
-
-    def median(self) -> float:
-        s = self._sorted
-        m = len(s)
-        return s[m // 2] if m % 2 else (s[m // 2 - 1] + s[m // 2]) / 2
-
-    def quantile(self, q: float) -> float:
-        """The value ``q`` of the way up the sorted window (nearest rank below)."""
-        s = self._sorted
-        return s[int(q * (len(s) - 1))]
+from laneserve.core.sorted_window import SortedWindow
 
 
 class OfferIntake:

@@ -25,11 +25,10 @@ slacks, so a predictor ~20% off moves decisions at the margin, not the regime.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
-from collections import deque
 from dataclasses import dataclass
 
 from laneserve.core.request import Request
+from laneserve.core.sorted_window import SortedWindow
 from laneserve.policies.options import at_least, option_error
 from laneserve.policies.prefill.flowprefill import FlowPrefillOptions, FlowPrefillScheduler
 from laneserve.policies.registry import register
@@ -64,8 +63,7 @@ class AdaptivePrefill(FlowPrefillScheduler):
         self.boundary, self.min_share, self.long_factor = o.boundary, o.min_share, o.long_factor
         self.lanes_on = o.lanes
         self.name = "adaptive"
-        self._recent: deque[int] = deque(maxlen=o.window)
-        self._long: list[int] = []       # the recent lengths >= boundary, sorted (for their median)
+        self._lengths = SortedWindow(o.window)     # the new-token lengths of the last arrivals
         self._bimodal = False
 
     @property
@@ -74,28 +72,22 @@ class AdaptivePrefill(FlowPrefillScheduler):
         return self._bimodal
 
     def _push(self, req: Request, now: float) -> None:
-        n = req.prompt_len - self.cached_prefix(req)
-        recent, long, boundary = self._recent, self._long, self.boundary
-        if len(recent) == recent.maxlen and recent[0] >= boundary:    # leaves the window
-            del long[bisect_left(long, recent[0])]
-        recent.append(n)
-        if n >= boundary:
-            insort(long, n)
+        self._lengths.add(req.prompt_len - self.cached_prefix(req))
         self._bimodal = self.lanes_on and self._lengths_bimodal()
         super()._push(req, now)
 
     def _lengths_bimodal(self) -> bool:
-        """Kept as arrivals come (a window of up to ``window`` lengths, the long ones sorted), so
-        a decision costs O(1), not a pass and a sort over the window."""
-        recent, long = self._recent, self._long
-        if len(recent) < 16:
+        """Kept as arrivals come (a window of up to ``window`` lengths, sorted), so a decision
+        costs O(1), not a pass and a sort over the window."""
+        lengths = self._lengths
+        size = len(lengths)
+        if size < 16:
             return False
-        m = len(long)
-        share = 1 - m / len(recent)
+        short = lengths.count_below(self.boundary)
+        share = 1 - (size - short) / size
         if not self.min_share <= share <= 1 - self.min_share:
             return False
-        middle = long[m // 2] if m % 2 else (long[m // 2 - 1] + long[m // 2]) / 2   # statistics.median
-        return middle >= self.long_factor * self.boundary
+        return lengths.median(short) >= self.long_factor * self.boundary    # the long lengths' median
 
     def _may_join(self, head: Request, req: Request) -> bool:
         if not self._bimodal:
