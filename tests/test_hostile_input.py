@@ -507,8 +507,9 @@ def _structured_chat(fields, tokenizer):
 
 _SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 BAD_STRUCTURED = [
-    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", "grammar"),
-    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "grammar"),
+    ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", "grammar|undefined_rule"),
+    ({"structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs", "grammar|missing"),
+    ({"guided_grammar": ""}, "guided_grammar", "non-empty"),
     ({"guided_regex": "a(b"}, "guided_regex", "cannot compile|regex"),
     ({"guided_regex": "x" * 5000}, "guided_regex", "longer than"),
     ({"guided_json": [1, 2]}, "guided_json", "JSON schema"),
@@ -520,8 +521,13 @@ BAD_STRUCTURED = [
     ({"response_format": {"type": "yaml"}}, "response_format", "unknown response_format"),
     ({"response_format": "json"}, "response_format", "must be an object"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
-        "type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,500}"} for i in range(400)}}}}},
-     "response_format", "too large|schema|cannot"),
+        "type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,500}"} for i in range(4000)}}}}},
+     "response_format", "over the limit of 131072 bytes"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "array", "uniqueItems": True}}}},
+     "response_format", "uniqueItems cannot be enforced"),
+    ({"guided_json": {"type": "string", "format": "x-custom"}}, "guided_json", "Unknown format"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(a)\\1"}}}},
+     "guided_json", "backreferences"),
     ({"guided_choice": []}, "guided_choice", "non-empty"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format", "only one"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
@@ -546,6 +552,8 @@ def test_structured_specs_need_a_tokenizer_and_are_usable(byte_tokenizer):
     assert e.value.param == "guided_regex"
     for fields in ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": _SCHEMA}}},
                    {"guided_choice": ["yes", "no"]}, {"structured_outputs": {"regex": "[0-9]{3}"}},
+                   {"guided_grammar": 'start: "yes" | "no" NUM\nNUM: /[0-9]+/'},
+                   {"guided_grammar": 'root ::= "a" [0-9]+'},
                    {"tools": [{"type": "function", "function": {"name": "f", "parameters": _SCHEMA}}],
                     "tool_choice": "required", "parallel_tool_calls": False}):
         gi = _structured_chat(fields, byte_tokenizer)

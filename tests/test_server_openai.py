@@ -195,7 +195,7 @@ def test_metrics_parse_and_count_aborts(server):
                  "laneserve:num_requests_in_flight", "laneserve:request_aborted_total"):
         assert name in names, name
     assert {labels for name, labels in before if name == "laneserve:instance_up"} == {
-        (("instance", i), ("model_name", MODEL), ("role", r)) for i, r in (("0", "prefill"), ("1", "decode"))}
+        (("engine", i), ("model_name", MODEL), ("role", r)) for i, r in (("0", "prefill"), ("1", "decode"))}
     body = {"model": MODEL, "prompt": list(range(30, 130)), "max_tokens": 3000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
         lines = r.iter_lines()
@@ -294,7 +294,7 @@ def test_unsupported_and_hostile_structured_specs_are_400_and_the_server_lives(s
     deep: dict = {"type": "string"}
     for _ in range(40):
         deep = {"type": "object", "properties": {"a": deep}}
-    for kw, param in (({"extra_body": {"guided_grammar": "root ::= 'a'"}}, "guided_grammar"),
+    for kw, param in (({"extra_body": {"guided_grammar": "start: undefined_rule"}}, "guided_grammar"),
                       ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex"),
                       ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
                        "response_format"),
@@ -302,7 +302,7 @@ def test_unsupported_and_hostile_structured_specs_are_400_and_the_server_lives(s
                        None),
                       ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
                           "type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,500}"}
-                                                           for i in range(400)}}}}}, "response_format")):
+                                                           for i in range(4000)}}}}}, "response_format")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, **kw)
         assert e.value.status_code == 400

@@ -15,6 +15,7 @@ from laneserve.engine.structured import (ConstraintCache, ConstraintViolation, S
                                          UnsupportedSpec, apply, compile_constraint, parse_tool_calls,
                                          token_vocabulary)
 from laneserve.engine.structured.tiny_tokenizer import byte_level_tokenizer, training_corpus
+from structured_support import validating
 
 VOCAB = 512
 MAX_STEPS = 3000
@@ -29,7 +30,7 @@ PERSON = {
         "role": {"enum": ["admin", "user", "guest"]},
         "scores": {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 3},
         "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                                     "zip": {"type": "string", "pattern": "[0-9]{5}"}},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
                     "required": ["city", "zip"], "additionalProperties": False},
         "active": {"type": "boolean"},
     },
@@ -48,34 +49,11 @@ def tokenizer():
     return byte_level_tokenizer(VOCAB)
 
 
-def check_schema(value, schema: dict, path: str = "$") -> None:
-    """A hand validator for the schema features used here (jsonschema is not installed)."""
-    if "enum" in schema:
-        assert value in schema["enum"], f"{path}: {value!r} not in {schema['enum']}"
-    types = schema.get("type")
-    types = [types] if isinstance(types, str) else types
-    if types is not None:
-        ok = {"object": isinstance(value, dict), "array": isinstance(value, list), "string": isinstance(value, str),
-              "integer": isinstance(value, int) and not isinstance(value, bool),
-              "number": isinstance(value, (int, float)) and not isinstance(value, bool),
-              "boolean": isinstance(value, bool), "null": value is None}
-        assert any(ok[t] for t in types), f"{path}: {value!r} is not {types}"
-    if isinstance(value, dict):
-        props = schema.get("properties", {})
-        assert set(schema.get("required", ())) <= value.keys(), f"{path}: missing {schema.get('required')}"
-        if schema.get("additionalProperties") is False:
-            assert value.keys() <= props.keys(), f"{path}: extra keys {value.keys() - props.keys()}"
-        for k, v in value.items():
-            if k in props:
-                check_schema(v, props[k], f"{path}.{k}")
-    if isinstance(value, list):
-        assert schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", 1 << 30), f"{path}: length"
-        for i, v in enumerate(value):
-            check_schema(v, schema.get("items", {}), f"{path}[{i}]")
-    if isinstance(value, str):
-        assert schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", 1 << 30), f"{path}: {value!r}"
-        if "pattern" in schema:
-            assert re.fullmatch(schema["pattern"], value), f"{path}: {value!r} !~ {schema['pattern']}"
+def check_schema(value, schema: dict) -> None:
+    """Validate with a real JSON Schema validator (formats checked too)."""
+    validator = validating(schema)
+    errors = [e.message for e in validator.iter_errors(value)]
+    assert not errors, f"{value!r} violates the schema: {errors[:3]}"
 
 
 def sample(spec: StructuredSpec, seed: int, tok=None, vocab_size: int = VOCAB) -> tuple[str, list[int]]:
@@ -229,25 +207,36 @@ def test_model_vocabulary_wider_than_the_tokenizer_masks_the_padding_ids():
 # ---- specs, cache, tokenizers -------------------------------------------------------------------
 def test_unsupported_specs_are_reported():
     with pytest.raises(UnsupportedSpec):
-        StructuredSpec("grammar", "root ::= 'a'")          # outlines-core compiles regular languages only
-    with pytest.raises(UnsupportedSpec):
-        StructuredSpec.json_schema({"not": {"type": "string"}}).to_regex()
-    with pytest.raises(UnsupportedSpec):
-        compile_constraint(StructuredSpec.regex(r"\bword\b"), tokenizer())   # no look-around in a DFA
+        StructuredSpec("xml", "<a/>")
     with pytest.raises(UnsupportedSpec):
         StructuredSpec.choice([])
+    for spec, words in ((StructuredSpec.regex(r"\bword\b"), "look"),              # no look-around
+                        (StructuredSpec.json_schema({"not": {"type": "string"}}), "not"),
+                        (StructuredSpec.json_schema({"type": "array", "uniqueItems": True}), "uniqueItems"),
+                        (StructuredSpec.json_schema({"type": "string", "format": "hostname-ish"}), "format"),
+                        (StructuredSpec.json_schema({"type": "string", "pattern": "^(?=a)a$"}), "look-around"),
+                        (StructuredSpec.grammar("start: undefined_rule"), "undefined_rule")):
+        with pytest.raises(UnsupportedSpec, match=words):
+            compile_constraint(spec, tokenizer())
+    # a no-op keyword is not refused: uniqueItems false constrains nothing
+    compile_constraint(StructuredSpec.json_schema({"type": "array", "uniqueItems": False}), tokenizer())
 
 
-def test_compiled_constraints_are_cached_by_spec_and_vocabulary_content():
-    cache = ConstraintCache(maxsize=2)
+def test_compiled_constraints_are_cached_by_spec_and_vocabulary_content_within_a_byte_budget():
     a, b, c = (StructuredSpec.regex(p) for p in ("[0-9]+", "[a-z]+", "x|y"))
+    one = len(a.to_grammar()) + len(a.value)
+    cache = ConstraintCache(max_bytes=2 * one + 2)            # room for two grammars of this size
     first = compile_constraint(a, tokenizer(), cache=cache)
     rebuilt = byte_level_tokenizer(VOCAB)                    # another object, the same vocabulary
-    assert compile_constraint(a, rebuilt, cache=cache) is first and cache.hits == 1
+    assert compile_constraint(a, rebuilt, cache=cache).checked is first.checked and cache.hits == 1
     compile_constraint(b, tokenizer(), cache=cache)
     compile_constraint(c, tokenizer(), cache=cache)           # evicts a, the least recently used
-    assert len(cache) == 2 and compile_constraint(a, tokenizer(), cache=cache) is not first
+    assert len(cache) == 2 and cache.grammars.bytes <= cache.grammars.max_bytes
+    assert compile_constraint(a, tokenizer(), cache=cache).checked is not first.checked
     assert cache.misses == 4
+    huge = StructuredSpec.json_schema({"enum": ["x" * 100] * 10})
+    compile_constraint(huge, tokenizer(), cache=cache)        # larger than the budget: used, not kept
+    assert cache.grammars.bytes <= cache.grammars.max_bytes
 
 
 def test_byte_level_token_bytes_concatenate_to_the_text():
@@ -352,7 +341,9 @@ def test_request_fields_map_to_one_spec():
         "name": "get_weather"}}}) == StructuredSpec.tool("get_weather", WEATHER)
     required = spec_from_request({"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
     assert required == StructuredSpec.tools_required([("get_weather", WEATHER), ("ping", None)], parallel=False)
-    for bad in ({"guided_grammar": "root ::= 'a'"}, {"structured_outputs": {"grammar": "x"}},
+    assert spec_from_request({"guided_grammar": 'root ::= "a"'}) == StructuredSpec.grammar('root ::= "a"')
+    assert spec_from_request({"structured_outputs": {"grammar": "start: X"}}) == StructuredSpec.grammar("start: X")
+    for bad in ({"guided_grammar": ""}, {"structured_outputs": {"grammar": 7}},
                 {"guided_regex": "a", "response_format": {"type": "json_object"}},
                 {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
                 {"tool_choice": "required"}, {"response_format": {"type": "xml"}}, {"guided_json": "{not json"}):
@@ -370,3 +361,13 @@ def test_tool_call_text_becomes_openai_tool_calls():
     assert all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
     with pytest.raises(ValueError):
         openai_tool_calls(spec, text[:-3])                   # cut by max_tokens: not a complete call
+
+
+def test_grammar_outputs_are_sentences_of_the_grammar():
+    lark = StructuredSpec.grammar('start: ("yes" | "no") " " NUM ("," NUM)*\nNUM: /[0-9]{1,3}/')
+    gbnf = StructuredSpec.grammar('root ::= "id-" [a-c]+ ("." [0-9])?')
+    for seed in range(10):
+        text, _ = sample(lark, seed)
+        assert re.fullmatch(r"(yes|no) [0-9]{1,3}(,[0-9]{1,3})*", text), text
+        text, _ = sample(gbnf, seed)
+        assert re.fullmatch(r"id-[a-c]+(\.[0-9])?", text), text

@@ -1,7 +1,7 @@
-"""What a structured-output request asks for, as a hashable value, and the regular expression that
-says which texts satisfy it (issue 14, item 3). Pure Python (no torch): ``SamplingParams`` can
-carry a spec and the API process can build and check one; the engine compiles it
-(``laneserve.engine.structured``). ``to_regex`` needs ``outlines_core`` (the engine extra).
+"""What a structured-output request asks for, as a hashable value, and the grammar that says which
+texts satisfy it. Pure Python (no torch): ``SamplingParams`` can carry a spec and the API process
+can build and check one; the engine enforces it (``laneserve.engine.structured``). ``to_grammar``
+needs ``llguidance`` (the engine extra).
 
 A :class:`StructuredSpec` is two strings (``kind``, ``value``), so it is a cache key, fits the wire
 between the API server and the instances, and compiles the same way in every process. Kinds:
@@ -9,10 +9,11 @@ between the API server and the instances, and compiles the same way in every pro
 ==================  ==========================================  ==========================================
 kind                value                                       the text the model must produce
 ==================  ==========================================  ==========================================
-``json_object``     ``""``                                      any JSON object, containers nested <= 2 deep
+``json_object``     ``""``                                      any JSON object
 ``json_schema``     the schema as JSON (key order kept)         JSON valid against the schema (see below)
 ``regex``           the pattern                                 a full match of the pattern
 ``choice``          JSON list of the options                    exactly one option, verbatim (not quoted)
+``grammar``         a Lark grammar (GBNF is converted)          a sentence of the grammar
 ``tool``            ``{"name", "parameters"}`` as JSON          the function's arguments: a JSON object
                                                                 valid against ``parameters``
 ``tools_required``  ``{"tools": [...], "parallel": bool}``      ``[{"name": N, "arguments": {...}}, ...]``:
@@ -24,15 +25,17 @@ kind                value                                       the text the mod
 
 :func:`parse_tool_calls` turns the text a ``tool``/``tools_required`` request produced into
 :class:`ToolCall` values (name + the arguments as a JSON string), which the server wraps as the
-OpenAI ``tool_calls`` list. JSON texts use at most one space between tokens and no newlines
-(outlines-core's default whitespace pattern), which also keeps a noisy model from padding forever.
+OpenAI ``tool_calls`` list. JSON texts use at most one space between tokens and no newlines,
+which also keeps a noisy model from padding forever.
 
-Schemas go through ``outlines_core.json_schema.build_regex_from_schema``: ``not`` and
-``if``/``then`` are rejected; numeric bounds (``minimum``, ``multipleOf``...), ``uniqueItems``,
-``patternProperties``, ``minProperties`` and ``dependentRequired`` are accepted but NOT enforced;
-object properties appear in the schema's order; recursive schemas are unrolled to depth 3.
-Context-free grammars (vLLM's ``guided_grammar``) are not supported: outlines-core compiles only
-regular languages.
+Grammars are llguidance's (``docs/structured_output.md``): a lazy lexer and an Earley parser, so
+no automaton is built up front and nothing grows with ``maxLength`` or a counted repetition. Every
+JSON-schema keyword is either enforced or refused: llguidance rejects the keywords it does not
+implement (``uniqueItems``, ``contains``, ``not``, ``if``/``then``, ``dependentRequired``,
+``propertyNames``, ``unevaluatedProperties``...), unknown ``format`` names and regex features it
+cannot match (look-around, back-references), and those refusals become a 400 naming the keyword.
+Numeric bounds, ``multipleOf``, string lengths and patterns, ``minProperties``/``maxProperties``,
+``prefixItems`` and the common formats are enforced.
 """
 
 from __future__ import annotations
@@ -42,13 +45,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# containers nest at most this deep in json_object mode: outlines-core's own "any object" regex
-# (depth 3) becomes a 1,623-state DFA that takes seconds to compile even for a 1,024-token
-# vocabulary, about 40x longer than depth 2 (401 states; benchmarks/structured_output.py)
-JSON_OBJECT_DEPTH = 2
-KINDS = ("json_object", "json_schema", "regex", "choice", "tool", "tools_required")
-_WS = "[ ]?"                       # outlines-core's default JSON whitespace: at most one space
-_REGEX_LITERAL_SAFE = set("<>")    # escaping these means a word boundary in the regex engine
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "tool", "tools_required")
+# JSON whitespace: at most one space between tokens (no newlines, no runs of spaces)
+JSON_OPTIONS = {"whitespace_pattern": "[ ]?"}
+_REGEX_LITERAL_SAFE = set("<>")    # escaping these means a word boundary in Rust's regex syntax
+# schema keywords whose value changes nothing (jsonschema agrees), dropped before compiling: the
+# grammar engine refuses the keyword whatever its value
+_NO_OP_KEYWORDS = {"uniqueItems": False}
 
 
 class UnsupportedSpec(ValueError):
@@ -88,6 +91,14 @@ class StructuredSpec:
         return cls("choice", json.dumps(list(options), ensure_ascii=False))
 
     @classmethod
+    def grammar(cls, text: str) -> StructuredSpec:
+        """A context-free grammar: Lark syntax (llguidance's, as vLLM's ``guidance`` backend takes
+        it) or GBNF (``root ::= ...``, xgrammar's and llama.cpp's), converted to Lark."""
+        if not isinstance(text, str) or not text.strip():
+            raise UnsupportedSpec("grammar must be a non-empty string")
+        return cls("grammar", text)
+
+    @classmethod
     def tool(cls, name: str, parameters: Mapping[str, Any] | None) -> StructuredSpec:
         """``tool_choice`` naming a function: the output is that function's arguments object."""
         return cls("tool", _canonical({"name": _tool_name(name), "parameters": _parameters(parameters)}, "tool"))
@@ -102,22 +113,37 @@ class StructuredSpec:
         return cls("tools_required", _canonical({"tools": entries, "parallel": bool(parallel)}, "tools"))
 
     # ---- what it compiles to -------------------------------------------------------------------
-    def to_regex(self) -> str:
-        """The regular expression whose full matches are exactly the allowed outputs."""
+    def to_grammar(self) -> str:
+        """The llguidance grammar (serialised) whose sentences are exactly the allowed outputs.
+        Nothing is compiled here: the grammar is checked and built lazily by a matcher."""
+        from llguidance import LLMatcher
+
         if self.kind == "regex":
-            return self.value
+            return LLMatcher.grammar_from_regex(self.value)
         if self.kind == "choice":
-            return "(" + "|".join(escape_regex(o) for o in json.loads(self.value)) + ")"
+            return LLMatcher.grammar_from_regex("(" + "|".join(escape_regex(o) for o in json.loads(self.value)) + ")")
+        if self.kind == "grammar":
+            return LLMatcher.grammar_from_lark(_lark(self.value))
+        return _schema_grammar(self.json_schema_value())
+
+    def json_schema_value(self) -> Any:
+        """The JSON schema a JSON-producing spec stands for (``json_object``: any object)."""
         if self.kind == "json_object":
-            return json_object_regex(JSON_OBJECT_DEPTH)
+            return {"type": "object"}
         if self.kind == "json_schema":
-            return _schema_regex(json.loads(self.value))
+            return json.loads(self.value)
         if self.kind == "tool":
-            return _schema_regex(json.loads(self.value)["parameters"])
-        spec = json.loads(self.value)
-        call = "(" + "|".join(_call_regex(t["name"], t["parameters"]) for t in spec["tools"]) + ")"
-        more = f"({_WS},{_WS}{call})*" if spec["parallel"] else ""
-        return rf"\[{_WS}{call}{more}{_WS}\]"
+            return json.loads(self.value)["parameters"]
+        if self.kind == "tools_required":
+            spec = json.loads(self.value)
+            calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
+                      "required": ["name", "arguments"], "additionalProperties": False} for t in spec["tools"]]
+            array: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+                                     "minItems": 1}
+            if not spec["parallel"]:
+                array["maxItems"] = 1
+            return array
+        raise UnsupportedSpec(f"a {self.kind!r} constraint is not a JSON schema")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,38 +174,55 @@ def escape_regex(literal: str) -> str:
                    and ch not in _REGEX_LITERAL_SAFE else ch for ch in literal)
 
 
-def json_object_regex(depth: int) -> str:
-    """Any JSON object whose objects and arrays nest at most ``depth`` levels (the top one included)."""
-    from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING
-
-    value = f"({STRING}|{NUMBER}|{BOOLEAN}|{NULL})"
-    obj = value
-    for _ in range(depth):
-        obj = rf"\{{{_WS}({STRING}{_WS}:{_WS}{value}({_WS},{_WS}{STRING}{_WS}:{_WS}{value})*)?{_WS}\}}"
-        array = rf"\[{_WS}({value}({_WS},{_WS}{value})*)?{_WS}\]"
-        value = f"({value}|{array}|{obj})"
-    return obj
-
-
-def _schema_regex(schema: Any) -> str:
-    from outlines_core.json_schema import build_regex_from_schema
+def _schema_grammar(schema: Any) -> str:
+    from llguidance import LLMatcher
 
     try:
-        return build_regex_from_schema(json.dumps(schema), _WS)
-    except (ValueError, TypeError) as exc:          # outlines-core reports unsupported structure
-        raise UnsupportedSpec(f"unsupported JSON schema: {str(exc).splitlines()[0]}") from exc
+        return LLMatcher.grammar_from_json_schema(_without_no_ops(schema), overrides=JSON_OPTIONS)
+    except (ValueError, TypeError) as exc:
+        raise UnsupportedSpec(f"invalid JSON schema: {str(exc).splitlines()[0]}") from exc
 
 
-def _call_regex(name: str, parameters: Any) -> str:
-    return (rf"\{{{_WS}\"name\"{_WS}:{_WS}{escape_regex(json.dumps(name, ensure_ascii=False))}{_WS},"
-            rf"{_WS}\"arguments\"{_WS}:{_WS}({_schema_regex(parameters)}){_WS}\}}")
+def _without_no_ops(schema: Any) -> Any:
+    """``schema`` without keywords whose value constrains nothing (``uniqueItems: false``), at every
+    schema position (not inside ``properties`` maps, whose keys are property names)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _NO_OP_KEYWORDS and value == _NO_OP_KEYWORDS[key]:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: _without_no_ops(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            value = [_without_no_ops(sub) for sub in value]
+        elif key in _SCHEMA_VALUES:
+            value = _without_no_ops(value)
+        out[key] = value
+    return out
+
+
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+_SCHEMA_LISTS = {"anyOf", "allOf", "oneOf", "prefixItems"}
+_SCHEMA_VALUES = {"items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+                  "additionalItems", "unevaluatedItems", "unevaluatedProperties"}
+
+
+def _lark(text: str) -> str:
+    """Lark text; GBNF (``root ::= ...``) converted by llguidance's own translator."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(text)
+    except Exception as exc:  # noqa: BLE001 - the translator raises plain exceptions on bad input
+        raise UnsupportedSpec(f"cannot read the grammar: {' '.join(str(exc).split())[:200]}") from exc
 
 
 def _canonical(obj: Any, what: str) -> str:
     if not isinstance(obj, Mapping):
         raise UnsupportedSpec(f"{what} must be a JSON object")
     try:
-        # keys keep their order: outlines-core emits object properties in the schema's order
+        # keys keep their order: the grammar emits object properties in the schema's order
         return json.dumps(obj, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise UnsupportedSpec(f"{what} is not valid JSON: {exc}") from exc
@@ -193,4 +236,4 @@ def _tool_name(name: object) -> str:
 
 def _parameters(parameters: Mapping[str, Any] | None) -> Mapping[str, Any]:
     # OpenAI: a function without parameters takes an empty object
-    return parameters if parameters is not None else {"type": "object", "properties": {}}
+    return parameters if parameters is not None else {"type": "object", "properties": {}, "additionalProperties": False}

@@ -31,9 +31,11 @@ each choice; chat: once beside the choices, the rendered template's tokens, not 
 prefill computes the whole prompt (no prefix-cache hit) and keeps each position's logprobs.
 
 Structured output (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``, ``tools``
-with ``tool_choice``) becomes ``SamplingParams.structured``; the constraint is compiled here, over
-the served tokenizer (in the parse pool, off the event loop), so a spec that cannot be compiled
-(a grammar, a bad regex, an unsupported schema) is a 400 naming the field, never an instance error.
+with ``tool_choice``) becomes ``SamplingParams.structured``; the constraint is checked here, over
+the served tokenizer and within the structured-output budget (``engine/structured/grammar.py``:
+milliseconds, in the parse pool, off the event loop), so a spec that cannot be enforced (a schema
+keyword the grammar engine does not implement, a regex with look-around, a bad grammar, a
+constraint over budget) is a 400 naming the field and the reason, never an instance error.
 
 SLO precedence: ``slo`` field > headers > the ``slo_class``'s launch default > the server default.
 A class not configured at launch is accepted as a label only when the request sets both targets
@@ -76,7 +78,6 @@ log = logging.getLogger("laneserve.server")
 # the fields that may ask for structured output (laneserve.server.structured reads them)
 STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                      "structured_outputs", "tools", "tool_choice", "parallel_tool_calls")
-MAX_CONSTRAINT_REGEX_CHARS = 1 << 17    # a schema whose regex is longer is refused (compile time grows with it)
 _M = TypeVar("_M", bound=BaseModel)
 MAX_LOGGED_UNKNOWN = 256       # unknown field names remembered (each logged once); later ones are not logged
 MAX_SEQUENCES = 256            # prompts x best_of (the sequences one request generates)
@@ -470,15 +471,12 @@ def _structured(body: dict, req: CompletionRequest | ChatCompletionRequest, toke
     from laneserve.engine.structured import compile_constraint     # torch: only when a request asks
 
     try:
-        if len(spec.to_regex()) > MAX_CONSTRAINT_REGEX_CHARS:
-            raise UnsupportedSpec(f"the constraint is too large (its regular expression exceeds "
-                                  f"{MAX_CONSTRAINT_REGEX_CHARS} characters)")
         compile_constraint(spec, tokenizer)
     except UnsupportedSpec as exc:
-        raise BadRequest(str(exc), param) from None
+        raise BadRequest(f"'{param}': {exc}", param) from None
     except (KeyboardInterrupt, SystemExit, MemoryError):
         raise
-    except BaseException as exc:  # noqa: BLE001 - outlines-core may panic (a BaseException) on odd input
+    except BaseException as exc:  # noqa: BLE001 - the grammar engine may panic (a BaseException) on odd input
         raise BadRequest(f"the structured-output constraint cannot be compiled: {_show(str(exc), 200)}",
                          param) from None
     return spec

@@ -125,9 +125,9 @@ class _Request(BaseModel):
         None, description="a regex the output must match in full")
     guided_choice: Annotated[list[Name], Field(max_length=MAX_CHOICES)] | None = Field(
         None, description="the output is exactly one of these")
-    guided_grammar: str | None = Field(None, description="not supported (context-free grammars)")
+    guided_grammar: str | None = Field(None, description="a context-free grammar: Lark, or GBNF (root ::= ...)")
     structured_outputs: dict[str, Any] | None = Field(
-        None, description="vLLM: one of json, regex, choice, json_object (grammar is not supported)")
+        None, description="vLLM: one of json, regex, choice, grammar, json_object")
     # laneserve extensions
     slo: SLOTargets | None = None
     slo_class: str | None = Field(None, description="a --slo-class of the server, or a label when slo sets both "

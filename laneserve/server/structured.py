@@ -1,13 +1,13 @@
 """The OpenAI and vLLM request fields that ask for structured output, mapped to one
-:class:`StructuredSpec`, and the text of a tool-call request mapped back to OpenAI ``tool_calls``
-(issue 14, item 3). Pure Python: the API process calls these on the request body.
+:class:`StructuredSpec`, and the text of a tool-call request mapped back to OpenAI ``tool_calls``.
+Pure Python: the API process calls these on the request body.
 
 Fields read (at most one constraint per request, else :class:`UnsupportedSpec`):
 
 - ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}``,
   ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``;
 - vLLM's extension fields ``guided_json`` (a schema, dict or JSON string), ``guided_regex``,
-  ``guided_choice``, ``guided_grammar`` (refused: outlines-core has no context-free grammars), and
+  ``guided_choice``, ``guided_grammar`` (Lark, or GBNF converted to Lark), and
   the newer ``structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}``;
 - ``tools`` with ``tool_choice``: ``{"type": "function", "function": {"name": N}}`` constrains the
   output to N's arguments, ``"required"`` to a JSON array of calls (one call when
@@ -34,7 +34,7 @@ def spec_from_request(body: Mapping[str, Any]) -> StructuredSpec | None:
             found.append(("response_format", spec))
     for field, make in (("guided_json", lambda v: StructuredSpec.json_schema(_schema(v, "guided_json"))),
                         ("guided_regex", StructuredSpec.regex), ("guided_choice", StructuredSpec.choice),
-                        ("guided_grammar", _no_grammar)):
+                        ("guided_grammar", StructuredSpec.grammar)):
         if body.get(field) is not None:
             found.append((field, make(body[field])))
     outputs = body.get("structured_outputs")
@@ -43,7 +43,7 @@ def spec_from_request(body: Mapping[str, Any]) -> StructuredSpec | None:
             raise UnsupportedSpec("structured_outputs must be an object")
         for key, make in (("json", lambda v: StructuredSpec.json_schema(_schema(v, "structured_outputs.json"))),
                           ("regex", StructuredSpec.regex), ("choice", StructuredSpec.choice),
-                          ("grammar", _no_grammar)):
+                          ("grammar", StructuredSpec.grammar)):
             if outputs.get(key) is not None:
                 found.append((f"structured_outputs.{key}", make(outputs[key])))
         if outputs.get("json_object"):
@@ -179,8 +179,3 @@ def _schema(value: Any, what: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise UnsupportedSpec(f"{what} must be a JSON schema object")
     return value
-
-
-def _no_grammar(_: Any) -> StructuredSpec:
-    raise UnsupportedSpec("grammar constraints are not supported (outlines-core compiles regular languages "
-                          "only): use a JSON schema, a regex or a choice")

@@ -1,6 +1,6 @@
-"""The bytes each token id stands for, as the constraint automaton needs them (issue 14, item 3).
+"""The bytes each token id stands for, as the grammar engine needs them.
 
-outlines-core walks a regex over *bytes*, so every token id must map to the exact bytes it adds
+llguidance matches grammars over *bytes*, so every token id must map to the exact bytes it adds
 to the decoded text. Hugging Face tokenizers store tokens in one of three spellings, told apart
 by the tokenizer's decoder:
 
@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,13 +49,16 @@ _BYTE_DECODER = _gpt2_byte_decoder()
 @dataclass(slots=True, eq=False)
 class TokenVocabulary:
     """``token_bytes[i]``: the bytes token ``i`` adds to the text, or ``None`` for a token that is
-    never generated as text (special tokens, EOS included). ``eos_token_ids[0]`` is the EOS that
-    outlines-core knows; every EOS id is allowed exactly when the constraint accepts."""
+    never generated as text (special tokens, EOS included). Every EOS id is allowed exactly when
+    the constraint accepts. ``encode``: text bytes -> token ids (the tokenizer's own; the grammar
+    engine tokenizes the literal text it forces); without one, greedy longest match."""
 
     token_bytes: list[bytes | None]
     eos_token_ids: tuple[int, ...]
     fingerprint: str = ""
-    _outlines: Any = field(default=None, repr=False)
+    encode: Callable[[bytes], list[int]] | None = field(default=None, repr=False)
+    _llg: Any = field(default=None, repr=False)
+    _lock: Any = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if not self.eos_token_ids:
@@ -69,18 +73,50 @@ class TokenVocabulary:
     def size(self) -> int:
         return len(self.token_bytes)
 
-    def outlines_vocabulary(self):
-        """The ``outlines_core.Vocabulary`` (built once)."""
-        if self._outlines is None:
-            from outlines_core import Vocabulary
+    def llg_tokenizer(self):
+        """The ``llguidance.LLTokenizer`` over these bytes (built once, milliseconds)."""
+        with self._lock:
+            if self._llg is None:
+                from llguidance import LLTokenizer, TokenizerWrapper
 
-            eos = set(self.eos_token_ids)
-            by_bytes: dict[bytes, list[int]] = {}
-            for tid, tok in enumerate(self.token_bytes):
-                if tok and tid not in eos:
-                    by_bytes.setdefault(tok, []).append(tid)
-            self._outlines = Vocabulary(self.eos_token_ids[0], by_bytes)
-        return self._outlines
+                self._llg = LLTokenizer(TokenizerWrapper(_Wrapped(self)), eos_token=list(self.eos_token_ids))
+            return self._llg
+
+
+class _Wrapped:
+    """What ``llguidance.TokenizerWrapper`` reads: token bytes, EOS, special ids, and a tokenizer."""
+
+    def __init__(self, vocab: TokenVocabulary) -> None:
+        self.eos_token_id = vocab.eos_token_ids[0]
+        self.bos_token_id = None
+        self.tokens = [b if b is not None else b"" for b in vocab.token_bytes]
+        self.special_token_ids = [i for i, b in enumerate(vocab.token_bytes) if b is None]
+        self._encode = vocab.encode or _greedy(vocab.token_bytes)
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self._encode(text if isinstance(text, bytes) else str(text).encode())
+
+
+def _greedy(token_bytes: list[bytes | None]) -> Callable[[bytes], list[int]]:
+    ids: dict[bytes, int] = {}
+    for tid, tok in enumerate(token_bytes):
+        if tok:
+            ids.setdefault(tok, tid)
+    longest = max((len(t) for t in ids), default=1)
+
+    def encode(text: bytes) -> list[int]:
+        out, pos = [], 0
+        while pos < len(text):
+            for size in range(min(longest, len(text) - pos), 0, -1):
+                tid = ids.get(text[pos:pos + size])
+                if tid is not None:
+                    out.append(tid)
+                    pos += size
+                    break
+            else:
+                raise ValueError(f"byte {text[pos]!r} has no token")
+        return out
+    return encode
 
 
 _BY_TOKENIZER: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], TokenVocabulary]] = weakref.WeakKeyDictionary()
@@ -112,9 +148,26 @@ def _from_tokenizer(tokenizer: Any, extra_eos: tuple[int, ...]) -> TokenVocabula
             token_bytes.append(tok.encode())
         else:
             token_bytes.append(_token_bytes(tok, spelling))
-    vocab = TokenVocabulary(token_bytes, tuple(eos))
+    vocab = TokenVocabulary(token_bytes, tuple(eos), encode=_hf_encoder(tokenizer, token_bytes))
     _check_concatenation(tokenizer, vocab)
     return vocab
+
+
+def _hf_encoder(tokenizer: Any, token_bytes: list[bytes | None]) -> Callable[[bytes], list[int]]:
+    """The tokenizer's own encoding where its tokens spell exactly the text, else greedy longest
+    match (a SentencePiece tokenizer prefixes a space, which the grammar engine must not see)."""
+    ref = weakref.ref(tokenizer)        # the vocabulary is cached per tokenizer: no cycle back to it
+    greedy = _greedy(token_bytes)
+
+    def encode(text: bytes) -> list[int]:
+        tok = ref()
+        if tok is not None:
+            ids = tok.encode(text.decode("utf-8", "replace"), add_special_tokens=False)
+            if all(0 <= i < len(token_bytes) and token_bytes[i] is not None for i in ids) \
+                    and b"".join(token_bytes[i] for i in ids) == text:
+                return ids
+        return greedy(text)
+    return encode
 
 
 def _spelling(tokenizer: Any) -> str:
