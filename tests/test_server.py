@@ -103,7 +103,7 @@ def test_metrics_endpoint(servers):
                  "laneserve:e2e_request_latency_seconds_sum", "laneserve:request_queue_time_seconds_count",
                  "laneserve:num_requests_waiting", "laneserve:kv_cache_usage_perc", "laneserve:num_preemptions_total"):
         assert name in names, name
-    assert ("laneserve:num_requests_running", (("instance", "1"), ("model_name", "smoke-llama"),
+    assert ("laneserve:num_requests_running", (("engine", "1"), ("model_name", "smoke-llama"),
                                                ("role", "decode"))) in samples
 
 
@@ -274,9 +274,9 @@ def test_stub_decode_crash_fails_cleanly_and_routes_around(servers):
     health = httpx.get(stub.url + "/health", timeout=5)
     assert health.status_code == 200 and health.json()["status"] == "degraded"
     from prometheus_client.parser import text_string_to_metric_families
-    metrics = {(s.name, s.labels["instance"]): s.value
+    metrics = {(s.name, s.labels["engine"]): s.value
                for f in text_string_to_metric_families(httpx.get(stub.url + "/metrics", timeout=5).text)
-               for s in f.samples if "instance" in s.labels}
+               for s in f.samples if "engine" in s.labels}
     vid = str(victim["id"])
     assert metrics[("laneserve:instance_up", vid)] == 0
     assert ("laneserve:kv_cache_usage_perc", vid) not in metrics

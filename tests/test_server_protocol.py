@@ -101,7 +101,7 @@ def test_metrics_render_prometheus_text():
                      {"id": 1, "role": "decode", "running": None, "alive": 0}], in_flight=2).decode()
     got = _samples(text)
     model = (("model_name", "m"),)
-    inst0 = (("instance", "0"), ("model_name", "m"), ("role", "prefill"))
+    inst0 = (("engine", "0"), ("model_name", "m"), ("role", "prefill"))
     assert got[("laneserve:time_to_first_token_seconds_bucket", (("le", "0.04"), *model))] == 1
     assert got[("laneserve:time_to_first_token_seconds_bucket", (("le", "+Inf"), *model))] == 2
     assert got[("laneserve:time_to_first_token_seconds_count", model)] == 2
@@ -110,7 +110,7 @@ def test_metrics_render_prometheus_text():
     assert got[("laneserve:request_aborted_total", model)] == 1
     assert got[("laneserve:request_rejected_total", (("model_name", "m"), ("reason", "bad_request")))] == 1
     assert got[("laneserve:num_requests_in_flight", model)] == 2
-    dead = (("instance", "1"), ("model_name", "m"), ("role", "decode"))
+    dead = (("engine", "1"), ("model_name", "m"), ("role", "decode"))
     assert got[("laneserve:instance_up", dead)] == 0 and ("laneserve:num_requests_running", dead) not in got
 
 

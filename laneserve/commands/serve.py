@@ -88,6 +88,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "LANESERVE_API_KEY environment variable; none = open)")
     r.add_argument("--api-key-all-paths", action="store_true",
                    help="with an API key: require it on /health and /metrics too")
+    r.add_argument("--metrics-prefix", choices=("laneserve", "vllm", "both"), default="laneserve",
+                   help="/metrics names: laneserve's, vLLM's (vllm:*, labels model_name and engine, for vLLM "
+                        "dashboards), or both")
     r.add_argument("--max-request-bytes", type=int, default=8 << 20,
                    help="larger request bodies get 413 before they are parsed")
     r.add_argument("--heartbeat-timeout", type=float, default=10.0,
@@ -197,7 +200,8 @@ def build_server(args: argparse.Namespace, log=None):
     if args.stub:
         log("laneserve: --stub: instances are a MEASUREMENT HARNESS that echo the prompt at once (no model)")
     api_key = args.api_key if args.api_key is not None else os.environ.get("LANESERVE_API_KEY") or None
-    state = ServerState(cluster, name, str(model or ""), None, make_defaults(args), ServerMetrics(name),
+    state = ServerState(cluster, name, str(model or ""), None, make_defaults(args),
+                        ServerMetrics(name, getattr(args, "metrics_prefix", "laneserve")),
                         api_key=api_key, protect_all=args.api_key_all_paths,
                         max_request_bytes=args.max_request_bytes)
 
