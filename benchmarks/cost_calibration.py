@@ -1,4 +1,4 @@
-"""How well the analytic cost model matches measured profiles (DESIGN.md, "Cost models"; issue 13).
+"""How well the analytic cost models match measured profiles (the legacy default and the engine models).
 
 Every figure is a mean absolute percentage error (MAPE) and says whether its data was fitted on
 (``laneserve calibrate``, :mod:`laneserve.costmodel.calibrate`) or held out:
@@ -28,6 +28,12 @@ Every figure is a mean absolute percentage error (MAPE) and says whether its dat
   together, ``5 * kernel_floor_s + elements * bytes / bw``.
 * ``host_overhead_mape_*``: per-iteration CPU cost vs Vidur's A100 profile (fitted / held out).
 * ``prefill_mape_llama31_8b`` and ``linear_mape_llama2_7b`` (fitted): the original checks, GPU time.
+* ``engine_step_mape_{vllm,sglang,trtllm}_{h100,h200}_{decode,prefill}_*``: the engine cost models
+  (:mod:`laneserve.costmodel.engines`, ``engine=...``) against aiconfigurator-core 0.12.0's steps
+  composed from its measured per-operator tables (fitted: :mod:`laneserve.costmodel.engine_fit`),
+  with the legacy model beside them (CUDA-graph decode: no per-layer launch cost);
+  ``engine_held_out_max_mape_vllm_*``: each (model, TP) configuration left out of the fit in turn;
+  ``engine_vllm_*`` on the shared profiles: the vLLM engine model on files it was not fitted on.
 
     python benchmarks/cost_calibration.py [--profiles DIR]
 """
@@ -131,6 +137,71 @@ def decode_8b_checks(kv0: dict[int, dict[str, float]], h100):
                          "step packed ms": packed.decode_step_time(lens) * 1e3,
                          "step per-q-head ms": cms["per_query_head"].decode_step_time(lens) * 1e3})
     return rows, metrics
+
+
+def engine_checks(profiles: Path) -> tuple[dict, str]:
+    """Engine cost models vs aiconfigurator, leave-one-configuration-out, and on the shared files."""
+    from laneserve.costmodel.engine_fit import held_out_mape, step_mape
+    from laneserve.costmodel.engines import EngineCostModel, allreduce_curve
+
+    metrics: dict[str, float] = {}
+    groups = step_mape()
+    for r in groups:
+        key = f"engine_step_mape_{r['engine']}_{r['gpu']}_" + r["group"].lower().replace(" ", "_")
+        metrics[key] = r["mape"]
+    for engine in ("vllm", "sglang", "trtllm"):
+        metrics[f"engine_step_max_mape_{engine}"] = max(r["mape"] for r in groups if r["engine"] == engine)
+    metrics["legacy_step_max_mape_vs_vllm"] = max(r["legacy_mape"] for r in groups if r["engine"] == "vllm")
+    held = held_out_mape("vllm")
+    for gpu in ("h100", "h200"):
+        metrics[f"engine_held_out_max_mape_vllm_{gpu}"] = max(r["mape"] for r in held if r["gpu"] == gpu)
+    table = [{"engine": r["engine"], "gpu": r["gpu"], "group": r["group"], "rows": r["rows"],
+              "engine model mape": r["mape"], "legacy model mape": r["legacy_mape"]} for r in groups]
+    shared = []
+    h100 = get_hardware_spec("h100")
+    for tp in (1, 2, 4, 8):
+        cm = EngineCostModel(get_model_spec("llama-2-70b"), h100, tp=tp, engine="vllm")
+        rows = load_vidur_mlp(profiles / VIDUR_70B_FILES["h100"])
+        meas, pred = [], []
+        for r in (r for r in rows if r.tp == tp):
+            ops = cm.linear_op_times(r.num_tokens)
+            for vop, op in VIDUR_LINEAR.items():
+                meas.append(r.op_seconds[vop]), pred.append(ops[op])
+        legacy_m, legacy_p = linear_pairs(get_model_spec("llama-2-70b"), h100, rows, tp)
+        metrics[f"engine_vllm_linear_mape_llama2_70b_tp{tp}_h100"] = mape(meas, pred)
+        shared.append({"file": VIDUR_70B_FILES["h100"], "what": "linear ops / layer", "tp": tp,
+                       "rows": len(meas), "vllm engine mape": mape(meas, pred),
+                       "legacy mape": mape(legacy_m, legacy_p)})
+    ar = load_allreduce(profiles / ALLREDUCE_FILES["h100"])
+    for n in (2, 4, 8):
+        m = [t for _, t in ar[n]]
+        for kernel in ("nccl", "vllm_custom_eager", "vllm_custom_graph"):
+            curve = allreduce_curve("h100_sxm", kernel, n)
+            p = [curve.time(b) for b, _ in ar[n]]
+            metrics[f"engine_allreduce_mape_h100_{n}gpu_{kernel}"] = mape(m, p)
+        link = h100.allreduce_link(n)
+        shared.append({"file": ALLREDUCE_FILES["h100"], "what": f"all-reduce {n} GPUs", "tp": n,
+                       "rows": len(m),
+                       "vllm engine mape": metrics[f"engine_allreduce_mape_h100_{n}gpu_nccl"],
+                       "legacy mape": mape(m, [link.transfer_time(b) for b, _ in ar[n]]),
+                       "aiconfigurator curve": "nccl 2.29.2 (custom eager "
+                       f"{metrics[f'engine_allreduce_mape_h100_{n}gpu_vllm_custom_eager']:.2f}, graph "
+                       f"{metrics[f'engine_allreduce_mape_h100_{n}gpu_vllm_custom_graph']:.2f})"})
+    md = ("\n## Engine cost models vs aiconfigurator-core 0.12.0 (whole steps, MAPE per group)\n\n"
+          "Reference: aiconfigurator's SDK composing one step from its measured per-operator tables "
+          "(vLLM 0.24.0, SGLang 0.5.14, TRT-LLM 1.3.0rc20; decode batch 1-256 x context 128-32768, "
+          "prefill batch 1-8 x 64-16384 tokens; `laneserve/costmodel/data/aiconfigurator_steps.csv`). "
+          "Engine model = `engine=<backend>` fitted on these rows (`python -m "
+          "laneserve.costmodel.engine_fit`); legacy = the default model, unchanged (decode scored "
+          "without its per-layer launch cost, as a CUDA-graph step).\n\n" + markdown_table(table)
+          + "\n### Held out: one (model, TP) configuration left out of the vLLM fit in turn\n\n"
+          + markdown_table(held)
+          + "\n### The vLLM engine model on the shared profiles (not fitted on them)\n\n"
+            "The legacy column is the default model's figure from the table above (unchanged). The "
+            "vLLM engine's all-reduce is aiconfigurator's measured curve, read as it is, scored on "
+            "Vidur's DGX measurements (a different machine and NCCL version).\n\n"
+          + markdown_table(shared))
+    return metrics, md
 
 
 def main() -> None:
@@ -288,6 +359,8 @@ def main() -> None:
                                                              host_overhead=False)
                      .decode_step_time([512]) * 1e3 for hw in ("a100", "h100")}}
                  for tp in (2, 4, 8)]
+    engine_metrics, engine_md = engine_checks(profiles)
+    metrics.update(engine_metrics)
     markdown = (
         "Fit = the constants were fitted on these rows (`laneserve calibrate`); held out = not.\n\n"
         "## MAPE per profile file and TP degree\n\n" + markdown_table(table)
@@ -315,6 +388,7 @@ def main() -> None:
           "all-reduces per layer at the profiled median of the nearest message size.\n\n"
         + markdown_table(e2e_rows)
         + "\n## Llama-2-70B per-token (batch 1, context 512) by TP degree\n\n" + markdown_table(per_token)
+        + engine_md
         + "\n![measured vs model](cost_calibration.png)\n")
     plot(scatter)
     write_result("cost_calibration", metrics, markdown=markdown,

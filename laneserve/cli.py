@@ -9,7 +9,7 @@ from laneserve import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from laneserve.commands import bench, calibrate, profile, serve, sim
+    from laneserve.commands import bench, calibrate, plan, profile, serve, sim
     parser = argparse.ArgumentParser(prog="laneserve", description=(
         "Length- and SLO-aware LLM serving for prefill/decode disaggregated deployments."))
     parser.add_argument("--version", action="version", version=f"laneserve {__version__}")
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(sub)
     bench.add_parser(sub)
     calibrate.add_parser(sub)
+    plan.add_parser(sub)
     return parser
 
 

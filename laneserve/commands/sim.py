@@ -71,6 +71,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per instance")
     m.add_argument("--attention", default="ragged", help="decode attention kernel: ragged | padded")
     m.add_argument("--profile", type=Path, help="engine profile JSON for --cost-model fitted")
+    m.add_argument("--engine", default="legacy",
+                   help="whose kernels the analytic model charges: legacy (default: the original "
+                        "constants) | vllm | sglang | trtllm (fitted on aiconfigurator's measured "
+                        "operators: split-KV decode, FlashAttention-3, custom all-reduce) | laneserve")
     o = p.add_argument_group("output")
     o.add_argument("--goodput", action="store_true",
                    help="also search each policy's goodput (highest rate with >= 90%% attainment)")
@@ -139,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
         wl = load_workload(args, apply_slo_scale=False)
         cost = make_cost_model(args.cost_model, model=args.model, hardware=args.hardware, tp=args.tp,
                                attention=args.attention,
-                               profile=str(args.profile) if args.profile else None)
+                               profile=str(args.profile) if args.profile else None,
+                               engine=args.engine)
         base = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.prefill,
                              router=args.router, decode_router=args.decode_router,
                              host_kv_tokens=args.host_kv_tokens, kv_link=args.kv_link,
