@@ -10,6 +10,9 @@ SHAPES = {
     # Qwen2-shaped, vocab 4096 (DESIGN.md: a small vocab cuts the fixed LM-head cost on CPU)
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2),
+    # 32 layers of almost nothing: a step's time is the host's (benchmarks/host_time.py)
+    "tiny32": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=32, num_attention_heads=4,
+                   num_key_value_heads=2),
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4),
 }

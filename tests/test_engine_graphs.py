@@ -309,6 +309,7 @@ class _FakeCuda:
         self.capturing = None
         self.captures: list[tuple[object, object]] = []     # (pool, stream) per capture
         self.events: list[str] = []
+        self.capture_modes: list[str] = []
 
     class Stream:
         def __init__(self, device=None) -> None:
@@ -338,9 +339,10 @@ class _FakeCuda:
                 self.out.copy_(self.body())
         return Graph()
 
-    def graph(self, g, pool=None, stream=None):
+    def graph(self, g, pool=None, stream=None, capture_error_mode="global"):
         import contextlib
         fake = self
+        fake.capture_modes.append(capture_error_mode)
 
         @contextlib.contextmanager
         def capture():
@@ -357,10 +359,10 @@ def test_capture_and_replay_control_flow_with_emulated_graphs(monkeypatch):
     and captured once (sharing the first graph's pool and one side stream), later steps only replay,
     and greedy tokens stay identical to the eager path although every replay rewrites the same
     output tensor."""
+    ex = graph_executor("qwen3")          # built first: loading the model must see the real torch.cuda
     fake = _FakeCuda()
     for name in ("Stream", "current_stream", "stream", "CUDAGraph", "graph"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
-    ex = graph_executor("qwen3")
     runner = ex.runner.graphs
     runner._capture_graphs = True
     real_forward = runner._forward
@@ -382,6 +384,8 @@ def test_capture_and_replay_control_flow_with_emulated_graphs(monkeypatch):
     pools = [pool for pool, _ in fake.captures]
     assert pools[0] is None and all(p == ("pool", id(fake)) for p in pools[1:])
     assert len({id(stream) for _, stream in fake.captures}) == 1
+    # capture cannot disturb other instance threads of the process
+    assert fake.capture_modes and set(fake.capture_modes) == {"thread_local"}
     text = " ".join(fake.events)
     assert text.count("warmup warmup capture replay") == stats.captures
     assert text.count("replay") == stats.replays

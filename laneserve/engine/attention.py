@@ -21,11 +21,34 @@ static path runs eagerly on CPU).
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from laneserve.engine.device_stream import upload, upload_packed
+
+#: the SDPA kernels the engine allows on CUDA, in priority order: FlashAttention, then the
+#: memory-efficient kernel (any dtype, any mask); the math kernel only where neither applies. cuDNN
+#: attention is never chosen: it builds a plan per new shape, and a step's shapes change every step.
+CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def sdpa_backends(device: torch.device):
+    """The context one layer's attention runs in: SDPA held to :data:`CUDA_SDPA_BACKENDS` on
+    CUDA; nothing on other devices."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    if _SDPA_PRIORITY:
+        return sdpa_kernel(list(CUDA_SDPA_BACKENDS), set_priority=True)
+    return sdpa_kernel(list(CUDA_SDPA_BACKENDS))
+
+
+_SDPA_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters   # torch >= 2.6
 
 
 @dataclass(slots=True)
@@ -91,11 +114,28 @@ class GatherWorkspace:
 
 def context_slots(table: list[int], ctx_len: int, block_size: int) -> torch.Tensor:
     """Flat cache slots (``block * block_size + offset``) of positions ``[0, ctx_len)``."""
-    num_blocks = -(-ctx_len // block_size)
-    if num_blocks > len(table):
-        raise ValueError(f"block table holds {len(table)} blocks, context of {ctx_len} tokens needs {num_blocks}")
-    blocks = torch.tensor(table[:num_blocks], dtype=torch.long)
-    return (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).view(-1)[:ctx_len]
+    return block_slots([table], [ctx_len], block_size)
+
+
+def block_slots(tables: list[list[int]], ctx_lens: list[int], block_size: int,
+                seq_of_row: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat cache slots of many sequences at once (host tensor, vectorised): by default every
+    position ``[0, ctx_lens[i])`` of each sequence ``i`` in turn; with ``seq_of_row`` and
+    ``positions`` (one entry per row), the slot of each given (sequence, position)."""
+    used = [-(-c // block_size) for c in ctx_lens]
+    for table, n, c in zip(tables, used, ctx_lens):
+        if n > len(table):
+            raise ValueError(f"block table holds {len(table)} blocks, context of {c} tokens needs {n}")
+    width = max(used, default=0)
+    grid = torch.tensor([t[:n] + [0] * (width - n) for t, n in zip(tables, used)], dtype=torch.long)
+    if seq_of_row is None:
+        lens = torch.tensor(ctx_lens, dtype=torch.long)
+        seq_of_row = torch.repeat_interleave(torch.arange(len(ctx_lens)), lens)
+        starts = torch.cumsum(lens, 0) - lens
+        positions = torch.arange(seq_of_row.shape[0]) - starts[seq_of_row]
+    if seq_of_row.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long)
+    return grid[seq_of_row, positions // block_size] * block_size + positions % block_size
 
 
 class AttentionBackend:
@@ -128,15 +168,18 @@ def register_attention(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 
 
 def make_attention(name: str, workspace: GatherWorkspace) -> AttentionBackend:
+    if name == "paged" and name not in ATTENTION_BACKENDS:
+        import laneserve.engine.triton_attention  # noqa: F401  (registers "paged"; needs Triton)
     try:
         return ATTENTION_BACKENDS[name](workspace)
     except KeyError:
         raise ValueError(f"unknown attention path {name!r}; registered: {sorted(ATTENTION_BACKENDS)}") from None
 
 
-def _chunk_mask(start: int, n: int) -> torch.Tensor:
-    """``[n, start + n]``: query i (position start+i) sees keys 0..start+i."""
-    return torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]
+def _chunk_mask(start: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[n, start + n]``: query i (position start+i) sees keys 0..start+i. Built where it is used
+    (no host-to-device copy)."""
+    return torch.arange(start + n, device=device)[None, :] <= (start + torch.arange(n, device=device))[:, None]
 
 
 # ---- ragged: one SDPA per sequence ------------------------------------------------------------
@@ -161,19 +204,21 @@ class RaggedAttention(AttentionBackend):
     name = "ragged"
 
     def prepare(self, batch: AttentionBatch, device: torch.device) -> _RaggedMeta:
-        seqs, slots = [], []
+        seqs = []
+        gather_tables, gather_lens = [], []
         q_off = k_off = 0
         for n, start, table in zip(batch.q_lens, batch.starts, batch.block_tables):
             ctx = start + n
             if start == 0:
                 seqs.append(_RaggedSeq(q_off, n, -1, ctx, None, n > 1))
             else:
-                mask = None if n == 1 else _chunk_mask(start, n).to(device)
+                mask = None if n == 1 else _chunk_mask(start, n, device)
                 seqs.append(_RaggedSeq(q_off, n, k_off, ctx, mask, False))
-                slots.append(context_slots(table, ctx, batch.block_size))
+                gather_tables.append(table)
+                gather_lens.append(ctx)
                 k_off += ctx
             q_off += n
-        index = torch.cat(slots).to(device) if slots else None
+        index = upload(block_slots(gather_tables, gather_lens, batch.block_size), device) if gather_tables else None
         return _RaggedMeta(seqs, index)
 
     def forward(self, q, k_new, v_new, k_cache, v_cache, meta: _RaggedMeta) -> torch.Tensor:
@@ -191,13 +236,21 @@ class RaggedAttention(AttentionBackend):
                 o = F.scaled_dot_product_attention(
                     q[s.q_offset].view(1, kv_heads, -1, dim), k.transpose(0, 1).unsqueeze(0),
                     v.transpose(0, 1).unsqueeze(0))
-                out[s.q_offset] = o.view(-1, dim)
+                out[s.q_offset] = o.reshape(-1, dim)   # CUDA's SDPA may return a non-contiguous output
                 continue
             o = F.scaled_dot_product_attention(
                 q[s.q_offset:q_end].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                 v.transpose(0, 1).unsqueeze(0), attn_mask=s.mask, is_causal=s.causal, enable_gqa=True)
             out[s.q_offset:q_end] = o[0].transpose(0, 1)
         return out
+
+
+def _padded_rows(lens: list[int], pad: int) -> torch.Tensor:
+    """Row of each real entry in a ``[len(lens) * pad]`` padded layout (host, vectorised)."""
+    lens_t = torch.tensor(lens, dtype=torch.long)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
+    first = torch.cumsum(lens_t, 0) - lens_t
+    return torch.arange(seq.shape[0]) - first[seq] + seq * pad
 
 
 # ---- padded: one batched SDPA over the longest context ---------------------------------------
@@ -223,19 +276,24 @@ class PaddedAttention(AttentionBackend):
         b, q_pad, k_pad = len(q_lens), max(q_lens), max(ctx_lens)
         if b == 1 and starts[0] == 0:   # a single fresh prefill: plain causal attention
             return _PaddedMeta(1, q_pad, k_pad, None, None, None, None, q_pad > 1)
-        q_rows = None
-        if any(n != q_pad for n in q_lens):
-            q_rows = torch.cat([torch.arange(n) + i * q_pad for i, n in enumerate(q_lens)]).to(device)
-        index = torch.cat([context_slots(t, c, batch.block_size) for t, c in zip(batch.block_tables, ctx_lens)])
-        k_rows = None
-        if any(c != k_pad for c in ctx_lens):
-            k_rows = torch.cat([torch.arange(c) + i * k_pad for i, c in enumerate(ctx_lens)]).to(device)
-        start_t = torch.tensor(starts)[:, None, None]
-        q_len_t = torch.tensor(q_lens)[:, None, None]
-        qi = torch.arange(q_pad)[None, :, None]
-        kj = torch.arange(k_pad)[None, None, :]
+        index = block_slots(batch.block_tables, ctx_lens, batch.block_size)
+        hosts = [index]
+        ragged_q = any(n != q_pad for n in q_lens)
+        ragged_k = any(c != k_pad for c in ctx_lens)
+        if ragged_q:
+            hosts.append(_padded_rows(q_lens, q_pad))
+        if ragged_k:
+            hosts.append(_padded_rows(ctx_lens, k_pad))
+        hosts.append(torch.tensor(starts + q_lens, dtype=torch.long))
+        up = upload_packed(hosts, device)              # one copy for every index vector
+        index_d = up[0]
+        q_rows = up[1] if ragged_q else None
+        k_rows = up[-2] if ragged_k else None
+        start_t, q_len_t = up[-1][:b, None, None], up[-1][b:, None, None]
+        qi = torch.arange(q_pad, device=device)[None, :, None]
+        kj = torch.arange(k_pad, device=device)[None, None, :]
         mask = (kj <= start_t + qi) | ((qi >= q_len_t) & (kj == 0))   # padded query rows see key 0
-        return _PaddedMeta(b, q_pad, k_pad, q_rows, index.to(device), k_rows, mask.unsqueeze(1).to(device), False)
+        return _PaddedMeta(b, q_pad, k_pad, q_rows, index_d, k_rows, mask.unsqueeze(1), False)
 
     def forward(self, q, k_new, v_new, k_cache, v_cache, meta: _PaddedMeta) -> torch.Tensor:
         b, q_pad, k_pad = meta.batch, meta.q_pad, meta.k_pad

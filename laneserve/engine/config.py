@@ -1,8 +1,14 @@
 """Engine configuration (DESIGN.md, "Habits": config as frozen dataclasses; derived values are
 computed, not mutated into the config).
 
-The engine defaults to fp32 on CPU ("Facts measured on this machine": bf16 changes logits and is
-2x slower for batched decode on CPU).
+Defaults follow the device (fields left at ``"auto"`` / ``None`` are resolved at construction):
+
+* CPU: float32 ("Facts measured on this machine": bf16 changes logits and is 2x slower for
+  batched decode on CPU), eager steps (``cuda_graphs=False``), ``"ragged"`` attention;
+* CUDA: the checkpoint's dtype (``dtype="auto"``, resolved by the loader: bf16 for the usual
+  checkpoints), ``cuda_graphs=True``, and ``"paged"`` attention (Triton kernels reading the paged
+  KV cache, ``engine/triton_attention.py``) where Triton imports, else ``"ragged"`` with SDPA held
+  to its FlashAttention / memory-efficient kernels.
 
 ``cuda_graphs`` turns on the static shape-bucket path of ``engine/graphs.py`` (LAPS §3): decode
 steps padded to ``(batch, context)`` buckets and short fresh prefills with a ``plan.padded_shape``
@@ -26,14 +32,16 @@ MIN_GRAPH_PREFILL_LEN = 8
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     device: str = "cpu"
-    #: "auto" takes the checkpoint's dtype on CUDA and float32 on CPU (fp16 is CUDA-only)
-    dtype: str = "float32"
+    #: "auto" (default) takes the checkpoint's dtype on CUDA and float32 on CPU (resolved to
+    #: "float32" at construction there); fp16 is CUDA-only
+    dtype: str = "auto"
     block_size: int = 16
     #: device KV blocks; ``None`` derives them from ``kv_memory_fraction`` (see :meth:`resolve_num_kv_blocks`)
     num_kv_blocks: int | None = None
     kv_memory_fraction: float = 0.3
-    #: attention path by registry name: "padded" (pays the longest context) or "ragged" (pays the sum)
-    attention: str = "ragged"
+    #: attention path by registry name: "padded" (pays the longest context), "ragged" (pays the sum),
+    #: "paged" (CUDA: Triton kernels over the paged cache); "auto" (default) resolves per device
+    attention: str = "auto"
     #: sizes the preallocated workspaces; larger steps still run (the workspaces grow once)
     max_num_batched_tokens: int = 2048
     #: host-pool KV blocks (AlignedServe §3 host tier); 0 = no host pool
@@ -46,7 +54,8 @@ class EngineConfig:
     #: static shape buckets for non-preemptible decode and short fresh prefill steps (engine/graphs.py):
     #: captured as CUDA graphs on CUDA, run eagerly on the same static buffers on CPU; other steps
     #: (mixed, cached-prefix chunks, preemptible plans, record_op_times, beyond the grid) take the eager path
-    cuda_graphs: bool = False
+    #: ``None`` (default): on for CUDA devices, off elsewhere (resolved at construction)
+    cuda_graphs: bool | None = None
     #: decode buckets: batch in {1, 2, 4, .., graph_max_batch} x padded context in
     #: {16, 32, .., graph_max_context} (the context gather workspace holds max_batch x max_context rows)
     graph_max_batch: int = 64
@@ -58,8 +67,21 @@ class EngineConfig:
     #: keep prompt KV across requests on prefill and colocated instances (content-hashed blocks,
     #: core/block_pool.py); a request starts on the leading blocks found cached
     prefix_caching: bool = True
+    #: preemptible steps: at a boundary where a stop may be taken, at most this many launched
+    #: operators may still be running on the device when ``should_stop()`` is asked, so a stop is
+    #: acknowledged within that many operators' execution (1: launch, wait, check; 2: one operator
+    #: queued behind the running one, no launch gap on the device). 0 asks at launch time without
+    #: waiting (on an asynchronous device a stop then lands only once the launched work drains).
+    preempt_max_inflight: int = 1
 
     def __post_init__(self) -> None:
+        cuda = self.device.startswith("cuda")
+        if self.dtype == "auto" and not cuda:
+            object.__setattr__(self, "dtype", "float32")
+        if self.cuda_graphs is None:
+            object.__setattr__(self, "cuda_graphs", cuda)
+        if self.attention == "auto":
+            object.__setattr__(self, "attention", default_attention(self.device))
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.block_size < 1:
@@ -70,6 +92,8 @@ class EngineConfig:
             raise ValueError("kv_memory_fraction must be in (0, 1]")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.preempt_max_inflight < 0:
+            raise ValueError("preempt_max_inflight must be >= 0")
         if self.num_host_blocks < 0:
             raise ValueError("num_host_blocks must be >= 0")
         if self.dtype == "float16" and not self.device.startswith("cuda"):
@@ -92,6 +116,18 @@ class EngineConfig:
             raise ValueError(f"no room for a single KV block ({kv_bytes_per_token} B/token) "
                              f"in {free_bytes} B x {self.kv_memory_fraction}")
         return blocks
+
+
+def default_attention(device: str) -> str:
+    """The attention path a device gets by default: ``"paged"`` on CUDA when Triton imports,
+    ``"ragged"`` otherwise."""
+    if not device.startswith("cuda"):
+        return "ragged"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "ragged"
+    return "paged"
 
 
 def _free_memory_bytes(device: str) -> int:

@@ -14,7 +14,13 @@ between chunk-sized steps) — the executor calls ``should_stop()``; when it ret
 generator is parked under ``plan.plan_id``, ``plan.ops_done`` is set (operators finished, out of
 ``num_layers * 5``) and ``StepResult(completed=False)`` returned. Executing the same plan object
 again resumes it with identical results. The KV blocks of a parked plan must stay allocated and
-unmoved until it resumes (or :meth:`EngineExecutor.discard` drops it).
+unmoved until it resumes (or :meth:`EngineExecutor.discard` drops it). Operators are launched on a
+:class:`~laneserve.engine.device_stream.DeviceStream`: on an asynchronous device (CUDA) the check
+waits until at most ``EngineConfig.preempt_max_inflight`` launched operators are unfinished, so it
+sees completed work, and a stop returns only once the device has finished what was launched.
+
+One synchronisation per step: the sampled tokens (and the per-row checks of the sampler) come to
+the host together; a step that samples nothing waits for the device explicitly.
 
 With ``EngineConfig.cuda_graphs``, a step the runner maps to a shape bucket (non-preemptible
 decode-only steps, fresh short prefills with a ``padded_shape``; ``engine/graphs.py``) runs there
@@ -25,6 +31,7 @@ in one go — a CUDA graph replay on CUDA, the same static path eagerly elsewher
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +40,9 @@ import torch
 
 from laneserve.core.kv import BlockCopy, HostKVPool, KVCacheManager
 from laneserve.core.plan import StepPlan, StepResult
+from laneserve.engine.attention import sdpa_backends
 from laneserve.engine.config import EngineConfig
+from laneserve.engine.device_stream import DeviceStream, make_device_stream
 from laneserve.engine.kv_cache import KVPayload, PagedKVCache
 from laneserve.engine.models.llama import LlamaModel
 from laneserve.engine.runner import ModelRunner, SeqInput, plan_sequences, prompt_logprob_rows
@@ -70,6 +79,8 @@ class EngineExecutor:
         self.kv = kv
         self.config = config
         self.runner = ModelRunner(model, kv, config)
+        #: where the resumable forward launches its operators (tests swap in an emulated device)
+        self.stream: DeviceStream = make_device_stream(model.device)
         self.host_pool = host_pool
         self.host_cache: PagedKVCache | None = None
         if host_pool is not None:
@@ -117,7 +128,7 @@ class EngineExecutor:
     # ---- the step --------------------------------------------------------------------------
     def execute(self, plan: StepPlan, should_stop: Callable[[], bool] | None = None) -> EngineStepResult:
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), sdpa_backends(self.model.device):   # SDPA kernels chosen, not dispatched
             parked = self._parked.pop(plan.plan_id, None)
             if parked is None:
                 if plan.ops_done:
@@ -150,13 +161,23 @@ class EngineExecutor:
                 self._prompt_logprobs(asked, logits[n_sampled:])
                 logits = logits[:n_sampled]
             sampled, stop_hit, logprobs, failed, forks = self._sample(seqs, logits)
-        self._sync()
+        if not sampled:            # bringing sampled tokens to the host already waited for the step
+            self._sync()
         return EngineStepResult(time.perf_counter() - t0, True, sampled, stop_hit, logprobs or None, failed or None,
                                 forks or None)
 
     def _advance(self, plan: StepPlan, forward, seqs: list[SeqInput],
                  should_stop: Callable[[], bool] | None, t0: float) -> torch.Tensor | None:
-        """Run the generator to its end (returns the logits) or to an accepted stop (parks it, returns None)."""
+        """Run the generator to its end (returns the logits) or to an accepted stop (parks it, returns None).
+
+        Each operator is launched on :attr:`stream`. At every boundary where a stop may be taken,
+        the host first waits until at most ``config.preempt_max_inflight - 1`` launched operators
+        are still running on the device, so ``should_stop()`` is asked with the device at most
+        that many operators behind the launches; an accepted stop then waits for those operators
+        (the device is idle again when the plan is parked), which bounds the acknowledgement by
+        ``preempt_max_inflight`` operators' execution. ``preempt_max_inflight = 0`` checks at launch
+        time without waiting (on an asynchronous device the stop then lands only when the launched
+        work drains). Non-preemptible steps never wait."""
         total = self.model.num_operators
         granularity = plan.preempt_granularity
         if granularity not in ("operator", "layer", "chunk"):
@@ -165,24 +186,42 @@ class EngineExecutor:
         timed = plan.preemptible or self.config.record_op_times
         if timed and plan.op_times is None:
             plan.op_times = []
-        cuda = self.model.device.type == "cuda"
-        last = t0
-        try:
-            while True:
+        stream = self.stream
+        bound = self.config.preempt_max_inflight if check else 0
+        sync_each = timed and stream.asynchronous and self.config.record_op_times
+        result: list[torch.Tensor] = []
+
+        def operator() -> None:
+            try:
                 next(forward)
-                plan.ops_done += 1
-                if timed:
-                    if cuda and self.config.record_op_times:
-                        torch.cuda.synchronize()
-                    now = time.perf_counter()
-                    plan.op_times.append(now - last)  # type: ignore[union-attr]
-                    last = now
-                if check and plan.ops_done < total and (granularity == "operator" or plan.ops_done % 5 == 0):
-                    if should_stop():  # type: ignore[misc]
-                        self._parked[plan.plan_id] = _Parked(plan, forward, seqs)
-                        return None
-        except StopIteration as done:
-            return done.value
+            except StopIteration as done:
+                result.append(done.value)
+
+        inflight: deque = deque(maxlen=max(bound, 1))     # markers of the newest launched operators
+        last = t0
+        while plan.ops_done < total:
+            stream.launch(operator)
+            plan.ops_done += 1
+            boundary = check and plan.ops_done < total and (granularity == "operator" or plan.ops_done % 5 == 0)
+            if bound:
+                inflight.append(stream.record())
+                if boundary:
+                    while len(inflight) > bound - 1:      # the device is at most bound - 1 behind
+                        stream.wait(inflight.popleft())
+            if sync_each:
+                stream.wait(stream.record())
+            if timed:
+                now = time.perf_counter()
+                plan.op_times.append(now - last)  # type: ignore[union-attr]
+                last = now
+            if boundary and should_stop():  # type: ignore[misc]
+                stream.wait(stream.record())              # drain: the device is free when we return
+                self._parked[plan.plan_id] = _Parked(plan, forward, seqs)
+                return None
+        stream.launch(operator)                           # the generator's return: the logits
+        if not result:                                    # launched but not yet run (emulated device)
+            stream.synchronize()
+        return result[0]
 
     @staticmethod
     def _prompt_logprobs(asked: list[tuple[SeqInput, int, int]], logits: torch.Tensor) -> None:
@@ -299,7 +338,9 @@ class EngineExecutor:
                     state = compile_constraint(p.structured, self.model.tokenizer,
                                                eos_token_ids=sorted(self.eos_token_ids)).new_state()
                     entry = self._constraints[req.request_id] = (req, state)
-                out.append(entry[1].sync(req.output_token_ids or []))
+                state = entry[1].sync(req.output_token_ids or [])
+                state.fill_mask()          # before the forward: a constraint over budget fails here, alone
+                out.append(state)
             except (UnsupportedSpec, ConstraintViolation) as exc:
                 self._constraints.pop(req.request_id, None)
                 failed[req.request_id] = f"structured output: {exc}"

@@ -25,7 +25,9 @@ with :class:`~laneserve.engine.attention.StaticPaddedAttention`, drained without
 checks this with a dispatch-mode trace on CPU).
 
 On CUDA a bucket is warmed up on a side stream and captured (``torch.cuda.CUDAGraph``, one memory
-pool shared by all buckets) the first time it is used, then replayed. Sharing the pool is safe
+pool shared by all buckets) the first time it is used, then replayed. Capture runs in
+``thread_local`` error mode, so instances running in other threads of the same process keep
+synchronising and allocating while one of them captures. Sharing the pool is safe
 because graphs never run concurrently and a bucket's output logits are copied out right after its
 replay, before any other graph runs; the static inputs and the gather workspace live outside the
 pool. The warm-up and capture re-run the step on identical inputs, which rewrites identical KV.
@@ -49,6 +51,7 @@ import torch
 from laneserve.core.plan import StepPlan
 from laneserve.engine.attention import StaticAttentionMeta, StaticPaddedAttention
 from laneserve.engine.config import MIN_GRAPH_CONTEXT, MIN_GRAPH_PREFILL_LEN, EngineConfig
+from laneserve.engine.device_stream import copy_in, upload
 from laneserve.engine.kv_cache import PagedKVCache
 from laneserve.engine.models.llama import LlamaModel, StepTensors
 from laneserve.policies.prefill.laps_awd import ShapeGrid
@@ -57,6 +60,8 @@ if TYPE_CHECKING:
     from laneserve.engine.runner import SeqInput
 
 DECODE, PREFILL = "decode", "prefill"
+#: ``torch.cuda.graph`` capture mode: only the capturing thread is checked for unsafe calls
+CAPTURE_ERROR_MODE = "thread_local"
 _WARMUP_RUNS = 2
 
 
@@ -148,10 +153,10 @@ class _Bucket:
     ``step.slots``, ``step.logit_rows`` (prefill), ``meta.gather_index`` (decode), ``meta.mask``."""
 
     __slots__ = ("key", "input_ids", "lens", "tables", "step", "meta", "col", "col_block", "col_offset",
-                 "first_col", "causal", "row_base", "graph", "output")
+                 "first_col", "causal", "row_base", "graph", "output", "paged")
 
     def __init__(self, key: BucketKey, block_size: int, device: torch.device,
-                 k_workspace: torch.Tensor | None, v_workspace: torch.Tensor | None) -> None:
+                 k_workspace: torch.Tensor | None, v_workspace: torch.Tensor | None, paged: bool = False) -> None:
         self.key = key
         b, length = key.batch, key.length
         longs = dict(dtype=torch.long, device=device)
@@ -165,7 +170,17 @@ class _Bucket:
         self.graph = None
         self.output: torch.Tensor | None = None
         self.causal = self.row_base = None
-        if key.kind == DECODE:
+        self.paged = None
+        if key.kind == DECODE and paged:
+            # the paged kernel reads the cache through the block tables: no gather workspace, no mask;
+            # kernel metadata = [query row, new tokens (1), context length] per row, the last refilled per run
+            from laneserve.engine.triton_attention import PagedMeta
+            positions = torch.zeros(b, **longs)
+            logit_rows = torch.arange(b, **longs)
+            kernel_meta = torch.cat([torch.arange(b, **longs), torch.ones(b, **longs), torch.ones(b, **longs)])
+            meta = (PagedMeta(b, 1, kernel_meta, self.tables), block_size, False)
+            self.paged = kernel_meta[2 * b:]
+        elif key.kind == DECODE:
             positions = torch.zeros(b, **longs)
             logit_rows = torch.arange(b, **longs)
             meta = StaticAttentionMeta(b, 1, length, torch.zeros(b, 1, 1, length, dtype=torch.bool, device=device),
@@ -186,7 +201,8 @@ class _Bucket:
 class BucketRunner:
     """Selects, fills and runs shape buckets over ``cache`` (which must have a scratch block)."""
 
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, config: EngineConfig) -> None:
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, config: EngineConfig,
+                 paged: bool | None = None) -> None:
         if cache.scratch_blocks < 1:
             raise ValueError("the bucket runner needs a KV cache with a scratch block")
         self.model = model
@@ -198,6 +214,12 @@ class BucketRunner:
         self.scratch_slot = cache.scratch_block * cache.block_size
         self.grid = BucketGrid.from_config(config)
         self.attention = StaticPaddedAttention()
+        # decode buckets read the paged cache directly with the Triton kernel when the engine's
+        # attention path is "paged" (captured like any other kernel); prefill buckets keep SDPA
+        self.paged_attention = None
+        if paged if paged is not None else config.attention == "paged":
+            from laneserve.engine.triton_attention import PagedAttention
+            self.paged_attention = PagedAttention(None)
         self.stats = GraphStats()
         self._buckets: dict[BucketKey, _Bucket] = {}
         self._k_workspace: torch.Tensor | None = None
@@ -247,9 +269,13 @@ class BucketRunner:
             self.stats.static_eager += 1
         self.stats.runs[key] += 1
         rows = [i for i, s in enumerate(seqs) if s.sample]
-        return logits.index_select(0, torch.tensor(rows, dtype=torch.long).to(self.device))
+        if rows == list(range(len(rows))):       # the usual case: copied out without an index upload
+            return logits[:len(rows)].clone()
+        return logits.index_select(0, upload(torch.tensor(rows, dtype=torch.long), self.device))
 
     def _make(self, key: BucketKey) -> _Bucket:
+        if key.kind == DECODE and self.paged_attention is not None:
+            return _Bucket(key, self.block_size, self.device, None, None, paged=True)
         if key.kind == DECODE and self._k_workspace is None:
             # one gather workspace for every decode bucket, sized once for the largest (a captured
             # graph bakes in its address, so it must never be reallocated)
@@ -282,20 +308,26 @@ class BucketRunner:
         lens.extend([0] * pad)
         flat_tables.extend([self.scratch_block] * (width * pad))
         ids.extend([0] * (key.rows - len(ids)))
-        bucket.input_ids.copy_(torch.tensor(ids, dtype=torch.long))
-        bucket.lens.copy_(torch.tensor(lens, dtype=torch.long))
-        bucket.tables.copy_(torch.tensor(flat_tables, dtype=torch.long).view(key.batch, width))
+        copy_in(bucket.input_ids, torch.tensor(ids, dtype=torch.long))
+        copy_in(bucket.lens, torch.tensor(lens, dtype=torch.long))
+        copy_in(bucket.tables, torch.tensor(flat_tables, dtype=torch.long).view(key.batch, width))
 
     def _forward(self, bucket: _Bucket) -> torch.Tensor:
         """Static metadata from the filled inputs, then the model forward. Capture-safe."""
         bs, scratch, step, meta = self.block_size, self.scratch_slot, bucket.step, bucket.meta
         lens = bucket.lens
-        valid = bucket.col[None, :] < lens[:, None]                                  # [B, length]
-        slots = bucket.tables.index_select(1, bucket.col_block) * bs + bucket.col_offset   # [B, length]
-        sees = valid | bucket.first_col[None, :]
+        attention = self.attention
+        if bucket.paged is not None:                  # decode on the paged kernel: no gather index, no mask
+            bucket.paged.copy_(lens.clamp(min=1))     # padding rows: one key in the scratch block
+            attention = self.paged_attention
+        else:
+            valid = bucket.col[None, :] < lens[:, None]                                  # [B, length]
+            slots = bucket.tables.index_select(1, bucket.col_block) * bs + bucket.col_offset   # [B, length]
+            sees = valid | bucket.first_col[None, :]
         if bucket.key.kind == DECODE:
-            meta.gather_index.copy_(torch.where(valid, slots, scratch).view(-1))
-            meta.mask.copy_(sees[:, None, None, :])
+            if bucket.paged is None:
+                meta.gather_index.copy_(torch.where(valid, slots, scratch).view(-1))
+                meta.mask.copy_(sees[:, None, None, :])
             last = (lens - 1).clamp(min=0)
             step.positions.copy_(last)
             write = bucket.tables.gather(1, (last // bs)[:, None]).squeeze(1) * bs + last % bs
@@ -304,7 +336,7 @@ class BucketRunner:
             step.slots.copy_(torch.where(valid, slots, scratch).view(-1))
             meta.mask.copy_((bucket.causal[None, :, :] & sees[:, None, :])[:, None])
             step.logit_rows.copy_(bucket.row_base + lens.clamp(min=1) - 1)
-        return _drain(self.model.steps(step, self.cache, self.attention))
+        return _drain(self.model.steps(step, self.cache, attention))
 
     def _capture(self, bucket: _Bucket) -> None:
         """Warm up on a side stream, then capture into the shared pool (CUDA only)."""
@@ -316,7 +348,10 @@ class BucketRunner:
                 self._forward(bucket)
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+        # thread-local capture: another instance thread of the same process (LocalCluster) may
+        # synchronise or allocate while this one captures; the default global mode would make
+        # those calls fail ("operation not permitted when stream is capturing")
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode=CAPTURE_ERROR_MODE):
             bucket.output = self._forward(bucket)
         if self._pool is None:
             self._pool = graph.pool()

@@ -37,8 +37,9 @@ import torch
 from laneserve.core.kv import KVCacheManager
 from laneserve.core.plan import StepPlan
 from laneserve.core.request import Request
-from laneserve.engine.attention import AttentionBatch, GatherWorkspace, make_attention
+from laneserve.engine.attention import AttentionBatch, GatherWorkspace, block_slots, make_attention
 from laneserve.engine.config import EngineConfig
+from laneserve.engine.device_stream import upload_packed
 from laneserve.engine.graphs import BucketKey, BucketRunner
 from laneserve.engine.kv_cache import PagedKVCache
 from laneserve.engine.models.llama import LlamaModel, StepTensors
@@ -106,6 +107,49 @@ def _token_slice(prompt: list[int], outputs: list[int], start: int, end: int) ->
     return head + outputs[max(start - len(prompt), 0):end - len(prompt)]
 
 
+_KERNEL_CHECKS: dict[tuple, bool] = {}
+
+
+def paged_kernel_works(model: LlamaModel) -> bool:
+    """Run the paged-attention kernel once on a small case in the model's dtype and head layout
+    (a decode and a chunk over a cached prefix) and compare it with SDPA: False if it fails to
+    compile or run, or disagrees. Remembered per device, dtype and head layout."""
+    cfg = model.config
+    key = (str(model.device), model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    if key not in _KERNEL_CHECKS:
+        _KERNEL_CHECKS[key] = _check_paged_kernel(model)
+    return _KERNEL_CHECKS[key]
+
+
+def _check_paged_kernel(model: LlamaModel) -> bool:
+    try:
+        from laneserve.engine.triton_attention import paged_attention, paged_meta
+
+        cfg, dev, dtype = model.config, model.device, model.dtype
+        g = torch.Generator(device="cpu").manual_seed(0)
+        block, q_lens, starts = 16, [1, 5], [20, 11]
+        ctx = [s + n for s, n in zip(starts, q_lens)]
+        tables = [[3, 0], [1, 2]]
+        k = torch.randn(4 * block, cfg.num_kv_heads, cfg.head_dim, generator=g).to(dev, dtype)
+        v = torch.randn(4 * block, cfg.num_kv_heads, cfg.head_dim, generator=g).to(dev, dtype)
+        q = torch.randn(sum(q_lens), cfg.num_heads, cfg.head_dim, generator=g).to(dev, dtype)
+        out = paged_attention(q, k, v, paged_meta(q_lens, ctx, tables, block, dev), block).float()
+        row = 0
+        for n, s, c, t in zip(q_lens, starts, ctx, tables):
+            slots = torch.tensor([t[p // block] * block + p % block for p in range(c)], device=dev)
+            mask = torch.arange(c, device=dev)[None, :] <= (s + torch.arange(n, device=dev))[:, None]
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[row:row + n].float().transpose(0, 1)[None], k[slots].float().transpose(0, 1)[None],
+                v[slots].float().transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+            if not torch.allclose(out[row:row + n], ref, atol=5e-2, rtol=5e-2):
+                return False
+            row += n
+        return True
+    except Exception:                 # no Triton, no compiler for this device, a kernel error
+        log.exception("paged-attention start-up check")
+        return False
+
+
 def _check_blocks(kv: KVCacheManager, request_id: int, num_tokens: int) -> None:
     have = kv.num_allocated(request_id) * kv.block_size
     if have < num_tokens:
@@ -129,10 +173,16 @@ class ModelRunner:
                                   scratch_blocks=1 if config.cuda_graphs else 0)
         self.workspace = GatherWorkspace(config.max_num_batched_tokens, cfg.num_kv_heads, cfg.head_dim,
                                          model.dtype, self.device)
-        self.attention = make_attention(config.attention, self.workspace)
+        name = config.attention
+        if name == "paged" and self.device.type == "cuda" and not paged_kernel_works(model):
+            log.warning("the Triton paged-attention kernel failed its start-up check on %s; using the "
+                        "ragged attention path", self.device)
+            name = "ragged"
+        self.attention_name = name
+        self.attention = make_attention(name, self.workspace)
         self.graphs: BucketRunner | None = None
         if config.cuda_graphs:
-            self.graphs = BucketRunner(model, self.cache, config)
+            self.graphs = BucketRunner(model, self.cache, config, paged=name == "paged")
             log.info("cuda_graphs: shape buckets %s on %s", "captured as CUDA graphs" if self.device.type == "cuda"
                      else "run eagerly on static buffers", self.device)
 
@@ -150,41 +200,49 @@ class ModelRunner:
     def prepare(self, seqs: list[SeqInput], padded_shape: tuple[int, int] | None = None,
                 prompt_rows: list[tuple[SeqInput, int, int]] = ()) -> StepTensors:
         """The step's tensors; ``prompt_rows`` (:func:`prompt_logprob_rows` of ``seqs``) add the
-        logit rows of prompt positions after the sampled rows'."""
+        logit rows of prompt positions after the sampled rows'.
+
+        Built once per step on the host with vectorised ops (positions and KV write slots from
+        per-sequence starts, lengths and block tables) and uploaded in one copy
+        (:func:`~laneserve.engine.device_stream.upload_packed`: pinned, non-blocking on CUDA); the
+        attention metadata adds its own per-step upload."""
         bs = self.kv_manager.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logit_rows: list[int] = []
-        tables: list[list[int]] = []
-        row_of: dict[int, int] = {}
-        for s in seqs:
-            row_of[id(s)] = len(ids)
-            table = self.kv_manager.table(s.request.request_id)
-            tables.append(table)
-            n = len(s.token_ids)
-            ids.extend(s.token_ids)
-            positions.extend(range(s.start, s.start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(s.start, s.start + n))
-            if s.sample:
-                logit_rows.append(len(ids) - 1)
-        for s, first, count in prompt_rows:                    # after the sampled rows
-            row = row_of[id(s)] + first - s.start
-            logit_rows.extend(range(row, row + count))
+        lens = [len(s.token_ids) for s in seqs]
+        starts = [s.start for s in seqs]
+        tables = [self.kv_manager.table(s.request.request_id) for s in seqs]
+        ids = [t for s in seqs for t in s.token_ids]
         num_tokens = len(ids)
+        first_row: list[int] = []
+        logit_rows: list[int] = []
+        row = 0
+        for s, n in zip(seqs, lens):
+            first_row.append(row)
+            row += n
+            if s.sample:
+                logit_rows.append(row - 1)
+        row_of = {id(s): r for s, r in zip(seqs, first_row)}
+        for s, first, count in prompt_rows:                    # after the sampled rows
+            r = row_of[id(s)] + first - s.start
+            logit_rows.extend(range(r, r + count))
+        pad = 0
         if padded_shape is not None:   # LAPS shape bucket: pad the token rows (linear layers pay for them)
-            rows = padded_shape[0] * padded_shape[1]
-            if rows > num_tokens:
-                ids.extend([0] * (rows - num_tokens))
-                positions.extend([0] * (rows - num_tokens))
-        batch = AttentionBatch([len(s.token_ids) for s in seqs], [s.start for s in seqs], tables, bs)
-        dev = self.device
-        return StepTensors(
-            input_ids=torch.tensor(ids, dtype=torch.long).to(dev),
-            positions=torch.tensor(positions, dtype=torch.long).to(dev),
-            slots=torch.tensor(slots, dtype=torch.long).to(dev), num_tokens=num_tokens,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long).to(dev),
-            attn_meta=self.attention.prepare(batch, dev))
+            pad = max(padded_shape[0] * padded_shape[1] - num_tokens, 0)
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        seq_of_row = torch.repeat_interleave(torch.arange(len(seqs)), lens_t)
+        offset = torch.tensor(starts, dtype=torch.long) - torch.tensor(first_row, dtype=torch.long)
+        positions = torch.arange(num_tokens) + offset[seq_of_row]
+        slots = block_slots(tables, [s + n for s, n in zip(starts, lens)], bs, seq_of_row, positions)
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        if pad:
+            ids_t = torch.cat([ids_t, ids_t.new_zeros(pad)])
+            positions_in = torch.cat([positions, positions.new_zeros(pad)])
+        else:
+            positions_in = positions
+        input_ids, positions_d, slots_d, logit_rows_d = upload_packed(
+            [ids_t, positions_in, slots, torch.tensor(logit_rows, dtype=torch.long)], self.device)
+        batch = AttentionBatch(lens, starts, tables, bs)
+        return StepTensors(input_ids=input_ids, positions=positions_d, slots=slots_d, num_tokens=num_tokens,
+                           logit_rows=logit_rows_d, attn_meta=self.attention.prepare(batch, self.device))
 
     def forward(self, step: StepTensors) -> Generator[str, None, torch.Tensor]:
         """The resumable forward: yields after each operator, returns the logits."""

@@ -31,6 +31,7 @@ the raw logits); a row whose constraint allows nothing fails as above ("no finit
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -73,13 +74,21 @@ class TokenHistory:
     ``logit_bias`` ids and values; the ids ``min_tokens`` masks. :meth:`extend` adds the output
     tokens generated since the last call, so the cost per step is that of the new tokens only."""
 
-    __slots__ = ("request", "num_outputs", "seen", "counts", "bias_ids", "bias_values", "stop_ids")
+    __slots__ = ("request", "num_outputs", "seen", "counts", "bias_ids", "bias_values", "stop_ids", "allowed",
+                 "bad_words", "tail")
 
     def __init__(self, request: object, params: SamplingParams, prompt: Sequence[int], vocab_size: int,
                  device: torch.device, eos_token_ids: Iterable[int]) -> None:
         self.request = request           # the request object this history belongs to (identity)
         self.num_outputs = 0
-        self.seen = self.counts = self.bias_ids = self.bias_values = self.stop_ids = None
+        self.seen = self.counts = self.bias_ids = self.bias_values = self.stop_ids = self.allowed = None
+        # bad words: (prefix, banned last token) of each sequence; `tail` = the output's last tokens
+        self.bad_words = [(w[:-1], w[-1]) for w in params.bad_words_ids if w[-1] < vocab_size]
+        self.tail: tuple[int, ...] = ()
+        if params.allowed_token_ids:      # vLLM's allowed_token_ids: every other token is masked
+            self.allowed = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self.allowed[torch.tensor([t for t in params.allowed_token_ids if t < vocab_size], dtype=torch.long,
+                                      device=device)] = True
         if params.penalized:
             self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
@@ -97,6 +106,9 @@ class TokenHistory:
 
     def extend(self, output_token_ids: Sequence[int]) -> None:
         """Count the output tokens past the ones already counted."""
+        if self.bad_words:
+            keep = max(len(p) for p, _ in self.bad_words)
+            self.tail = tuple(output_token_ids[max(0, len(output_token_ids) - keep):]) if keep else ()
         new = output_token_ids[self.num_outputs:]
         if not new:
             return
@@ -130,17 +142,21 @@ class Sampler:
             if logits is raw:
                 logits = raw.clone()
             apply(logits, states)
-        bad = _unsampleable_rows(logits)
-        tokens = logits.argmax(dim=-1).tolist()
-        cpu_logits = None
+        # the step's one synchronisation: tokens and row checks come to the host together (for a
+        # batch with random rows, the logits themselves, sampled on the host)
+        if all(p.greedy for p in params):
+            tokens, codes = torch.stack([logits.argmax(dim=-1), _row_codes(logits)]).tolist()
+            cpu_logits = None
+        else:
+            cpu_logits = logits.cpu()
+            tokens, codes = torch.stack([cpu_logits.argmax(dim=-1), _row_codes(cpu_logits)]).tolist()
+        bad = {row: _REASONS[code] for row, code in enumerate(codes) if code}
         for row, p in enumerate(params):
             if row in bad:
                 tokens[row] = PLACEHOLDER_TOKEN
                 continue
             if p.greedy:
                 continue
-            if cpu_logits is None:
-                cpu_logits = logits.cpu()
             gen = self._generator
             if p.seed is not None:
                 gen = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + output_index[row]) % _SEED_MOD)
@@ -176,6 +192,11 @@ def _shape(logits: torch.Tensor, params: list[SamplingParams], output_index: lis
             logits[row].index_add_(0, h.bias_ids, h.bias_values)
         if h.stop_ids is not None and output_index[row] < p.min_tokens:
             logits[row, h.stop_ids] = float("-inf")
+        if h.allowed is not None:
+            logits[row].masked_fill_(~h.allowed, float("-inf"))
+        for prefix, last in h.bad_words:
+            if not prefix or h.tail[len(h.tail) - len(prefix):] == prefix:
+                logits[row, last] = float("-inf")
         if p.penalized:
             penalized.append(row)
     if penalized:
@@ -194,19 +215,21 @@ def _shape(logits: torch.Tensor, params: list[SamplingParams], output_index: lis
     return logits
 
 
+_REASONS = {1: "logits contain NaN", 2: "logits contain +inf", 3: "no finite logit"}
+
+
+def _row_codes(logits: torch.Tensor) -> torch.Tensor:
+    """Per row, on the logits' device (no synchronisation): 0 = sampleable, 1 = holds NaN,
+    2 = holds +inf, 3 = no finite value (-inf entries alone are fine: masked tokens)."""
+    nan = logits.isnan().any(-1)
+    pos_inf = (logits == float("inf")).any(-1)
+    none_finite = ~torch.isfinite(logits).any(-1)
+    return torch.where(nan, 1, torch.where(pos_inf, 2, torch.where(none_finite, 3, 0)))
+
+
 def _unsampleable_rows(logits: torch.Tensor) -> dict[int, str]:
-    """Rows holding NaN or +inf, or no finite value (-inf entries alone are fine: masked tokens)."""
-    finite = torch.isfinite(logits)
-    if bool(finite.all()):
-        return {}
-    nan = logits.isnan().any(-1).tolist()
-    pos_inf = (logits == float("inf")).any(-1).tolist()
-    any_finite = finite.any(-1).tolist()
-    bad = {}
-    for row, (n, p, f) in enumerate(zip(nan, pos_inf, any_finite)):
-        if n or p or not f:
-            bad[row] = "logits contain NaN" if n else "logits contain +inf" if p else "no finite logit"
-    return bad
+    """Rows holding NaN or +inf, or no finite value, with the reason."""
+    return {row: _REASONS[code] for row, code in enumerate(_row_codes(logits).tolist()) if code}
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
@@ -223,6 +246,8 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -
         drop[0] = False                            # the most likely token is always kept (top_p may be
                                                    # below float32's range and compare as 0)
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if p.min_p > 0:                                # the best token scores 0: log(min_p) is the cut
+        scaled = scaled.masked_fill(scaled < math.log(p.min_p), float("-inf"))
     probs = scaled.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=gen))
 
