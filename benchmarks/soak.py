@@ -6,6 +6,11 @@ live 1P+1D deployment of the smoke model, mixing
   100k-digit numbers, bodies over ``--max-request-bytes``, garbage),
 - client disconnects at random phases (before the response starts, mid-stream, during a
   non-streamed wait),
+- hostile structured output (``laneserve.bench.hostile``: schemas and regexes that blow up an
+  automaton, keywords a grammar engine may ignore, generated schemas and regexes; each answer
+  must be a 400 or a document satisfying its constraint), response amplification (echo + top-20
+  logprobs + top-20 prompt logprobs over 40 prompts of 4,000 tokens) and a request asking for every
+  admission slot (``best_of: 128`` over two prompts), each to be refused with a 400,
 
 while the decode instance is killed (SIGKILL) a third of the way in and the prefill instance is
 hung (SIGSTOP) two thirds of the way in. A poller times ``/health`` every 100 ms all along.
@@ -14,6 +19,9 @@ Reported (``benchmarks/results/soak.json``):
 - ``requests_lost``: requests the server accepted (it started answering, or the client was
   waiting) that never got an answer — neither tokens to the end nor an error. Must be 0.
 - ``hostile_5xx``: hostile bodies answered with a 5xx. Must be 0.
+- ``structured_wrong``: structured-output answers that are neither a 400 nor a document that
+  satisfies the constraint. Must be 0. ``amplify_not_400`` / ``slot_hog_not_400``: those requests
+  answered otherwise than a 400. Must be 0.
 - ``kv_blocks_leaked``, ``inflight_at_rest``, ``kv_files_at_rest``: what is still held once the
   load has stopped and the server is at rest. Must be 0.
 - ``restarts``: instance restarts the supervisor made (2 expected: the kill and the hang).
@@ -39,6 +47,7 @@ from collections import Counter
 
 import httpx
 
+from laneserve.bench.hostile import amplification_body, chat_body, judge, slot_hog_body, structured_cases
 from laneserve.bench.live_server import Server  # noqa: E402
 from laneserve.bench.results import markdown_table, write_result  # noqa: E402
 
@@ -77,6 +86,7 @@ class Soak:
     def __init__(self, url: str, server_pid: int, n: int, rate: float, seed: int) -> None:
         self.url, self.server_pid, self.n, self.rate = url, server_pid, n, rate
         self.rng = random.Random(seed)
+        self.structured = structured_cases(random.Random(seed + 1), generated=60)
         self.outcomes: Counter = Counter()
         self.lost: list[str] = []
         self.health_ms: list[float] = []
@@ -107,8 +117,27 @@ class Soak:
 
     async def one(self, client: httpx.AsyncClient, i: int) -> None:
         r = self.rng
-        kind = r.choices(["stream", "json", "hostile", "disconnect"], weights=[50, 20, 15, 15])[0]
+        kind = r.choices(["stream", "json", "hostile", "disconnect", "structured", "amplify", "slot_hog"],
+                         weights=[44, 18, 13, 13, 8, 2, 2])[0]
         try:
+            if kind == "structured":
+                name, path, fields = r.choice(self.structured)
+                resp = await client.post(self.url + path, json=chat_body(MODEL, fields, max_tokens=48, seed=i))
+                if resp.status_code >= 500:
+                    self.outcomes["hostile_5xx"] += 1
+                    return
+                verdict = judge(fields, resp.status_code, resp.json())
+                self.outcomes["structured_wrong" if verdict.startswith("wrong") else f"structured_{verdict}"] += 1
+                if verdict.startswith("wrong"):
+                    self.lost.append(f"{i} {name}: {verdict}")
+                return
+            if kind in ("amplify", "slot_hog"):
+                body = amplification_body(MODEL) if kind == "amplify" else slot_hog_body(MODEL)
+                resp = await client.post(self.url + "/v1/completions", json=body)
+                self.outcomes[f"{kind}_400" if resp.status_code == 400 else f"{kind}_not_400"] += 1
+                if resp.status_code >= 500:
+                    self.outcomes["hostile_5xx"] += 1
+                return
             if kind == "hostile":
                 raw = r.choice(HOSTILE)
                 path = "/v1/chat/completions" if b'"messages"' in raw else "/v1/completions"
@@ -298,6 +327,8 @@ def main() -> int:
     metrics = {
         "requests": args.requests, "rate_per_s": args.rate, "wall_s": round(out["wall_s"], 1),
         "requests_lost": soak.outcomes["lost"], "hostile_5xx": soak.outcomes["hostile_5xx"],
+        "structured_wrong": soak.outcomes["structured_wrong"], "amplify_not_400": soak.outcomes["amplify_not_400"],
+        "slot_hog_not_400": soak.outcomes["slot_hog_not_400"],
         "kv_blocks_leaked": out["kv_blocks_leaked"], "inflight_at_rest": out["inflight_at_rest"],
         "kv_files_at_rest": out["kv_files_at_rest"], "restarts": out["restarts"], "settled": out["settled"],
         "api_rss_growth_mb": round(api["growth_mb"], 1) if api else None,
@@ -317,7 +348,8 @@ def main() -> int:
                                                       "final_state": out["state"], "rss": rss_rows},
                  results_dir=args.results_dir)
     print(json.dumps(metrics, indent=1))
-    return 0 if metrics["requests_lost"] == 0 and metrics["hostile_5xx"] == 0 else 1
+    bad = ("requests_lost", "hostile_5xx", "structured_wrong", "amplify_not_400", "slot_hog_not_400")
+    return 0 if all(metrics[k] == 0 for k in bad) else 1
 
 
 if __name__ == "__main__":

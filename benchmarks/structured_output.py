@@ -1,4 +1,4 @@
-"""Structured output (issue 14, item 3): what the outlines-core token mask costs.
+"""Structured output: what the llguidance token mask costs.
 
 1. **Decode step with and without the mask** on the smoke model (2-layer random Llama, vocab 1024,
    CPU, one torch thread) at batch 1 and 32: the engine's real ``EngineExecutor.execute`` step, its
@@ -13,12 +13,12 @@
    mode over all steps of all trials, ``mask_overhead_ratio`` = constrained / unconstrained, the
    constraint work timed directly inside the sampler, and — in a longer run of 8 requests — how
    many finished documents parse with every required field (real model logits, not random ones).
-2. **Compile time per spec** (outlines-core ``Index`` construction, the cached part) for the
+2. **Check time per spec** (the grammar built once within its budget, as the API does for
+   every constrained request; a request's matcher is built the same way) for the
    1024-token tokenizer and the Llama 3 vocabulary (128,256 tokens, bytes from ``quicktok``).
 3. **Mask cost at Llama 3 width** without a model: ``sync`` + ``apply`` per step on ``[B, 128256]``
-   random logits vs the engine sampler's own time on the same logits, warm mask cache, and the
-   first (cold) pass.
-4. **n = 4 greedy samples** (issue 14, item 2) through a live 1P+1D server of the smoke model with
+   random logits vs the engine sampler's own time on the same logits.
+4. **n = 4 greedy samples** through a live 1P+1D server of the smoke model with
    the official ``openai`` client: for each of ``N4_PROMPTS`` prompts, one ``n=4`` greedy request
    (prompt prefilled once, the four samples forked from its KV on the decode instance) against an
    ``n=1`` request; ``n4_greedy_identical`` is true when every sample's tokens equal each other's
@@ -45,7 +45,7 @@ from laneserve.engine import EngineConfig, EngineExecutor, Sampler
 from laneserve.engine.smoke import smoke_model_path
 from laneserve.engine.structured import (ConstraintState, StructuredSpec, TokenVocabulary, apply,
                                          compile_constraint, token_vocabulary)
-from laneserve.engine.structured.constraint import Constraint
+from laneserve.engine.structured import check_grammar
 from laneserve.engine.structured.tiny_tokenizer import byte_level_tokenizer
 
 BATCHES, PROMPT_LEN, STEPS, TRIALS = (1, 32), 64, 96, 5
@@ -82,27 +82,21 @@ NOTES = """## How to read this
   estimates of the same overhead on a shared 2-core machine.
 - `documents_valid` / `documents_complete`: JSON documents the smoke model (random weights) finished
   under the schema in a 1500-step run of 8 requests, and how many parse with every required field.
-- Compile time is paid once per (spec, tokenizer) per process (LRU cache). outlines-core's own
-  "any JSON object" regex nests 3 levels and builds a 1,623-state DFA; laneserve's json_object
-  nests 2 levels (401 states), which is why its compile time is much lower.
-- Llama 3 rows: `cold` clears the per-state mask cache first; `warm` keeps it, but random documents
-  keep reaching new DFA states (string positions under maxLength), so warm is not reliably cheaper.
+- Check time: the grammar is built once within its budget (llguidance builds lexer states lazily,
+  so nothing grows with the schema's bounds); checked grammars are cached by bytes per process.
+- Llama 3 rows: each mask is computed at its position (llguidance, the GIL released).
   `sampler_ms_per_step` is the engine's existing sampler (softmax + multinomial per row, one thread)
   on the same 128,256-wide logits.
 """
 
 
 def compile_specs() -> dict[str, StructuredSpec]:
-    from outlines_core.json_schema import build_regex_from_schema
-
     return {
         "json_schema (person, 7 fields, nested)": StructuredSpec.json_schema(PERSON),
         "tool (get_weather)": StructuredSpec.tool("get_weather", WEATHER),
         "tools_required (3 tools, parallel)": StructuredSpec.tools_required(
             [("get_weather", WEATHER), ("search", SEARCH), ("ping", None)]),
-        "json_object (depth 2, laneserve)": StructuredSpec.json_object(),
-        "json_object (depth 3, outlines-core's regex)": StructuredSpec.regex(
-            build_regex_from_schema('{"type": "object"}', "[ ]?")),
+        "json_object (any depth)": StructuredSpec.json_object(),
         "regex (ISO date)": StructuredSpec.regex(r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"),
         "choice (4 options)": StructuredSpec.choice(["positive", "negative", "neutral", "mixed"]),
     }
@@ -222,7 +216,7 @@ def engine_overhead() -> tuple[dict, list[dict]]:
     eos = frozenset(constraint.vocab.eos_token_ids)
     metrics, rows = {}, []
     for batch in BATCHES:
-        paired_trial(ex, batch, constraint, eos, seed=99)                # warm-up (mask cache included)
+        paired_trial(ex, batch, constraint, eos, seed=99)                # warm-up 
         plain_t, masked_t, constraint_s = [], [], 0.0
         for trial in range(TRIALS):
             p, m, c = paired_trial(ex, batch, constraint, eos, seed=trial)
@@ -269,29 +263,26 @@ def llama3_vocabulary() -> TokenVocabulary:
 def compile_times(vocabs: dict[str, TokenVocabulary]) -> list[dict]:
     rows = []
     for label, spec in compile_specs().items():
-        row = {"spec": label, "regex_chars": len(spec.to_regex())}
+        row = {"spec": label, "grammar_chars": len(spec.to_grammar())}
         for vname, vocab in vocabs.items():
-            c = Constraint(spec, vocab)
-            row[f"compile_s_{vname}"] = c.compile_seconds
-            row[f"dfa_states_{vname}"] = len(c.index.get_transitions())
-            print(label, vname, f"{c.compile_seconds:.3f}s", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            check_grammar(spec, vocab)
+            row[f"compile_s_{vname}"] = time.perf_counter() - t0
+            print(label, vname, f"{row[f'compile_s_{vname}']:.3f}s", file=sys.stderr, flush=True)
         rows.append(row)
     return rows
 
 
 def llama3_mask_cost(vocab: TokenVocabulary) -> list[dict]:
     """Per step: sync + apply on [B, V] logits walking sampled documents, vs Sampler.sample alone."""
-    constraint = Constraint(StructuredSpec.json_schema(PERSON), vocab)
+    constraint = compile_constraint(StructuredSpec.json_schema(PERSON), vocab)
     width = vocab.size
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch in BATCHES:
         params = [SamplingParams(temperature=1.0, seed=i) for i in range(batch)]
         sampler = Sampler(0)
-        for cold in (True, False):
-            if cold:
-                constraint._masks.clear()
-                constraint._mask_bytes = 0
+        for cold in (True,):                   # masks are computed per position: no cache to warm
             states = [constraint.new_state() for _ in range(batch)]
             outputs: list[list[int]] = [[] for _ in range(batch)]
             mask_s = sample_s = 0.0
@@ -352,27 +343,27 @@ def main() -> None:
     metrics.update(n4)
     t0 = time.perf_counter()
     llama3 = llama3_vocabulary()
-    llama3.outlines_vocabulary()
+    llama3.llg_tokenizer()
     vocab_build_s = time.perf_counter() - t0
     tiny = token_vocabulary(byte_level_tokenizer(1024))
     compile_rows = compile_times({"v1024": tiny, "llama3": llama3})
     mask_rows = llama3_mask_cost(llama3)
     by_spec = {r["spec"]: r for r in compile_rows}
     metrics["compile_s_json_schema_llama3"] = by_spec["json_schema (person, 7 fields, nested)"]["compile_s_llama3"]
-    metrics["compile_s_json_object_llama3"] = by_spec["json_object (depth 2, laneserve)"]["compile_s_llama3"]
+    metrics["compile_s_json_object_llama3"] = by_spec["json_object (any depth)"]["compile_s_llama3"]
     metrics["llama3_vocabulary_build_s"] = vocab_build_s
-    warm = {r["batch"]: r for r in mask_rows if r["mask_cache"] == "warm"}
+    warm = {r["batch"]: r for r in mask_rows}
     metrics["llama3_mask_ms_per_step"] = {str(b): r["mask_ms_per_step"] for b, r in warm.items()}
     metrics["llama3_mask_over_sampler"] = {str(b): r["mask_over_sampler"] for b, r in warm.items()}
     md = (NOTES + "\n## Decode step on the smoke model (CPU, 1 thread), JSON-schema constraint\n\n"
           + markdown_table(engine_rows)
-          + "\n## Compile time per spec (outlines-core Index; cached per process)\n\n" + markdown_table(compile_rows)
+          + "\n## Check time per spec (llguidance grammar built within its budget)\n\n" + markdown_table(compile_rows)
           + "\n## Mask cost at Llama 3 vocabulary width (128,256), no model\n\n" + markdown_table(mask_rows))
     write_result("structured_output", metrics, markdown=md,
                  extra={"engine_rows": engine_rows, "compile_rows": compile_rows, "llama3_mask_rows": mask_rows,
                         "model": "smoke model: 2-layer Llama, hidden 128, vocab 1024, random weights",
                         "steps_per_trial": STEPS, "trials": TRIALS, "prompt_len": PROMPT_LEN,
-                        "outlines_core": "0.2.14", "threads": 1})
+                        "llguidance": "1.9.1", "threads": 1})
 
 
 if __name__ == "__main__":

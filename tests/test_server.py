@@ -140,7 +140,8 @@ def test_second_chat_turn_reports_cached_prompt_tokens(servers):
 BAD = [
     ("malformed JSON", b'{"model": "smoke-llama", "prompt": ', "malformed JSON"),
     ("missing prompt", {"model": MODEL}, "missing required field 'prompt'"),
-    ("missing model", {"prompt": "hi"}, "missing required field 'model'"),
+    ("allowed token outside vocab", {"model": MODEL, "prompt": "hi", "allowed_token_ids": [99999]},
+     "outside the vocabulary"),
     ("unknown field in slo", {"model": MODEL, "prompt": "hi", "slo": {"ttft": 5}}, "unknown field 'slo.ttft'"),
     ("prompt too long", {"model": MODEL, "prompt": [7] * 4100}, "maximum context length"),
     ("prompt + max_tokens too long", {"model": MODEL, "prompt": [7] * 4000, "max_tokens": 200}, "maximum context length"),

@@ -43,7 +43,8 @@ from laneserve.core.structured import StructuredSpec
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
                     "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "logit_bias", "min_tokens", "structured", "n", "prompt_logprobs")
+                    "logit_bias", "min_tokens", "structured", "n", "prompt_logprobs", "min_p",
+                    "allowed_token_ids", "bad_words_ids")
 
 
 class EpochClock:
@@ -70,6 +71,8 @@ def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:
     d = {f: getattr(p, f) for f in _SAMPLING_FIELDS}
     d["stop_token_ids"] = list(p.stop_token_ids)
     d["stop"] = list(p.stop)
+    d["allowed_token_ids"] = list(p.allowed_token_ids)
+    d["bad_words_ids"] = [list(w) for w in p.bad_words_ids]
     d["logit_bias"] = [list(e) for e in p.logit_bias]
     d["structured"] = None if p.structured is None else [p.structured.kind, p.structured.value]
     return d
@@ -80,11 +83,16 @@ def sampling_from_dict(d: Any) -> SamplingParams:
     if not isinstance(d, dict):
         raise ValueError(f"sampling parameters must be a map, got {type(d).__name__}")
     fields = {k: v for k, v in d.items() if k in _SAMPLING_FIELDS}
-    for name in ("stop_token_ids", "stop"):
+    for name in ("stop_token_ids", "stop", "allowed_token_ids"):
         v = fields.get(name)
         if v is not None and not isinstance(v, (list, tuple)):
             raise ValueError(f"sampling '{name}' must be a list, got {type(v).__name__}")
         fields[name] = tuple(v or ())
+    words = fields.get("bad_words_ids")
+    if words is not None:
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, (list, tuple)) for w in words):
+            raise ValueError("sampling 'bad_words_ids' must be a list of token-id lists")
+        fields["bad_words_ids"] = tuple(tuple(w) for w in words)
     bias = fields.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, (list, tuple)) or not all(isinstance(e, (list, tuple)) for e in bias):

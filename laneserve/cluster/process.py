@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import math
 import os
 import shutil
@@ -58,6 +59,8 @@ from laneserve.core.slo import SLO
 from laneserve.policies import registry
 from laneserve.policies.predictors import LearnedCostModel
 from laneserve.policies.routing import DecodeSummary
+
+log = logging.getLogger("laneserve.cluster")
 
 WORKER_MODULES = {"engine": "laneserve.cluster.worker", "stub": "laneserve.cluster.stub"}
 
@@ -190,6 +193,23 @@ class InstanceHandle:
         return self.proc is not None and self.proc.poll() is None
 
 
+class _InstanceThread(threading.Thread):
+    """An in-process instance: what ended it, if it failed, is kept as one line (``failure``) for
+    the start-up error, not printed as a thread traceback."""
+
+    def __init__(self, body, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self._body = body
+        self.failure: str | None = None
+
+    def run(self) -> None:
+        try:
+            self._body()
+        except Exception as exc:  # noqa: BLE001 - reported by the cluster (start-up error, restart)
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.debug("instance thread %s failed", self.name, exc_info=True)
+
+
 def _observe_start(req: Request, info: dict, first_token: float | None) -> None:
     """Copy what the prefill side reports about ``req``'s start onto the router's copy (the
     router's policies read it: the ``laps-pools`` controller measures waits and TTFT deviations)."""
@@ -252,10 +272,14 @@ class ProcessCluster:
 
     @property
     def limits(self) -> dict[str, int]:
-        """What every request must fit: the smallest context length and KV capacity."""
+        """What every request must fit: the smallest context length and KV capacity; and the
+        decode side's KV in all (``decode_kv_tokens``: what one request may take a share of)."""
         ready = [h for h in self.instances if h.info]
+        kv = lambda h: h.info["kv_blocks"] * h.info["block_size"]  # noqa: E731
+        decode_side = [h for h in ready if h.role != "prefill"]
         return {"max_model_len": min(h.info["max_model_len"] for h in ready),
-                "kv_tokens": min(h.info["kv_blocks"] * h.info["block_size"] for h in ready),
+                "kv_tokens": min(kv(h) for h in ready),
+                "decode_kv_tokens": sum(kv(h) for h in decode_side) or min(kv(h) for h in ready),
                 "vocab_size": min(h.info["vocab_size"] for h in ready)}
 
     def _roles(self) -> list[tuple[str, str]]:
@@ -315,11 +339,11 @@ class ProcessCluster:
         if s.in_process:
             if s.worker == "stub":
                 from laneserve.cluster.stub import StubWorker
-                target = lambda: StubWorker(wspec, self._sync_ctx).serve()  # noqa: E731
+                body = lambda: StubWorker(wspec, self._sync_ctx).serve()  # noqa: E731
             else:
                 from laneserve.cluster.worker import run_worker
-                target = lambda: run_worker(wspec, self._sync_ctx)  # noqa: E731
-            t = threading.Thread(target=target, name=f"instance-{wspec.instance_id}", daemon=True)
+                body = lambda: run_worker(wspec, self._sync_ctx)  # noqa: E731
+            t = _InstanceThread(body, name=f"instance-{wspec.instance_id}")
             t.start()
             return t
         env = dict(os.environ)
@@ -335,8 +359,8 @@ class ProcessCluster:
         while not all(h.ready for h in handles):
             for h in handles:
                 if not h.ready and (not h.process_alive() or h.exit_reason):
-                    raise RuntimeError(f"instance {h.instance_id} ({h.role}) failed to start: "
-                                       f"{h.exit_reason or 'process exited'}")
+                    reason = h.exit_reason or getattr(h.proc, "failure", None) or "process exited"
+                    raise RuntimeError(f"instance {h.instance_id} ({h.role}) failed to start: {reason}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"instances not ready after {self.spec.startup_timeout:.0f} s")
             await asyncio.sleep(0.05)
@@ -347,9 +371,10 @@ class ProcessCluster:
         self._closed = True
         self.draining = True
         for h in self.instances:
-            if h.alive:
+            if h.alive and h.process_alive():
+                # bounded: a PUSH to an instance that never connected (it failed to start) waits for ever
                 with contextlib.suppress(Exception):
-                    await h.sock.send(pack({"k": "stop"}))
+                    await asyncio.wait_for(h.sock.send(pack({"k": "stop"})), 1.0)
         deadline = time.monotonic() + 5.0
         for h in self.instances:
             while h.process_alive() and time.monotonic() < deadline:
@@ -365,9 +390,11 @@ class ProcessCluster:
             if h.sock is not None:
                 h.sock.close()
         self.pull.close()
-        self.ctx.term()
+        # destroy, not term: a socket an in-process instance left open when it failed (it never
+        # closed it) would make term() wait for ever
+        self.ctx.destroy(linger=0)
         if self._sync_ctx is not None:
-            self._sync_ctx.term()
+            self._sync_ctx.destroy(linger=0)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
         shutil.rmtree(self.kv_dir, ignore_errors=True)
 
@@ -436,6 +463,15 @@ class ProcessCluster:
         h = self.instances[track.instance]
         if h.alive:
             self._send(h, {"k": "abort", "rids": [rid]})
+
+    def fail_all(self, message: str, status: int = 503) -> int:
+        """End every request in flight with an error event (a drain past its deadline: streams
+        get an SSE ``error`` event, complete answers a ``status``) and cancel it on its instance."""
+        tracks = list(self.tracks.values())
+        for track in tracks:
+            self.abort(track.rid)
+            self._fail(track, message, status)
+        return len(tracks)
 
     def _send(self, h: InstanceHandle, msg: dict | bytes, tokens: int | None = None) -> None:
         if tokens is not None:

@@ -591,7 +591,12 @@ def main(argv: list[str] | None = None) -> int:
     if threads:
         import torch
         torch.set_num_threads(int(threads))
-    run_worker(spec)
+    try:
+        run_worker(spec)
+    except Exception as exc:  # noqa: BLE001 - the router reports it; one line here, not a traceback
+        print(f"laneserve: instance {spec.instance_id} ({spec.role}) failed: {type(exc).__name__}: "
+              f"{' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

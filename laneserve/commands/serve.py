@@ -3,6 +3,8 @@
     laneserve serve --model PATH --prefill 1 --decode 1 --prefill-policy adaptive \\
                     --decode-policy adaptive --router-policy round-robin --port 8000
     laneserve serve --colocated                 # one process: API + one colocated engine (smoke model)
+    laneserve serve Qwen/Qwen2.5-0.5B-Instruct --max-model-len 4096 --enable-auto-tool-choice \
+                    --tool-call-parser hermes   # a vllm serve line (the id from the local HF cache)
 
 This process runs the HTTP API and the router; each instance runs in its own process (bound to a
 device from ``--devices``) and talks to the router over ZeroMQ; KV moves prefill -> decode
@@ -23,22 +25,71 @@ import os
 import sys
 from pathlib import Path
 
+from laneserve.commands.vllm_flags import add_vllm_flags, apply_vllm_flags
+
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written, every flag with its default."""
+    """The description as written, every flag with its default once: added unless the help text
+    already says it, or there is none to show (None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
+_DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "fp32": "float32", "float": "float32",
+                  "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+                  "half": "float16"}
+
+
+def _dtype(text: str) -> str:
+    """``--dtype``: vLLM's names and the usual short ones, checked when the command line is read."""
+    try:
+        return _DTYPE_ALIASES[text.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r} (auto, float32, bfloat16, float16; "
+                                         "aliases fp32, bf16, fp16, half)") from None
+
+
+def _at_least(low: float, kind=int):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {text}")
+        return value
+    return parse
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible server", description=__doc__,
                        formatter_class=_HelpFormatter)
-    p.add_argument("--model", type=Path, help="checkpoint folder (default: the embedded smoke model)")
-    p.add_argument("--served-model-name", help="model id clients send (default: the folder name)")
+    p.add_argument("--model", type=Path, help="checkpoint folder, or a Hugging Face id in the local Hugging Face "
+                                              "cache (never downloaded) (default: the embedded smoke model)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="model id(s) clients may send; answers carry the first (default: the folder name, or the "
+                        "Hugging Face id)")
     p.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the model folder)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address the API listens on")
+    p.add_argument("--port", type=int, default=8000, help="port the API listens on")
     c = p.add_argument_group("deployment")
-    c.add_argument("--prefill", type=int, default=1, help="prefill instances (colocated instances with --colocated)")
-    c.add_argument("--decode", type=int, default=1, help="decode instances")
+    c.add_argument("--prefill", type=_at_least(1), default=1,
+                   help="prefill instances (colocated instances with --colocated)")
+    c.add_argument("--decode", type=_at_least(0), default=1, help="decode instances")
     c.add_argument("--colocated", action="store_true",
                    help="colocated instances (prefill and decode on one engine)")
     c.add_argument("--in-process", action="store_true",
@@ -52,19 +103,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="decode router (default auto: the decode policy's own, tpot-aware for adaptive, "
                         "else least-loaded)")
     c.add_argument("--devices", default="cpu", help="comma-separated devices, assigned to instances in turn")
-    c.add_argument("--kv-tokens", type=int, default=65536, help="KV-cache tokens per instance")
+    c.add_argument("--kv-tokens", type=_at_least(16), default=65536, help="KV-cache tokens per instance")
     c.add_argument("--kv-transport", default=None,
                    help="prefill->decode KV transport: shm | inline | ray (default: shm; ray with --ray-address)")
     c.add_argument("--ray-address", default=None, metavar="ADDRESS|auto",
                    help="join this Ray cluster and run each instance as an actor on a node offering "
                         "laneserve_prefill / laneserve_decode / laneserve_colocated (README: Across machines)")
     e = p.add_argument_group("engine")
-    e.add_argument("--dtype", default="float32")
-    e.add_argument("--attention", default="ragged", help="ragged | padded")
-    e.add_argument("--threads", type=int, default=1, help="torch threads per instance (CPU)")
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    e.add_argument("--host-kv-blocks", type=int, default=0, help="host KV pool blocks per decode instance")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--dtype", type=_dtype, default="auto",
+                   help="auto (the checkpoint's dtype on CUDA, float32 on CPU), float32, bfloat16 or float16")
+    e.add_argument("--attention", choices=("auto", "ragged", "padded", "paged"), default="auto",
+                   help="attention path (auto: the device's default)")
+    e.add_argument("--threads", type=_at_least(1), default=1, help="torch threads per instance (CPU)")
+    e.add_argument("--max-num-batched-tokens", type=_at_least(1), default=2048,
+                   help="tokens one prefill step may take")
+    e.add_argument("--host-kv-blocks", type=_at_least(0), default=0, help="host KV pool blocks per decode instance")
+    e.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler")
     e.add_argument("--no-prefix-caching", action="store_true",
                    help="keep no prompt KV across requests (default: prefill and colocated instances reuse "
                         "cached leading blocks of a prompt)")
@@ -72,15 +126,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run decode and LAPS short-prefill steps in static shape buckets: CUDA graphs on "
                         "CUDA, the same static path eagerly on CPU")
     a = p.add_argument_group("admission and SLOs")
-    a.add_argument("--max-inflight", type=int, default=256,
-                   help="requests in the system before new ones get 429 (default 256)")
-    a.add_argument("--max-queued-tokens", type=int, default=None,
+    a.add_argument("--max-inflight", type=_at_least(1), default=256,
+                   help="sequences in the system before new requests get 429")
+    a.add_argument("--max-queued-tokens", type=_at_least(1), default=None,
                    help="prompt tokens waiting for prefill before new requests get 429")
+    a.add_argument("--max-request-share", type=_share, default=0.25,
+                   help="the share of --max-inflight slots, and of the decode KV cache, one request may hold "
+                        "(more is a 400 naming the limit)")
+    a.add_argument("--max-response-bytes", type=_at_least(1 << 16), default=64 << 20,
+                   help="largest response a request may ask for (estimated from echo, logprobs, prompt_logprobs, "
+                        "n and max_tokens before any work; more is a 400)")
     a.add_argument("--default-slo", default="", metavar="ttft_ms=X,tpot_ms=Y",
                    help="SLO of requests that name none")
     a.add_argument("--slo-class", action="append", default=[], metavar="NAME:ttft_ms=X,tpot_ms=Y[,priority=P]",
                    help="a named SLO class with its defaults (repeatable)")
-    a.add_argument("--default-max-tokens", type=int, default=256,
+    a.add_argument("--default-max-tokens", type=_at_least(1), default=256,
                    help="chat completions: max_tokens when the request sets none (capped by the context)")
     r = p.add_argument_group("robustness and security")
     r.add_argument("--api-key", default=None,
@@ -91,18 +151,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--metrics-prefix", choices=("laneserve", "vllm", "both"), default="laneserve",
                    help="/metrics names: laneserve's, vLLM's (vllm:*, labels model_name and engine, for vLLM "
                         "dashboards), or both")
-    r.add_argument("--max-request-bytes", type=int, default=8 << 20,
+    r.add_argument("--max-request-bytes", type=_at_least(1024), default=8 << 20,
                    help="larger request bodies get 413 before they are parsed")
-    r.add_argument("--heartbeat-timeout", type=float, default=10.0,
+    r.add_argument("--header-timeout", type=_at_least(0.1, float), default=10.0,
+                   help="seconds a connection has to send a request's headers (idle and slow clients are closed)")
+    r.add_argument("--keep-alive-timeout", type=_at_least(0.1, float), default=5.0,
+                   help="seconds an idle keep-alive connection stays open")
+    r.add_argument("--body-timeout", type=_at_least(0.1, float), default=30.0,
+                   help="seconds a request body has to arrive (408 after)")
+    r.add_argument("--heartbeat-timeout", type=_at_least(0, float), default=10.0,
                    help="seconds without a heartbeat before an instance is declared hung, killed and "
                         "restarted (0 = never)")
-    r.add_argument("--max-restarts", type=int, default=5,
+    r.add_argument("--max-restarts", type=_at_least(0), default=5,
                    help="restarts of a crashed or hung instance (with backoff) before it stays down")
-    r.add_argument("--shutdown-timeout", type=float, default=30.0,
+    r.add_argument("--shutdown-timeout", type=_at_least(0, float), default=30.0,
                    help="on SIGTERM/SIGINT: seconds running requests get to finish")
     h = p.add_argument_group("measurement harness")
     h.add_argument("--stub", action="store_true", help="STUB instances that echo immediately (no model)")
     h.add_argument("--stub-token-delay", type=float, default=0.0, help="seconds per token of a stub instance")
+    add_vllm_flags(p)
     p.set_defaults(func=run)
 
 
@@ -129,7 +196,13 @@ def make_defaults(args: argparse.Namespace):
         opts = _slo_opts(rest, f"--slo-class {item}")
         classes[name.strip()] = SLOClass(name.strip(), slo(opts), int(opts.get("priority", 0)))
     return ServerDefaults(default_slo=slo(_slo_opts(args.default_slo, "--default-slo")), classes=classes,
-                          default_max_tokens=args.default_max_tokens)
+                          default_max_tokens=args.default_max_tokens,
+                          tool_parser=args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False)
+                          else None,
+                          chat_template=getattr(args, "chat_template_text", None),
+                          served_names=tuple(n for n in (getattr(args, "served_model_name", None),
+                                                         *getattr(args, "served_model_aliases", ())) if n),
+                          max_model_len=getattr(args, "max_model_len", None))
 
 
 def _load_tokenizer(path: Path | None):
@@ -151,6 +224,7 @@ def build_server(args: argparse.Namespace, log=None):
     from laneserve.server.metrics import ServerMetrics
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    apply_vllm_flags(args, log)
     model = args.model
     if model is None and not args.stub:
         from laneserve.engine.smoke import smoke_model_path
@@ -179,9 +253,15 @@ def build_server(args: argparse.Namespace, log=None):
                        ("router", registry.decode_router_for(args.decode_policy, args.decode_router))):
         registry.resolve(kind, spec)        # unknown names fail here, listing the valid ones
     name = args.served_model_name or (Path(model).name if model is not None else "laneserve-stub")
+    args.served_model_name = name              # make_defaults: the name a request without 'model' gets
     engine = {"dtype": args.dtype, "attention": args.attention, "num_threads": args.threads,
               "max_num_batched_tokens": args.max_num_batched_tokens, "num_host_blocks": args.host_kv_blocks,
-              "seed": args.seed, "cuda_graphs": args.cuda_graphs, "prefix_caching": not args.no_prefix_caching}
+              "seed": args.seed, "cuda_graphs": args.cuda_graphs, "prefix_caching": not args.no_prefix_caching,
+              "block_size": args.block_size}
+    if not args.stub:                       # engine options checked here, not in each instance process
+        from laneserve.engine.config import EngineConfig
+        for device in {d.strip() for d in args.devices.split(",") if d.strip()} or {"cpu"}:
+            EngineConfig(device=device, **engine)
     spec = ClusterSpec(model=str(model) if model is not None else "", num_prefill=args.prefill,
                        num_decode=args.decode, colocated=args.colocated,
                        in_process=args.colocated and args.in_process,
@@ -200,13 +280,15 @@ def build_server(args: argparse.Namespace, log=None):
     if args.stub:
         log("laneserve: --stub: instances are a MEASUREMENT HARNESS that echo the prompt at once (no model)")
     api_key = args.api_key if args.api_key is not None else os.environ.get("LANESERVE_API_KEY") or None
+    from laneserve.server.budget import RequestBudget
+    from laneserve.server.lifecycle import Lifecycle
     state = ServerState(cluster, name, str(model or ""), None, make_defaults(args),
                         ServerMetrics(name, getattr(args, "metrics_prefix", "laneserve")),
                         api_key=api_key, protect_all=args.api_key_all_paths,
-                        max_request_bytes=args.max_request_bytes)
+                        max_request_bytes=args.max_request_bytes, body_timeout=args.body_timeout,
+                        request_budget=RequestBudget(args.max_request_share, args.max_response_bytes))
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
+    async def start() -> None:
         tok_path = Path(args.tokenizer or model) if (args.tokenizer or model) else None
         # processes load while this one loads the tokenizer; in-process instances import transformers
         # in their threads, and its lazy imports are not thread-safe, so load it after them
@@ -214,24 +296,34 @@ def build_server(args: argparse.Namespace, log=None):
         try:
             await cluster.start()
             state.tokenizer = await tok_task if tok_task is not None else _load_tokenizer(tok_path)
-        except BaseException:
-            await cluster.close()
-            raise
+        finally:
+            if tok_task is not None and not tok_task.done():
+                tok_task.cancel()
         mode = "colocated" if spec.colocated else f"{spec.num_prefill}P+{spec.num_decode}D"
         log(f"laneserve: serving {name!r} ({mode}, prefill={spec.prefill_policy}, decode={spec.decode_policy}, "
             f"router={spec.router}) on http://{args.host}:{args.port}")
+
+    lifecycle = Lifecycle(state, cluster, start, shutdown_timeout=args.shutdown_timeout, log=log)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        lifecycle.begin()          # the port answers at once: 503 "starting" until the instances are up
         try:
             yield
         finally:
-            log("laneserve: shutting down")
+            await lifecycle.end()
+            if lifecycle.failure is None:
+                log("laneserve: shutting down")
             await cluster.close()
             state.parse_pool.shutdown(wait=False, cancel_futures=True)
+            state.render_pool.shutdown(wait=False, cancel_futures=True)
 
-    return build_app(state, lifespan=lifespan), cluster
+    app = build_app(state, lifespan=lifespan)
+    app.lifecycle = lifecycle
+    return app, cluster
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
     try:
         app, _ = build_server(args)
     except ValueError as exc:
@@ -242,6 +334,6 @@ def run(args: argparse.Namespace) -> int:
     import signal
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", loop="auto",
-                timeout_graceful_shutdown=args.shutdown_timeout)
-    return 0
+    from laneserve.server.lifecycle import run_server
+    return run_server(app, app.lifecycle, host=args.host, port=args.port, header_timeout=args.header_timeout,
+                      keep_alive_timeout=args.keep_alive_timeout, log_level=args.uvicorn_log_level)

@@ -78,6 +78,11 @@ class SamplingParams:
     min_tokens: int = 0
     structured: StructuredSpec | None = None          # structured output: the text must satisfy this
     n: int = 1                        # samples of the prompt: its KV computed once, n first tokens drawn
+    min_p: float = 0.0                # vLLM's min_p: drop tokens less likely than min_p x the likeliest (0 = off)
+    allowed_token_ids: tuple[int, ...] = ()   # vLLM's allowed_token_ids: only these may be sampled (() = all)
+    #: vLLM's bad_words as token sequences: a sequence's last token is banned where the output ends
+    #: with the rest of it (a one-token sequence: always)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX:
@@ -124,6 +129,17 @@ class SamplingParams:
             raise ValueError(f"structured must be a StructuredSpec, got {type(self.structured).__name__}")
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if not is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.allowed_token_ids, tuple) or not all(
+                is_int(t) and 0 <= t <= INT64_MAX for t in self.allowed_token_ids):
+            raise ValueError("allowed_token_ids must be a tuple of int64 >= 0, got "
+                             f"{_short(self.allowed_token_ids)}")
+        if not isinstance(self.bad_words_ids, tuple) or not all(
+                isinstance(w, tuple) and w and all(is_int(t) and 0 <= t <= INT64_MAX for t in w)
+                for w in self.bad_words_ids):
+            raise ValueError("bad_words_ids must be a tuple of non-empty token-id tuples, got "
+                             f"{_short(self.bad_words_ids)}")
 
     def sample(self, index: int) -> SamplingParams:
         """The parameters of sample ``index`` of an ``n``-sample request: one sample, and a seed
@@ -144,8 +160,10 @@ class SamplingParams:
 
     @property
     def shapes_logits(self) -> bool:
-        """Whether the logits are changed before sampling (penalties, logit_bias, min_tokens)."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        """Whether the logits are changed before sampling (penalties, logit_bias, min_tokens,
+        allowed_token_ids, bad_words_ids)."""
+        return (self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.allowed_token_ids)
+                or bool(self.bad_words_ids))
 
 
 def _short(v: object, limit: int = 60) -> str:

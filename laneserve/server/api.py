@@ -24,6 +24,7 @@ import asyncio
 import hmac
 import json
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -33,9 +34,12 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from laneserve.cluster.process import Overloaded, ProcessCluster, Track, Unavailable
-from laneserve.server.detok import IncrementalDetokenizer, token_text
+from laneserve.server import budget
+from laneserve.server.detok import IncrementalDetokenizer, stop_reason, token_text
 from laneserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from laneserve.server.metrics import ServerMetrics
 from laneserve.server.protocol import (BadRequest, GenerateInput, PromptInput, ServerDefaults, parse_body,
@@ -43,6 +47,8 @@ from laneserve.server.protocol import (BadRequest, GenerateInput, PromptInput, S
 from laneserve.server.schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse)
 from laneserve.server.structured import ToolCallStream, openai_tool_calls, tool_finish_reason
+from laneserve.server.extras import install_extras
+from laneserve.server.tool_parsers import AutoToolStream, get_parser
 
 
 @dataclass(slots=True)
@@ -56,9 +62,16 @@ class ServerState:
     api_key: str | None = None
     protect_all: bool = False             # also /health and /metrics need the key
     max_request_bytes: int = 8 << 20
+    body_timeout: float = 30.0            # seconds a request body may take to arrive (408 after)
+    request_budget: budget.RequestBudget = field(default_factory=budget.RequestBudget)
+    # "starting" while the instances load (requests get 503 + Retry-After), then "ready"
+    phase: str = "ready"
     # tokenization and chat templates run here, not on the event loop (tokenizers release the GIL)
     parse_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="laneserve-parse"))
+    # large responses (echo, logprobs) are built and serialised here, not on the event loop
+    render_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="laneserve-render"))
 
 
 def parse_request(kind: str, raw: bytes, **kw) -> GenerateInput:
@@ -105,7 +118,7 @@ class EdgeGuard:
                     scope, receive, send)
             if too_big:
                 return await self._too_big(scope, receive, send)
-        return await self.app(scope, _capped(receive, limit), send)
+        return await self.app(scope, _capped(receive, limit, st.body_timeout), send)
 
     async def _too_big(self, scope, receive, send) -> None:
         self.state.metrics.reject("too_large")
@@ -117,17 +130,35 @@ class BodyTooLarge(Exception):
     pass
 
 
-def _capped(receive, limit: int):
-    """``receive`` that raises :class:`BodyTooLarge` once more than ``limit`` body bytes arrived."""
+class BodyTimeout(Exception):
+    pass
+
+
+def _capped(receive, limit: int, timeout: float):
+    """``receive`` that raises :class:`BodyTooLarge` once more than ``limit`` body bytes arrived,
+    and :class:`BodyTimeout` when the body is not complete ``timeout`` seconds after the handler
+    first asked for it (a client trickling its body holds a connection and a task)."""
     seen = 0
+    complete = False
+    deadline: float | None = None
 
     async def wrapped():
-        nonlocal seen
-        msg = await receive()
+        nonlocal seen, complete, deadline
+        if complete:                    # after the body: disconnect watches wait as long as they like
+            return await receive()
+        if deadline is None:
+            deadline = time.monotonic() + timeout
+        try:
+            msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise BodyTimeout from None
         if msg["type"] == "http.request":
             seen += len(msg.get("body", b""))
             if seen > limit:
                 raise BodyTooLarge
+            complete = not msg.get("more_body", False)
+        else:
+            complete = True
         return msg
     return wrapped
 
@@ -147,6 +178,15 @@ class _OwnedStream(StreamingResponse):
 
 
 _ERROR_TYPES = {400: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+_HTTP_ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError", 400: "BadRequestError"}
+# a streamed chunk bigger than this (tokens x alternatives, or any echo / prompt logprobs) is built
+# and serialised off the event loop
+_HEAVY_CHUNK_ENTRIES = 2000
+
+
+def _starting() -> JSONResponse:
+    return error_response(503, "the server is starting: its instances are still loading", "ServiceUnavailableError",
+                          headers={"Retry-After": "2"})
 
 
 def _sse(obj: Any) -> str:
@@ -160,7 +200,7 @@ class _Run:
     def __init__(self, state: ServerState, gi: GenerateInput, track: Track, prompt: PromptInput, index: int) -> None:
         self.state, self.gi, self.track, self.prompt, self.index = state, gi, track, prompt, index
         self.detok = IncrementalDetokenizer(state.tokenizer, gi.sampling.stop, gi.skip_special_tokens,
-                                            gi.sampling.min_tokens)
+                                            gi.sampling.min_tokens, gi.include_stop_str)
         self.finish: str | None = None
         self.error: str | None = None
         self.error_status = 500
@@ -367,6 +407,8 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
 
     async def _generate(request: Request, kind: str) -> Response:
         st = state
+        if st.phase != "ready":
+            return _starting()
         try:
             try:
                 raw = await request.body()
@@ -374,6 +416,12 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
                 st.metrics.reject("too_large")
                 return error_response(413, f"request body larger than {st.max_request_bytes} bytes "
                                            "(--max-request-bytes)", "RequestTooLargeError")
+            except BodyTimeout:
+                st.metrics.reject("bad_request")
+                return error_response(408, f"the request body did not arrive within {st.body_timeout:g} s",
+                                      "RequestTimeoutError", headers={"Connection": "close"})
+            except ClientDisconnect:            # the client closed mid-body: nobody to answer
+                return Response(status_code=499)
             limits = st.cluster.limits
             headers = {k.lower(): v for k, v in request.headers.items() if k.lower().startswith("x-slo-")}
             parse = partial(parse_request, kind, raw, tokenizer=st.tokenizer,
@@ -386,6 +434,11 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
         if gi.model not in (st.model_name, st.model_path):
             return error_response(404, f"The model `{gi.model}` does not exist. Served: `{st.model_name}`.",
                                   "NotFoundError", "model")
+        try:
+            _check_budget(gi)
+        except budget.OverBudget as exc:
+            st.metrics.reject("bad_request")
+            return error_response(400, str(exc), "BadRequestError", exc.param)
         runs: list[_Run] = []
         try:
             for prompt in gi.prompts:             # a batch: each prompt is a request of its own
@@ -417,6 +470,14 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
             if not handed_over:
                 release()
 
+    def _check_budget(gi: GenerateInput) -> None:
+        lim = state.cluster.limits
+        budget.check(state.request_budget, prompt_lens=[len(p.ids) for p in gi.prompts], samples=gi.sampling.n,
+                     returned=gi.n, max_tokens=gi.sampling.max_tokens, logprobs=gi.logprobs,
+                     prompt_logprobs=gi.prompt_logprobs, echo=gi.echo, max_inflight=state.cluster.spec.max_inflight,
+                     decode_kv_tokens=lim.get("decode_kv_tokens", lim["kv_tokens"]),
+                     instance_kv_tokens=lim["kv_tokens"])
+
     def _prompt_text(prompt: PromptInput) -> str:
         if prompt.text is not None:
             return prompt.text
@@ -425,7 +486,7 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
     def _head(gi: GenerateInput, runs: list[_Run], chunk: bool) -> dict[str, Any]:
         chat = gi.kind == "chat"
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
-        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{runs[0].track.rid}", "object": kind,
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
                 "created": int(time.time()), "model": state.model_name}
 
     async def _complete(request: Request, gi: GenerateInput, runs: list[_Run]) -> Response:
@@ -458,12 +519,16 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
         if failed is not None:
             return error_response(failed.error_status, failed.error,
                                   _ERROR_TYPES.get(failed.error_status, "InternalServerError"))
-        chosen = _best(gi, runs)
-        choices = [_choice(gi, run, index) for index, run in enumerate(chosen)]
-        body = {**_head(gi, runs, False), "choices": choices, "usage": _usage(gi, chosen)}
-        if gi.kind == "chat" and gi.prompt_logprobs is not None:     # vLLM: one prompt, beside the choices
-            body["prompt_logprobs"] = chosen[0].vllm_prompt_logprobs()
-        return JSONResponse(body)
+        def render() -> bytes:              # off the event loop: echo and logprobs make this large
+            chosen = _best(gi, runs)
+            choices = [_choice(gi, run, index) for index, run in enumerate(chosen)]
+            body = {**_head(gi, runs, False), "choices": choices, "usage": _usage(gi, chosen)}
+            if gi.kind == "chat" and gi.prompt_logprobs is not None:     # vLLM: one prompt, beside the choices
+                body["prompt_logprobs"] = chosen[0].vllm_prompt_logprobs()
+            return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+        content = await asyncio.get_running_loop().run_in_executor(state.render_pool, render)
+        return Response(content, media_type="application/json")
 
     def _choice(gi: GenerateInput, run: _Run, index: int) -> dict[str, Any]:
         """One choice of a complete (not streamed) answer."""
@@ -471,9 +536,10 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
         head = _prompt_text(run.prompt) if gi.echo else ""
         lpb = run.logprobs_block(run.toks, run.lps or None, len(head))
         choice: dict[str, Any] = {"index": index, "logprobs": run.echo_logprobs(lpb) if gi.echo else lpb,
-                                  "finish_reason": run.finish, "stop_reason": None}
+                                  "finish_reason": run.finish,
+                                  "stop_reason": stop_reason(run.detok, run.finish, gi.sampling.stop_token_ids)}
         if gi.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": gi.chat_echo + text}
             spec = gi.sampling.structured
             if spec is not None and spec.kind in ("tool", "tools_required") and run.finish == "stop":
                 try:
@@ -482,6 +548,11 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
                     choice["finish_reason"] = tool_finish_reason(spec)
                 except ValueError:          # not a complete call (cannot happen under the constraint)
                     pass
+            elif gi.tool_parser is not None:      # auto tool choice: the model's own tool-call text
+                parsed = get_parser(gi.tool_parser).extract(text)
+                if parsed.calls:
+                    choice["message"] = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
+                    choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = head + text
             if gi.prompt_logprobs is not None:
@@ -497,12 +568,15 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
         spec = gi.sampling.structured
         tool = chat and spec is not None and spec.kind in ("tool", "tools_required")
         streams = {run.index: ToolCallStream(spec) if tool else None for run in runs}
+        autos = ({run.index: AutoToolStream(get_parser(gi.tool_parser)) for run in runs}
+                 if chat and gi.tool_parser else {})
         offsets = dict.fromkeys(streams, 0)
         done = False
         try:
             for run in runs:
                 if chat:
-                    yield _sse({**head, "choices": [{"index": run.index, "delta": {"role": "assistant", "content": ""},
+                    yield _sse({**head, "choices": [{"index": run.index,
+                                                     "delta": {"role": "assistant", "content": gi.chat_echo},
                                                      "logprobs": None, "finish_reason": None}]})
                 elif gi.echo and gi.logprobs is None:
                     text = _prompt_text(run.prompt)
@@ -512,11 +586,7 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
             # echo with logprobs: the prompt (and its logprobs) goes with each choice's first tokens
             echo_due = {run.index for run in runs} if gi.echo and gi.logprobs is not None and not chat else set()
             plp_due = {run.index for run in runs} if gi.prompt_logprobs is not None and not chat else set()
-            async for run, toks, lp in _merged_events(runs):
-                if run.error is not None:
-                    yield _sse({"error": {"message": run.error, "code": run.error_status,
-                                          "type": _ERROR_TYPES.get(run.error_status, "InternalServerError")}})
-                    break
+            def chunk_text(run: _Run, toks: list[int], lp: list | None) -> str:
                 text = run.detok.delta(final=run.finish is not None)
                 if run.index in echo_due:
                     echo_due.discard(run.index)
@@ -527,11 +597,16 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
                 else:
                     lpb = run.logprobs_block(toks, lp, offsets[run.index])
                 offsets[run.index] += len(text)
-                choice: dict[str, Any] = {"index": run.index, "logprobs": lpb, "finish_reason": run.finish}
+                choice: dict[str, Any] = {"index": run.index, "logprobs": lpb, "finish_reason": run.finish,
+                                          "stop_reason": stop_reason(run.detok, run.finish, gi.sampling.stop_token_ids)}
                 if tool:
                     choice["delta"] = streams[run.index].delta(text)
                     if run.finish == "stop":
                         choice["finish_reason"] = tool_finish_reason(spec)
+                elif autos:
+                    choice["delta"] = autos[run.index].delta(text, run.finish is not None)
+                    if autos[run.index].called:
+                        choice["finish_reason"] = "tool_calls"
                 elif chat:
                     choice["delta"] = {"content": text} if text or run.finish is None else {}
                 else:
@@ -544,7 +619,18 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
                 chunk = {**head, "choices": [choice]}
                 if gi.continuous_usage:
                     chunk["usage"] = _usage(gi, runs)
-                yield _sse(chunk)
+                return _sse(chunk)
+
+            loop = asyncio.get_running_loop()
+            async for run, toks, lp in _merged_events(runs):
+                if run.error is not None:
+                    yield _sse({"error": {"message": run.error, "code": run.error_status,
+                                          "type": _ERROR_TYPES.get(run.error_status, "InternalServerError")}})
+                    break
+                heavy = (run.index in echo_due or run.index in plp_due
+                         or len(toks) * (1 + (gi.logprobs or 0)) > _HEAVY_CHUNK_ENTRIES)
+                yield (await loop.run_in_executor(state.render_pool, chunk_text, run, toks, lp) if heavy
+                       else chunk_text(run, toks, lp))
             else:
                 if gi.include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage(gi, runs)})
@@ -565,21 +651,28 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, "chat")
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> JSONResponse:
+        if state.phase != "ready":
+            return _starting()
         lim = state.cluster.limits
         return JSONResponse({"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "laneserve",
-            "root": state.model_path, "max_model_len": lim["max_model_len"], "vocab_size": lim["vocab_size"]}]})
+            "root": state.model_path,
+            "max_model_len": min(lim["max_model_len"], state.defaults.max_model_len or lim["max_model_len"]),
+            "vocab_size": lim["vocab_size"]}]})
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         """200 ``ok`` or ``degraded`` (some instances down or restarting, every role still served);
-        503 ``unavailable`` when a role has no instance left or the server is shutting down."""
+        503 ``unavailable`` when a role has no instance left or the server is shutting down, and
+        ``starting`` while the instances load."""
+        if state.phase != "ready":
+            return JSONResponse({"status": state.phase}, status_code=503, headers={"Retry-After": "2"})
         h = state.cluster.health()
         return JSONResponse(h, status_code=503 if h["status"] == "unavailable" else 200)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         c = state.cluster
         insts = []
@@ -592,8 +685,20 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
                           "alive": 1 if h.alive else 0})
         return Response(state.metrics.render(insts, len(c.tracks)), media_type=METRICS_CONTENT_TYPE)
 
-    @app.get("/debug/state")
+    @app.api_route("/debug/state", methods=["GET", "HEAD"])
     async def debug_state() -> JSONResponse:
         return JSONResponse({"model": state.model_name, **state.cluster.state()})
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Unknown paths and methods in OpenAI's error shape (404 / 405)."""
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            detail = f"{request.method} {request.url.path}: no such endpoint"
+        elif exc.status_code == 405:
+            detail = f"{request.method} is not allowed on {request.url.path}"
+        return error_response(exc.status_code, detail, _HTTP_ERROR_TYPES.get(exc.status_code, "APIError"),
+                              headers=getattr(exc, "headers", None))
+
+    install_extras(app, state)
     return EdgeGuard(app, state)

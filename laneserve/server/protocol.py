@@ -17,9 +17,20 @@ Accepted fields: OpenAI's, vLLM's sampling extensions (``top_k``, ``min_tokens``
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``priority``, ``return_token_ids`` ...)
 and laneserve's SLO extensions (``slo: {ttft_ms, tpot_ms}``, ``slo_class``; headers
 ``x-slo-ttft-ms`` / ``x-slo-tpot-ms``). Unknown fields are accepted and ignored, as vLLM does: each
-unknown name is logged once (up to ``MAX_LOGGED_UNKNOWN`` names). OpenAI fields laneserve does not
-implement are accepted only at their neutral value (``suffix``, ``min_p``) and rejected otherwise
-with "not supported".
+unknown name is logged once (up to ``MAX_LOGGED_UNKNOWN`` names). OpenAI and vLLM fields laneserve
+does not implement are accepted only at their neutral value (``suffix``,
+``spaces_between_special_tokens``) and rejected otherwise with "not supported". ``min_p``,
+``allowed_token_ids`` and ``bad_words`` shape sampling as vLLM's do; ``truncate_prompt_tokens``
+keeps a prompt's last k tokens, ``include_stop_str_in_output`` keeps the stop string,
+``continue_final_message`` leaves the last (assistant) message open and chat ``echo`` puts it
+before the reply; ``model`` is optional (the first served name).
+
+Tool calling: ``tools`` go to the chat template, an assistant message may carry ``tool_calls``
+with ``content: null`` and a ``tool`` message its ``tool_call_id`` (kept, with ``name``, in the
+messages the template sees; a call's JSON ``arguments`` become an object, as templates expect).
+``tool_choice`` naming a function or ``"required"`` is structured output (below); ``"auto"`` (or
+absent, with tools) needs the server's tool-call parser (``--enable-auto-tool-choice
+--tool-call-parser``, :mod:`laneserve.server.tool_parsers`) and is a 400 without it, as in vLLM.
 
 Several choices (issue 14, item 2): ``n`` samples of each prompt; on completions ``best_of`` >= n
 samples of which the n with the highest cumulative logprob are returned (as vLLM; not with
@@ -195,6 +206,10 @@ class ServerDefaults:
     default_slo: SLO = SLO()
     classes: dict[str, SLOClass] = field(default_factory=dict)
     default_max_tokens: int = 256
+    tool_parser: str | None = None         # --enable-auto-tool-choice --tool-call-parser NAME, else None
+    chat_template: str | None = None       # --chat-template: replaces the tokenizer's
+    served_names: tuple[str, ...] = ()     # --served-model-name(s): the first answers, and is a request's default
+    max_model_len: int | None = None       # --max-model-len: caps the model's context
 
 
 @dataclass(slots=True)
@@ -221,6 +236,9 @@ class GenerateInput:
     n: int = 1                             # choices returned per prompt (the best n of sampling.n)
     echo: bool = False
     prompt_logprobs: int | None = None     # vLLM's prompt_logprobs field asked (top-n), else None
+    tool_parser: str | None = None         # chat: parse the output's tool calls with this parser
+    include_stop_str: bool = False         # keep a matched stop string in the output
+    chat_echo: str = ""                    # chat echo: this text starts each reply
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -482,6 +500,24 @@ def _structured(body: dict, req: CompletionRequest | ChatCompletionRequest, toke
     return spec
 
 
+def _bad_words(words: list[str] | None, tokenizer, vocab_size: int) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` as token sequences: each word as written (leading spaces dropped), and
+    with one leading space where that spells it with as many tokens but a different first one."""
+    if not words:
+        return ()
+    if tokenizer is None:
+        raise BadRequest("'bad_words' needs a tokenizer; this model has none (use logit_bias)", "bad_words")
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        for seq in (plain, spaced) if spaced[:1] != plain[:1] and len(spaced) == len(plain) else (plain,):
+            if seq:
+                _in_vocab(list(seq), vocab_size, "bad_words token id", "bad_words")
+                out.append(seq)
+    return tuple(dict.fromkeys(out))
+
+
 def _named(message: str, given: list[str]) -> str | None:
     """The field an UnsupportedSpec message is about (it names the field it was raised for)."""
     return next((k for k in sorted(given, key=len, reverse=True) if k in message), given[0] if given else None)
@@ -492,7 +528,9 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest, vocab_size: in
                   max_tokens_key: str, structured: StructuredSpec | None = None, samples: int = 1) -> _Checked:
     """The checks of the fields shared by both endpoints that do not depend on the prompt;
     ``max_tokens`` is None when its default depends on the prompt (chat)."""
-    _neutral(req.min_p, 0, "min_p", "only 0")
+    _neutral(req.spaces_between_special_tokens, True, "spaces_between_special_tokens", "only true")
+    allowed = tuple(sorted(set(req.allowed_token_ids or ())))
+    _in_vocab(list(allowed), vocab_size, "allowed token id", "allowed_token_ids")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if stop and not has_tokenizer:
         raise BadRequest("stop strings need a tokenizer; this model has none (use stop_token_ids)", "stop")
@@ -517,7 +555,8 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest, vocab_size: in
                     logprobs=0 if logprobs is None and samples > (req.n or 1) else logprobs, presence_penalty=req.presence_penalty or 0.0,
                     frequency_penalty=req.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                    logit_bias=bias, min_tokens=min_tokens, structured=structured, n=samples)
+                    logit_bias=bias, min_tokens=min_tokens, structured=structured, n=samples,
+                    min_p=req.min_p or 0.0, allowed_token_ids=allowed)
     slo, slo_class, priority = _slo(req, headers, defaults)
     return _Checked(sampling, slo, slo_class, priority, logprobs)
 
@@ -526,6 +565,14 @@ def _finish(req: CompletionRequest | ChatCompletionRequest, kind: str, c: _Check
             max_model_len: int, vocab_size: int, kv_tokens: int, defaults: ServerDefaults, max_tokens: int | None,
             max_tokens_key: str, n: int = 1, echo: bool = False) -> GenerateInput:
     """The prompt-dependent checks (vocabulary, context, KV) and the :class:`GenerateInput`."""
+    k = req.truncate_prompt_tokens
+    if k is not None:                          # keep the last k tokens, as vLLM (-1: the context length)
+        k = max_model_len if k == -1 else k
+        if k < 1:
+            raise BadRequest("'truncate_prompt_tokens' must be -1 or >= 1", "truncate_prompt_tokens")
+        for p in prompts:
+            if len(p.ids) > k:
+                p.ids, p.text = p.ids[-k:], None
     for p in prompts:
         if not p.ids:
             raise BadRequest("the prompt is empty", "prompt" if kind == "completion" else "messages")
@@ -551,15 +598,25 @@ def _finish(req: CompletionRequest | ChatCompletionRequest, kind: str, c: _Check
     except ValueError as exc:       # the checks above should leave nothing for SamplingParams to refuse
         raise BadRequest(str(exc)) from None
     so = req.stream_options
-    return GenerateInput(kind, req.model, prompts, sampling, c.slo, c.slo_class, c.priority, bool(req.stream),
+    return GenerateInput(kind, _model(req.model, defaults), prompts, sampling, c.slo, c.slo_class, c.priority,
+                         bool(req.stream),
                          bool(so and so.include_usage), bool(so and so.continuous_usage_stats),
                          bool(req.return_token_ids), c.logprobs,
                          True if req.skip_special_tokens is None else req.skip_special_tokens, n, echo)
 
 
+def _model(name: str | None, defaults: ServerDefaults) -> str:
+    """The served model a request names: optional (the first served name), any served name maps
+    to the first."""
+    if name is None or name in defaults.served_names[1:]:
+        return defaults.served_names[0] if defaults.served_names else (name or "")
+    return name
+
+
 def parse_completion(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_tokens: int,
                      headers: dict[str, str], defaults: ServerDefaults) -> GenerateInput:
     req = _validate(body, CompletionRequest)
+    max_model_len = min(max_model_len, defaults.max_model_len or max_model_len)
     prompt = req.prompt
     batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
     for p in batch:
@@ -581,6 +638,7 @@ def parse_completion(body: Any, *, tokenizer, max_model_len: int, vocab_size: in
     structured = _structured(body, req, tokenizer)
     checked = _check_common(req, vocab_size, headers, defaults, tokenizer is not None, req.logprobs, max_tokens,
                             "max_tokens", structured, best_of)
+    checked.sampling["bad_words_ids"] = _bad_words(req.bad_words, tokenizer, vocab_size)
     echo = bool(req.echo)
     # prompt logprobs: echo with logprobs (OpenAI) and vLLM's prompt_logprobs; the prefill then
     # computes every prompt position (no prefix-cache hit) and keeps their logprobs
@@ -592,6 +650,7 @@ def parse_completion(body: Any, *, tokenizer, max_model_len: int, vocab_size: in
     gi = _finish(req, "completion", checked, prompts, max_model_len, vocab_size, kv_tokens, defaults, max_tokens,
                  "max_tokens", n, echo)
     gi.prompt_logprobs = req.prompt_logprobs
+    gi.include_stop_str = bool(req.include_stop_str_in_output)
     return gi
 
 
@@ -605,11 +664,14 @@ def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_tokens: int,
                headers: dict[str, str], defaults: ServerDefaults) -> GenerateInput:
     req = _validate(body, ChatCompletionRequest)
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    max_model_len = min(max_model_len, defaults.max_model_len or max_model_len)
+    if tokenizer is None or not (defaults.chat_template or getattr(tokenizer, "chat_template", None)):
         raise BadRequest("this model has no chat template: use /v1/completions", "messages")
-    msgs = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-             else "\n".join(part.text for part in m.content)} for m in req.messages]
-    _text_limit(sum(len(m["content"]) for m in msgs), max_model_len, "messages")
+    msgs = _messages(req)
+    _text_limit(sum(len(m["content"]) + sum(len(json.dumps(c["function"]["arguments"]))
+                                            for c in m.get("tool_calls", ())) for m in msgs), max_model_len, "messages")
+    tools = req.tools or None
+    tool_parser = _auto_tools(req, tools, defaults)
     logprobs = None
     if req.logprobs:
         logprobs = req.top_logprobs or 0
@@ -622,20 +684,104 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
     structured = _structured(body, req, tokenizer)
     n = req.n or 1
     checked = _check_common(req, vocab_size, headers, defaults, True, logprobs, max_tokens, key, structured, n)
+    checked.sampling["bad_words_ids"] = _bad_words(req.bad_words, tokenizer, vocab_size)
     if req.prompt_logprobs is not None:
         if req.stream:
             raise BadRequest("'prompt_logprobs' is not supported with 'stream': true on chat completions",
                              "prompt_logprobs")
         checked.sampling["prompt_logprobs"] = req.prompt_logprobs
-    try:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False,
-                                             add_generation_prompt=req.add_generation_prompt is not False, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - template errors are the client's input
-        raise BadRequest(f"the chat template failed on these messages: {_show(str(exc), 200)}", "messages") from None
-    if not isinstance(text, str):
-        raise BadRequest("the chat template did not produce text", "messages")
+    text = _render(req, msgs, kwargs, tokenizer, defaults)
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     gi = _finish(req, "chat", checked, [PromptInput(ids, text)], max_model_len, vocab_size, kv_tokens, defaults,
                  max_tokens, key, n)
     gi.prompt_logprobs = req.prompt_logprobs
+    gi.tool_parser = tool_parser
+    gi.include_stop_str = bool(req.include_stop_str_in_output)
+    if req.echo and msgs[-1]["role"] == "assistant":     # vLLM: only a last message of the reply's role
+        gi.chat_echo = msgs[-1]["content"]
     return gi
+
+
+def _render(req: ChatCompletionRequest, msgs: list[dict[str, Any]], kwargs: dict[str, Any], tokenizer,
+            defaults: ServerDefaults) -> str:
+    """The chat template applied: the request's tools, the served template (``--chat-template``),
+    ``add_generation_prompt`` and ``continue_final_message`` (the reply continues the last
+    message: no generation prompt, the message left open)."""
+    kwargs = dict(kwargs)
+    if req.tools:
+        kwargs["tools"] = req.tools
+    if defaults.chat_template:
+        kwargs["chat_template"] = defaults.chat_template
+    add_prompt = req.add_generation_prompt is not False
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise BadRequest("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                             "continue_final_message")
+        if msgs[-1]["role"] != "assistant":
+            raise BadRequest("'continue_final_message' needs an assistant message last", "continue_final_message")
+        add_prompt, kwargs["continue_final_message"] = False, True
+    try:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_prompt, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - template errors are the client's input
+        raise BadRequest(f"the chat template failed on these messages: {_show(str(exc), 200)}", "messages") from None
+    if not isinstance(text, str):
+        raise BadRequest("the chat template did not produce text", "messages")
+    return text
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template sees them (vLLM's shape): text content (null -> ""),
+    and an assistant's ``tool_calls`` (arguments as an object, as templates expect), a tool
+    message's ``tool_call_id`` and a ``name`` kept."""
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts (null only in an "
+                             "assistant message with tool_calls)", "messages")
+        if m.tool_calls and m.role != "assistant":
+            raise BadRequest(f"messages[{i}].tool_calls is only allowed in an assistant message", "messages")
+        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or ())
+        msg: dict[str, Any] = {"role": m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = []
+            for j, c in enumerate(m.tool_calls):
+                args: Any = c.function.arguments
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except ValueError:
+                        raise BadRequest(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
+                                         "messages") from None
+                call: dict[str, Any] = {"type": "function", "function": {"name": c.function.name, "arguments": args}}
+                if c.id is not None:
+                    call["id"] = c.id
+                calls.append(call)
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def _auto_tools(req: ChatCompletionRequest, tools: list | None, defaults: ServerDefaults) -> str | None:
+    """The tool-call parser that reads this request's output (``tools`` with ``tool_choice``
+    "auto" or absent, on a server started with auto tool choice), else None. As vLLM, "auto"
+    without it is refused rather than answered with unparsed text."""
+    if not tools or req.tool_choice not in (None, "auto"):
+        return None
+    if defaults.tool_parser is None:
+        raise BadRequest('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+                         "on the server (or send tool_choice \"required\", \"none\" or a named function)",
+                         "tool_choice")
+    return defaults.tool_parser
+
+
+def chat_prompt(body: Any, *, tokenizer, defaults: ServerDefaults) -> str:
+    """The text the chat template makes of a body's ``messages`` (with its ``tools``,
+    ``add_generation_prompt``, ``chat_template_kwargs``): what ``/tokenize`` counts."""
+    req = _validate(body, ChatCompletionRequest)
+    if tokenizer is None or not (defaults.chat_template or getattr(tokenizer, "chat_template", None)):
+        raise BadRequest("this model has no chat template", "messages")
+    return _render(req, _messages(req), _template_kwargs(req.chat_template_kwargs), tokenizer, defaults)

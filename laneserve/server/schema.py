@@ -10,8 +10,8 @@ limit is a named constant below: each is far beyond what a legitimate client sen
 enough that no single request can make the server recurse, allocate, compute or echo without bound.
 
 Unknown fields are ignored (as vLLM, which logs them: ``protocol`` logs each name once). Fields of
-OpenAI's API that laneserve does not implement (``suffix``, ``min_p``) are typed here and refused by
-``protocol`` unless neutral.
+OpenAI's and vLLM's APIs that laneserve does not implement (``suffix``,
+``spaces_between_special_tokens``) are typed here and refused by ``protocol`` unless neutral.
 
 The response models document the JSON bodies (``responses=`` of the routes) and let tests check a
 live server's answers against them; the handlers build plain dicts, so a request pays nothing for
@@ -34,6 +34,7 @@ MAX_TEMPERATURE = 2.0          # OpenAI's range [0, 2]; below GREEDY_TEMPERATURE
 MAX_STOP_STRINGS = 16          # OpenAI allows 4
 MAX_STOP_CHARS = 256           # per stop string (the stop checker decodes ~2x this many tokens a step)
 MAX_STOP_TOKEN_IDS = 256
+MAX_ALLOWED_TOKEN_IDS = 1 << 18   # allowed_token_ids (a vocabulary's worth)
 MAX_CHARS_PER_TOKEN = 64       # prompt text beyond max_model_len * this cannot fit the context
 MAX_PROMPT_IDS = 1 << 20       # a token-id prompt (the context length bounds it further)
 MAX_MESSAGES = 8192
@@ -79,7 +80,7 @@ class _Request(BaseModel):
     and laneserve's SLO extensions."""
 
     model_config = _STRICT
-    model: Name
+    model: Name | None = Field(None, description="the served model (optional: the server's first served name)")
     max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = Field(
         None, description="output tokens at most (completions: 16 by default; chat: the context left, capped "
                           "at the server's --default-max-tokens)")
@@ -103,7 +104,8 @@ class _Request(BaseModel):
     user: Name | None = None
     # vLLM extensions
     top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = Field(None, description="-1 or 0: off")
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = Field(None, description="only 0")
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        None, description="drop tokens less likely than min_p times the likeliest (after temperature); 0: off")
     repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)] | None = Field(
         None, description="over prompt and output: a seen token's positive logit is divided by it, a negative one "
                           "multiplied")
@@ -112,6 +114,15 @@ class _Request(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = Field(None, description="only true (vLLM's default)")
+    include_stop_str_in_output: bool | None = Field(None, description="keep the matched stop string in the output")
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = Field(
+        None, description="keep only the last k prompt tokens (-1: the model's context length)")
+    allowed_token_ids: Annotated[list[int], Field(max_length=MAX_ALLOWED_TOKEN_IDS)] | None = Field(
+        None, description="only these tokens may be sampled (empty: all)")
+    bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description="words the output may not contain (as vLLM: their tokens, with and without a leading "
+                          "space)")
     return_token_ids: bool | None = Field(None, description="token ids of the prompt and the output in each choice")
     priority: Int64 | None = Field(None, description="lower = served earlier by priority-aware policies")
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
@@ -158,10 +169,30 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunctionIn(BaseModel):
+    model_config = _STRICT
+    name: Name
+    arguments: str | dict[str, Any] = Field(description="JSON text of an object (as OpenAI sends it), or the object")
+
+
+class ToolCallIn(BaseModel):
+    """A call the assistant made, sent back in the conversation."""
+
+    model_config = _STRICT
+    id: Name | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunctionIn
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = Field(
+        None, description="may be null (or absent) only in an assistant message with tool_calls")
+    name: Name | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="assistant: the calls it made (rendered by the chat template)")
+    tool_call_id: Name | None = Field(None, description="tool: the id of the call this message answers")
 
 
 class ChatCompletionRequest(_Request):
@@ -186,6 +217,11 @@ class ChatCompletionRequest(_Request):
                         Field(max_length=MAX_METADATA)] | None = None
     store: bool | None = None
     service_tier: Name | None = None
+    echo: bool | None = Field(None, description="vLLM: the last message's content before the reply when that "
+                                                "message is the assistant's")
+    continue_final_message: bool | None = Field(
+        None, description="vLLM: the reply continues the last (assistant) message instead of starting a new one "
+                          "(not with add_generation_prompt: true)")
 
 
 # ---- responses (documentation and tests; handlers build dicts) ------------------------------------
