@@ -124,7 +124,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "cached leading blocks of a prompt)")
     e.add_argument("--cuda-graphs", action="store_true",
                    help="run decode and LAPS short-prefill steps in static shape buckets: CUDA graphs on "
-                        "CUDA, the same static path eagerly on CPU")
+                        "CUDA, the same static path eagerly on CPU (default: on for CUDA devices, off on CPU; "
+                        "--enforce-eager turns them off)")
     a = p.add_argument_group("admission and SLOs")
     a.add_argument("--max-inflight", type=_at_least(1), default=256,
                    help="sequences in the system before new requests get 429")
@@ -256,7 +257,7 @@ def build_server(args: argparse.Namespace, log=None):
     args.served_model_name = name              # make_defaults: the name a request without 'model' gets
     engine = {"dtype": args.dtype, "attention": args.attention, "num_threads": args.threads,
               "max_num_batched_tokens": args.max_num_batched_tokens, "num_host_blocks": args.host_kv_blocks,
-              "seed": args.seed, "cuda_graphs": args.cuda_graphs, "prefix_caching": not args.no_prefix_caching,
+              "seed": args.seed, "cuda_graphs": True if args.cuda_graphs else False if args.enforce_eager else None, "prefix_caching": not args.no_prefix_caching,
               "block_size": args.block_size}
     if not args.stub:                       # engine options checked here, not in each instance process
         from laneserve.engine.config import EngineConfig
