@@ -19,6 +19,7 @@ demo: $(STAMP)
 	$(BIN)/python -m laneserve.bench.demo --output out/demo
 
 test: $(STAMP)
+	$(BIN)/ruff check laneserve tests benchmarks
 	$(BIN)/python -m pytest
 
 clean:

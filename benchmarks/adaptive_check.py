@@ -1,17 +1,16 @@
-"""Quick check of the ``adaptive+adaptive`` default and of the do-no-harm guards (issue 18, items
-2-3): goodput (highest rate with >= 90% of requests meeting TTFT and TPOT; bisection, 4%
-tolerance) of every policy set on a handful of workloads at 1P+1D, and on ``chat2k`` at 4P+4D
-(Llama-3-8B, H100
-analytic cost model, ragged attention, least-loaded routers, a 2M-token host pool per decode
+"""Quick check of the ``adaptive+adaptive`` default and of the do-no-harm guards: goodput (highest
+rate with >= 90% of requests meeting TTFT and TPOT; bisection, 4% tolerance) of every policy set
+on a handful of workloads at 1P+1D, and on ``chat2k`` at 4P+4D (Llama-3-8B, H100 analytic cost
+model, ragged attention, least-loaded routers, a 2M-token host pool per decode
 instance so that AlignedServe can run). Not the league (``benchmarks/league.py`` is built on
 another branch): a small sample, 200 requests per workload, oracle predictors (the sim's default
 today) plus two arms where ``adaptive``'s TTFT predictor is 20% off (x0.8, x1.2).
 
 Workloads (SLO rule per workload):
 
-* ``chat2k`` — a stand-in for issue 18's held-out trace: the bundled Azure 2023 conversation
-  trace with every prompt doubled (mean ~2.3K tokens, capped at 8K), its arrival times; TTFT
-  0.4 s, TPOT 50 ms.
+* ``chat2k`` — a stand-in for the held-out production trace (docs/design.md, "Do no harm"): the
+  bundled Azure 2023 conversation trace with every prompt doubled (mean ~2.3K tokens, capped at
+  8K), its arrival times; TTFT 0.4 s, TPOT 50 ms.
 * ``azure`` — the bundled Azure conversation trace as is; the chat SLO (TTFT 0.4 s, TPOT 50 ms).
 * ``short_long_bursty`` — 10% long (2-8K) / 90% short prompts, gamma arrivals (cv 3); its
   default SLO.

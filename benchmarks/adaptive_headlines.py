@@ -1,5 +1,5 @@
 """Does the ``adaptive+adaptive`` default reach each paper's headline gain on that paper's own setup?
-(issue 18, item 3: "on each paper's own setup, at least that paper's headline gain").
+(the target: on each paper's own setup, at least that paper's headline gain).
 
 Each section re-runs one reproduction's headline measurement with the paper's policy and with
 ``adaptive`` in its place, in the same process, on the same workloads, rates and seeds, through the

@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 from laneserve.bench.results import RESULTS_DIR, markdown_table, write_result  # noqa: E402
 from laneserve.costmodel import AnalyticCostModel, get_hardware_spec, get_model_spec  # noqa: E402
 from laneserve.costmodel.calibrate import (ALLREDUCE_FILES, CPU_FILE, HOST_FIT_MODELS,  # noqa: E402
-                                           LLMSS_FILE, VIDUR_70B_FILES, VIDUR_FILE, VIDUR_LINEAR,
+                                           LLMSS_FILE, PACKAGED_PROFILES, VIDUR_70B_FILES, VIDUR_FILE, VIDUR_LINEAR,
                                            attention_sample_model, attention_split,
                                            fit_allreduce_link, load_allreduce, load_attention_sample,
                                            load_cpu_overheads, mape, predict_attention_row,
@@ -59,7 +59,7 @@ from laneserve.costmodel.calibrate import (ALLREDUCE_FILES, CPU_FILE, HOST_FIT_M
 from laneserve.costmodel.profile import (llmss_prefill_seconds, load_llmservingsim_layers,  # noqa: E402
                                          load_vidur_mlp)
 
-DEFAULT_PROFILES = REPO.parent / "shared/data/profiles"
+DEFAULT_PROFILES = PACKAGED_PROFILES          # laneserve/costmodel/data (gzipped CSVs)
 #: Vidur's per-layer operators of one layer other than attention and the embedding
 LAYER_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
              "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
@@ -211,9 +211,9 @@ def main() -> None:
     profiles: Path = args.profiles
     needed = (VIDUR_FILE, LLMSS_FILE, CPU_FILE, *VIDUR_70B_FILES.values(), *ALLREDUCE_FILES.values())
     for name in needed:
-        if not (profiles / name).exists():
+        if not (profiles / name).exists() and not (profiles / f"{name}.gz").exists():
             sys.exit(f"error: {profiles / name} not found; pass --profiles DIR "
-                     "(the shared/data/profiles folder)")
+                     "(a folder of the measured profiles)")
     h100, a100 = get_hardware_spec("h100"), get_hardware_spec("a100")
     metrics: dict[str, float | int] = {}
     table: list[dict] = []

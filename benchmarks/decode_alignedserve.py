@@ -23,7 +23,7 @@ the per-iteration latency the paper plots as "P99 TPOT" is reported as P99 ITL.
 
     python benchmarks/decode_alignedserve.py            # ~1 min
 
-Predictors and context (issue 18): this reproduction pins ``predictor="oracle"`` (the policies
+Predictors and context: this reproduction pins ``predictor="oracle"`` (the policies
 read the cost model that charges the time, as before the honest-predictor default) and
 ``max_model_len=0`` (no context check: the paper setups run prompts longer than the spec's
 context), so its figures stay comparable with the paper's and with earlier runs.
@@ -50,7 +50,7 @@ HOST_TOKENS = 4_000_000
 
 
 def run(specs, cost, policy: str, *, swap_link: str, opts: dict | None = None) -> dict:
-    # the paper's algorithm: the do-no-harm guard (issue 18) is off, as in ``alignedserve-literal``
+    # the paper's algorithm: the do-no-harm guard is off, as in ``alignedserve-literal``
     policy = "alignedserve-literal" if policy == "alignedserve" else policy
     cfg = ClusterConfig(predictor="oracle", max_model_len=0, num_prefill=4, num_decode=1, decode_policy=policy,
                         host_kv_tokens=HOST_TOKENS,

@@ -22,7 +22,7 @@ throughput gain (lowest load), are reported beside them; every rate is in the ta
 
     python benchmarks/decode_kairos.py            # ~2-3 min, simulator only
 
-Predictors (issue 18): this reproduction pins ``predictor="oracle"`` (the policies read the cost
+Predictors: this reproduction pins ``predictor="oracle"`` (the policies read the cost
 model that charges the time, as before the honest-predictor default), so its figures stay
 comparable with the paper's and with earlier runs.
 """
@@ -42,7 +42,7 @@ PADDED_RATES = (0.4, 0.5, 0.6, 0.7, 0.8)
 RAGGED_RATES = (0.6, 1.0, 1.5)
 PACED_RATE = 0.6
 ARMS = ("continuous", "kairos", "kairos-literal")
-#: the arms as reproduced before the do-no-harm guard (issue 18): ``guard=false`` (``kairos-literal`` has it off)
+#: the arms as reproduced before the do-no-harm guard: ``guard=false`` (``kairos-literal`` has it off)
 SPECS = {"kairos": "kairos:guard=false", "kairos-paced": "kairos-paced:guard=false"}
 
 

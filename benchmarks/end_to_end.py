@@ -11,7 +11,7 @@ the table and the plot. Target: metrics.e2e_attainment_gain >= 0.25.
 
     python benchmarks/end_to_end.py
 
-Predictors (issue 18): this reproduction pins ``predictor="oracle"`` (the policies read the cost
+Predictors: this reproduction pins ``predictor="oracle"`` (the policies read the cost
 model that charges the time, as before the honest-predictor default), so its figures stay
 comparable with the paper's and with earlier runs. Its ``kairos`` prefill is the literal algorithm
 (``kairos-literal``; the registered ``kairos`` is the guarded version).

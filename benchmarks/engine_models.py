@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 SHAPES = {
-    # Qwen2-shaped, vocab 4096 (DESIGN.md: a small vocab cuts the fixed LM-head cost on CPU)
+    # Qwen2-shaped, vocab 4096 (docs/design.md, measured facts: a small vocab cuts the fixed LM-head cost on CPU)
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2),
     # 32 layers of almost nothing: a step's time is the host's (benchmarks/host_time.py)

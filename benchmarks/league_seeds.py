@@ -1,4 +1,4 @@
-"""Does ``adaptive`` hold up on samples the league was not run on? (issue 18, "do no harm").
+"""Does ``adaptive`` hold up on samples the league was not run on? (docs/design.md, "Do no harm").
 
 The league (``benchmarks/league.py``) runs each workload once, on seed 0. Near the 90% line a
 goodput search's answer moves by a bisection step or two with the sample: on the Kairos setup
@@ -54,7 +54,7 @@ def main() -> None:
         league = run_league(seeded(base, seed), entries, cost, sizes=SIZES, modes=("online",), jobs=args.jobs,
                             rel_tol=REL_TOL, max_evals=MAX_EVALS, host_kv_tokens=HOST_KV_TOKENS,
                             duration=DURATION, max_sizes=MAX_SIZES,
-                            progress=lambda line: print(f"seed {seed} {line}", file=sys.stderr, flush=True))
+                            progress=lambda line, seed=seed: print(f"seed {seed} {line}", file=sys.stderr, flush=True))
         rows = cell_ratios(league["cells"], entries)
         for r in rows:
             if r["entry"] != ADAPTIVE:

@@ -1,4 +1,4 @@
-"""How much the oracle predictor flattered the SLO-aware prefill policies (issue 18, item 4).
+"""How much the oracle predictor flattered the SLO-aware prefill policies.
 
 Setup: FlowPrefill's four-class mix (``flowprefill_mix``, Llama3-8B lengths, 800 requests, seed 0)
 on the Llama-3-8B / H100 analytic cost model, 1 prefill + 1 decode instance, continuous-batching

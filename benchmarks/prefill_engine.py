@@ -43,7 +43,7 @@ SHORT_SLO, LONG_SLO = SLO(ttft=0.3, tpot=0.1), SLO(ttft=6.0, tpot=0.1)
 # LAPS runs with its SLA-first guard (a short batch goes before a long chunk that would eat its
 # slack; policies/prefill/laps.py); the C_l=256 arm is also run without it, as an ablation. The last
 # arm composes LAPS' lanes with FlowPrefill's operator-level preemption of the long chunks.
-# LAPS as the paper describes it: the literal preset (issue 18's light-load guard off)
+# LAPS as the paper describes it: the literal preset (the light-load guard off)
 POLICIES = {"fcfs": "fcfs", "sedf (operator preemption)": "sedf", "laps (temporal, AWD)": "laps-literal",
             "laps (temporal, AWD, C_l=256)": "laps-literal:long_chunk=256",
             "laps (C_l=256, no SLA guard)": "laps-literal:long_chunk=256,sla_guard=false",

@@ -10,7 +10,7 @@ reaches 90% at a fixed rate.
 
     python benchmarks/prefill_flowprefill.py
 
-Predictors and context (issue 18): this reproduction pins ``predictor="oracle"`` (the policies
+Predictors and context: this reproduction pins ``predictor="oracle"`` (the policies
 read the cost model that charges the time, as before the honest-predictor default) and
 ``max_model_len=0`` (no context check: the paper setups run prompts longer than the spec's
 context), so its figures stay comparable with the paper's and with earlier runs.

@@ -34,7 +34,7 @@ rate at which FCFS's short P90 TTFT exceeds the 0.4 s SLO (every rate is in the 
 
 Run: ``.venv/bin/python benchmarks/prefill_laps.py`` (~2 min on the shared 2-core machine).
 
-Predictors and context (issue 18): this reproduction pins ``predictor="oracle"`` (the policies
+Predictors and context: this reproduction pins ``predictor="oracle"`` (the policies
 read the cost model that charges the time, as before the honest-predictor default) and
 ``max_model_len=0`` (no context check: the paper setups run prompts longer than the spec's
 context), so its figures stay comparable with the paper's and with earlier runs.
@@ -63,7 +63,7 @@ TEMPORAL_RATES = (5.0, 10.0, 15.0, 20.0, 25.0)
 SPATIAL_RATES = (80.0, 120.0, 160.0)
 CONVERSATION_RATES = (4.0, 12.0, 24.0)    # Part C: conversation starts / s
 THINK_TIME, REPLY_TIME = 5.0, 0.05        # Part C: mean think time (s); reply pace (s / output token)
-# the paper's algorithm: LAPS' literal preset (no light-load dispatch; issue 18)
+# the paper's algorithm: LAPS' literal preset (no light-load dispatch)
 TEMPORAL = {
     "fcfs": "fcfs",
     "laps": "laps-literal",

@@ -1,4 +1,4 @@
-"""Prefix caching on live multi-turn traffic (issue 15): ``laneserve serve`` with 2 prefill + 1
+"""Prefix caching on live multi-turn traffic: ``laneserve serve`` with 2 prefill + 1
 decode instances (the embedded smoke model on CPU) replaying ShareGPT conversations as closed-loop
 sessions (``laneserve bench --sessions``'s engine, :mod:`laneserve.bench.sessions`), under four
 setups:

@@ -1,4 +1,4 @@
-"""Prefix caching through the live server (issue 15): a two-turn chat with a long system prompt
+"""Prefix caching through the live server: a two-turn chat with a long system prompt
 against ``laneserve serve`` (1 prefill + 1 decode instance, the embedded smoke model on CPU), with
 prefix caching on (the default) and off (``--no-prefix-caching``). For turn 2 — the system prompt,
 turn 1's question and reply, and a new question — it reports the prompt tokens, the tokens found

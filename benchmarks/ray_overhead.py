@@ -1,4 +1,4 @@
-"""What the Ray deployment costs (issue 16), on one machine with a Ray cluster simulated on it
+"""What the Ray deployment costs, on one machine with a Ray cluster simulated on it
 (``ray.cluster_utils.Cluster``: a head, a node offering ``laneserve_prefill``, one offering
 ``laneserve_decode``; each node has its own raylet and object store, so KV really moves between
 object stores):

@@ -9,7 +9,7 @@ run, whose per-request results must equal the macro-stepped run's (checked); and
 a parallel sweep (``laneserve sim --jobs 2`` vs ``--jobs 1``: the default 3-policy x 4-rate grid
 on the first 10,000 Azure requests, 3,000 before the simulator got faster and worker start-up
 outweighed a point; identical results, checked).
-Target (issue 12): metrics.requests_per_second >= 10,000. Requests per second are per second of
+Target: metrics.requests_per_second >= 10,000. Requests per second are per second of
 the simulating process's CPU time (the simulator is one thread: on a quiet machine that is its
 wall time); the wall-clock figures are in the rows too, with the machine's load average, since on
 the shared 2-core machine other jobs take a varying share of the cores (the sweep speedup, a

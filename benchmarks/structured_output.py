@@ -43,7 +43,7 @@ from laneserve.core.sampling import SamplingParams
 from laneserve.core.slo import SLO
 from laneserve.engine import EngineConfig, EngineExecutor, Sampler
 from laneserve.engine.smoke import smoke_model_path
-from laneserve.engine.structured import (ConstraintState, StructuredSpec, TokenVocabulary, apply,
+from laneserve.engine.structured import (Constraint, ConstraintState, StructuredSpec, TokenVocabulary, apply,
                                          compile_constraint, token_vocabulary)
 from laneserve.engine.structured import check_grammar
 from laneserve.engine.structured.tiny_tokenizer import byte_level_tokenizer

@@ -257,7 +257,7 @@ def test_engine_alignedserve_greedy_tokens_equal_continuous_batching():
         assert float(top2[0] - top2[1]) < 1e-3, f"request {rid} parts at token {k}, not at a near-tie"
 
 
-# ---- the guard's running figures decide as a scan of every request would (issue 12) ------------
+# ---- the guard's running figures decide as a scan of every request would ---------------------
 class PlanLog:
     """Records each plan's signature: who decodes, recomputes and swaps."""
 

@@ -241,7 +241,8 @@ def test_pacing_never_early_never_later_than_schedule_or_production():
         assert all(g >= 0 for g in gaps)
         n = p.num_output_tokens
         if n > 1:   # delivered mean TPOT = max(produced TPOT, target): attainment unchanged
-            mean = lambda r: (r.times.last_token - r.times.first_token) / (n - 1)
+            def mean(r, n=n):
+                return (r.times.last_token - r.times.first_token) / (n - 1)
             assert mean(q) == pytest.approx(max(mean(p), tpot))
     assert held == sched.pacer.held_tokens > 0
 
@@ -279,7 +280,7 @@ def test_engine_kairos_decode_matches_continuous_batching_greedy_tokens():
     assert dec.kv.num_free_blocks == dec.kv.num_blocks
 
 
-# ---- the lookup-sparing s_min decides as Algorithm 3 written plainly (issue 12) ----------------
+# ---- the lookup-sparing s_min decides as Algorithm 3 written plainly -------------------------
 def reference_select(pol: KairosDecode, active, now):
     """Algorithm 3 as written: every request's slack looked up, then the scan (no delay bookkeeping)."""
     reserve_batch = len(active) if pol.slack_reserve == "batch" else 1

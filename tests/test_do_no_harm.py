@@ -1,4 +1,4 @@
-"""Do no harm (issue 18, item 2): each paper mechanism backs off where it cannot pay, and its
+"""Do no harm: each paper mechanism backs off where it cannot pay, and its
 literal preset keeps the paper's behaviour."""
 
 import random
@@ -81,7 +81,7 @@ def test_alignedserve_still_aligns_when_decode_memory_binds_on_a_padded_kernel()
 
 
 def test_alignedserve_does_not_align_long_contexts_on_a_ragged_kernel_when_memory_binds():
-    """The long-context case (issue 18's Mooncake-length losses): decode memory cannot hold
+    """The long-context case (the Mooncake-length losses): decode memory cannot hold
     everyone, but with a ragged kernel aligning saves no step time, so the guard stays continuous
     batching (which swaps to the host pool itself) and keeps its TPOT attainment."""
     specs = chat_specs(n=150, rate=40.0, tpot=0.2)
@@ -120,15 +120,24 @@ def test_kairos_decode_is_not_worse_than_continuous_batching_on_a_ragged_kernel(
 
 
 # ---- LAPS: no waiting for a batch that cannot grow ------------------------------------------------
-@pytest.mark.parametrize("policy,waits", [("laps", False), ("laps-literal", True)])
-def test_laps_does_not_hold_a_lonely_short_request(policy, waits):
+@pytest.mark.parametrize("policy,waits,reason", [
+    ("laps", False, "immediate"),          # the default: no batching window at all
+    ("laps:awd=true", False, "light"),     # a window, with the light-load guard that skips it
+    ("laps-literal", True, "window"),      # the paper's window, waited out
+])
+def test_laps_does_not_hold_a_lonely_short_request(policy, waits, reason):
     specs = [RequestSpec(i, 5.0 * i, 64, 1, slo=SLO(2.0, 1.0)) for i in range(4)]
-    res = Simulator(ClusterConfig(prefill_policy=policy), RAGGED).run(specs)
+    sim = Simulator(ClusterConfig(prefill_policy=policy), RAGGED)
+    res = sim.run(specs)
     delays = [r.times.prefill_start - r.arrival_time for r in res.requests]
     if waits:
         assert max(delays) >= 0.02        # the paper's window (W_max = 30 ms) holds it back
     else:
         assert max(delays) == 0.0
+    # the rule that decided is the one named (FCFS meets a zero delay too; LAPS' own dispatch
+    # counter shows it was LAPS' short lane, and which of its rules, that sent each request)
+    reasons = sim.front[0].scheduler.awd.reasons
+    assert reasons.get(reason, 0) >= (1 if waits else len(specs))
 
 
 # ---- the laps-pools router ---------------------------------------------------------------------------

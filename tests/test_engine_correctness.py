@@ -1,6 +1,6 @@
 """Engine outputs against the reference implementation (transformers) on tiny random Llama, Qwen2
 and Qwen3 checkpoints: greedy tokens, logprobs, chunked prefill, mixed steps, prefix reuse and
-LAPS shape-bucket padding, for both attention paths (DESIGN.md, AlignedServe note)."""
+LAPS shape-bucket padding, for both attention paths (docs/design.md, "AlignedServe")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Failures stay with the request that caused them (issue 11), on a real engine instance: a logits
+"""Failures stay with the request that caused them, on a real engine instance: a logits
 row that cannot be sampled fails that request alone (the others in the same batch go on, token
 for token as without it), and its KV is freed."""
 

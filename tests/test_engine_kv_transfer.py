@@ -1,4 +1,4 @@
-"""KV movement: export -> host pool -> import for prefill -> decode transfer (DESIGN.md PD
+"""KV movement: export -> host pool -> import for prefill -> decode transfer (PD
 disaggregation), swap out / swap in through the host pool (AlignedServe §3), different block sizes
 on the two sides."""
 

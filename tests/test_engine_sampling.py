@@ -1,6 +1,6 @@
 """Sampling behaviour: seeded determinism (independent of batching), top-k=1 and tiny top-p equal
 greedy, temperature changes outcomes, stop token ids and EOS, StopChecker for stop strings; and the
-hostile cases of issue 11 (non-finite parameters refused at construction, extreme seeds, tiny
+hostile cases (non-finite parameters refused at construction, extreme seeds, tiny
 temperatures, unsampleable logits rows failing alone)."""
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def test_stop_checker_finds_new_stop_strings():
     assert checker.check([0], SamplingParams()) is None
 
 
-# ---- hostile parameters and logits (issue 11): the sampler fails a row, never the process ----------
+# ---- hostile parameters and logits: the sampler fails a row, never the process ----------
 def test_sampling_params_reject_non_finite_and_out_of_range_values():
     for bad in (dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=float("nan")),
                 dict(top_p=float("inf")), dict(max_tokens=True), dict(seed=2 ** 63), dict(seed=-(2 ** 63) - 1),

@@ -42,12 +42,34 @@ def test_llm_rejects_bad_input_before_running_anything(llm):
     assert llm.executor.kv.num_free_blocks == free and llm.instance.idle
 
 
+def _record_prefill_chunks(llm) -> list[tuple[int, int, int]]:
+    """``(request id, start, new tokens)`` of every prefill chunk ``llm``'s executor runs."""
+    chunks: list[tuple[int, int, int]] = []
+    execute = llm.executor.execute
+
+    def recording(plan, *args, **kwargs):
+        chunks.extend((c.request.request_id, c.start, c.num_new_tokens) for c in plan.prefills)
+        return execute(plan, *args, **kwargs)
+
+    llm.executor.execute = recording
+    return chunks
+
+
 def test_scheduling_policy_does_not_change_greedy_tokens():
     ps = prompts([33, 7, 64, 12], seed=9)
     ref = [hf_greedy("llama", p, 8) for p in ps]
-    for policy in ("colocated:prefill=fcfs", "colocated:prefill=cp-edf,chunk=16"):
+    chunks = {}
+    # a step budget of 16 tokens chunks every prompt longer than that (the colocated step's budget,
+    # not cp-edf's own ``chunk``, bounds a colocated prefill chunk)
+    for policy in ("colocated:prefill=fcfs", "colocated:prefill=cp-edf,token_budget=16"):
         llm = LLM(tiny_checkpoint("llama"), config=EngineConfig(num_kv_blocks=256), policy=policy, quiet=True)
+        chunks[policy] = _record_prefill_chunks(llm)
         assert [o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=8, **GREEDY))] == ref
+    # the schedules really differ: FCFS prefilled each prompt whole, chunked prefill split the long ones
+    assert sorted(n for _, start, n in chunks["colocated:prefill=fcfs"] if start == 0) == [7, 12, 33, 64]
+    chunked = chunks["colocated:prefill=cp-edf,token_budget=16"]
+    assert max(n for *_, n in chunked) <= 16
+    assert {rid for rid, start, _ in chunked if start > 0} == {0, 2}      # the 33- and 64-token prompts
 
 
 def test_decode_memory_pressure_recompute_keeps_tokens():

@@ -1,4 +1,4 @@
-"""Hostile request bodies (issue 11, item 1), without a server: every case either raises
+"""Hostile request bodies, without a server: every case either raises
 ``BadRequest`` naming the right field or is accepted and normalised, and whatever the API accepts
 packs for the wire and is sampled by the engine sampler without error. Ends with hypothesis
 properties over arbitrary JSON bodies and mutations of valid requests."""
@@ -216,7 +216,7 @@ def test_body_shape_and_unknown_fields(caplog, monkeypatch):
             completion(body)
     with pytest.raises(BadRequest, match="field names must be strings"):
         completion({**BASE, 1: 2})
-    # issue 14 (as vLLM): an unknown top-level field is ignored and its name logged once, bounded
+    # as vLLM: an unknown top-level field is ignored and its name logged once, bounded
     monkeypatch.setattr(protocol, "_logged_unknown", set())
     with caplog.at_level("WARNING", logger="laneserve.server"):
         for _ in range(2):
@@ -247,7 +247,7 @@ def test_accepted_values_are_normalised_and_usable():
     assert completion({**BASE, "top_k": 0}).sampling.top_k == -1
     assert completion({**BASE, "top_k": INT64_MAX}).sampling.top_k == -1
     assert completion({**BASE, "top_k": VOCAB - 1}).sampling.top_k == VOCAB - 1
-    # issue 14's sampling fields, at their ends
+    # the vLLM sampling fields, at their ends
     gi = completion({**BASE, "logit_bias": {"1": 100, "0": -100}, "presence_penalty": -2, "frequency_penalty": 2,
                      "repetition_penalty": 0.01, "min_tokens": 16, "temperature": 0.5})
     assert gi.sampling.logit_bias == ((1, 100.0), (0, -100.0)) and gi.sampling.min_tokens == 16
@@ -271,7 +271,7 @@ def test_accepted_values_are_normalised_and_usable():
 
 
 def test_the_issue_bodies_through_parse_body():
-    """The exact failures of issue 11, from raw bytes: each a 400 naming the field, or greedy."""
+    """The exact failures, from raw bytes: each a 400 naming the field, or greedy."""
     def run(raw: bytes):
         return completion(parse_body(raw))
     for raw, param in ((b'{"model": "m", "prompt": [1], "temperature": NaN}', "temperature"),
@@ -484,7 +484,7 @@ def test_bad_fields_are_rejected_before_tokenization():
     assert Counting.calls == 0
 
 
-# ---- structured output (issue 14, item 3) ---------------------------------------------------------
+# ---- structured output ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def byte_tokenizer():
     from laneserve.engine.structured.tiny_tokenizer import byte_level_tokenizer

@@ -1,4 +1,4 @@
-"""Live cache-aware routing (issue 15 item 3): engine instances publish the block names their prefix
+"""Live cache-aware routing: engine instances publish the block names their prefix
 cache adds and drops, the router keeps a summary per instance (core/prefix_summary.py), and the
 ``cache-aware`` / ``laps-pools`` routers of ``laneserve serve`` route by it."""
 

@@ -1,4 +1,4 @@
-"""``laneserve serve``'s default decode placement (issue 18): adaptive decode's own ``tpot-aware``
+"""``laneserve serve``'s default decode placement: adaptive decode's own ``tpot-aware``
 router (``--decode-router-policy auto``), fed by the instance processes. Each decode instance sends
 the summary of its next step and its last pure decode step in its stats; the server's router fits
 its online step model from those steps and predicts with it."""

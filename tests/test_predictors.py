@@ -1,4 +1,4 @@
-"""Honest predictors (issue 18 item 4): the online learner converges to the time the simulator
+"""Honest predictors: the online learner converges to the time the simulator
 charges, every SLO-aware policy reads the predictor the run chose, and online runs are
 deterministic."""
 
@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from laneserve.bench.experiment import policy_config, run_point
+from laneserve.bench.experiment import policy_config
 from laneserve.costmodel import FittedCostModel, make_cost_model
 from laneserve.policies.base import InstanceScheduler
 from laneserve.policies.predictors import (PRIOR_PREFILL, LearnedCostModel, LearnedTTFT, PredictorSource,

@@ -410,7 +410,7 @@ def test_controller_never_strips_a_busy_pool_below_capacity():
 
 
 def test_laps_lanes_compose_with_slack_aware_ordering():
-    """LAPS lanes with FlowPrefill's S-EDF inside each lane (issue 4: composable policies):
+    """LAPS lanes with FlowPrefill's S-EDF inside each lane (composable policies):
     every request finishes once, and on the multi-SLO mix the slack-aware order beats FCFS lanes."""
     from laneserve.bench.metrics import summarize
     from laneserve.costmodel import make_cost_model
@@ -430,7 +430,7 @@ def test_laps_lanes_compose_with_slack_aware_ordering():
         Simulator(ClusterConfig(prefill_policy="laps:order=bogus"), cost).run(wl.specs[:2])
 
 
-# ---- do no harm (issue 18): the registered `laps` and `laps-pools` versus their literal presets ------
+# ---- do no harm: the registered `laps` and `laps-pools` versus their literal presets ------
 @functools.cache
 def analytic():
     """The league's cost model (graph replay saves the per-layer launch cost; a step has a fixed cost)."""

@@ -1,4 +1,4 @@
-"""Prefix caching in the engine (issue 15): a request starts on the cached blocks of its leading
+"""Prefix caching in the engine: a request starts on the cached blocks of its leading
 tokens and computes only the rest; greedy tokens equal Hugging Face's with and without caching —
 shared prefixes, partial blocks, output blocks reused by the next chat turn, eviction under memory
 pressure, recompute of a preempted request whose prefix is shared, and the PD cluster."""

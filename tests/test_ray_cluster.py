@@ -1,4 +1,4 @@
-"""Instances as Ray actors across nodes (issue 16), on a multi-node Ray cluster simulated on this
+"""Instances as Ray actors across nodes, on a multi-node Ray cluster simulated on this
 machine (``ray.cluster_utils.Cluster``): a head, one node offering ``laneserve_prefill``, one
 offering ``laneserve_decode``. One cluster and two servers for the module: ``laneserve serve
 --ray-address`` on the cluster and the single-machine ZeroMQ deployment (1P+1D) to compare with.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import pytest
@@ -134,10 +133,10 @@ def test_the_decode_side_says_so_when_it_cannot_take_the_kv(env):
         transport.get(desc)
     ray.kill(host)
     wait_for(lambda: ray.wait([host.node_id.remote()], timeout=0.5)[0], 30, "the owner actor's death")
-    t0 = time.monotonic()
+    # a dead owner is detected and named (RuntimeError "cannot be fetched"), not waited out: running
+    # into the transport's deadline would raise TimeoutError ("did not arrive within"), which fails here
     with pytest.raises(RuntimeError, match="request 7 .*cannot be fetched"):
         transport.get(desc)
-    assert time.monotonic() - t0 < 10
 
 
 def _referenced() -> set[bytes]:

@@ -1,4 +1,4 @@
-"""End-to-end tests of ``laneserve serve`` on 127.0.0.1 (issue 6): the official ``openai`` client
+"""End-to-end tests of ``laneserve serve`` on 127.0.0.1: the official ``openai`` client
 against a live 1P+1D deployment of the smoke model, token identity with a colocated single-process
 server, every kind of bad input, client disconnects (KV back to free on both instances),
 admission control, and crashed instances (real engine and stub instances).
@@ -125,7 +125,7 @@ def test_second_chat_turn_reports_cached_prompt_tokens(servers):
         assert one.usage.prompt_tokens * 0.8 < cached < two.usage.prompt_tokens
         assert cached % 16 == 0                          # whole KV blocks
 
-        def counters():        # instance stats reach the router a moment after the response
+        def counters(name=name, cached=cached):    # stats reach the router a moment after the response
             text = httpx.get(servers[name].url + "/metrics", timeout=5).text
             got = {"laneserve:prefix_cache_hits_total": 0.0, "laneserve:prefix_cache_queries_total": 0.0}
             for s in (s for f in text_string_to_metric_families(text) for s in f.samples if s.name in got):
@@ -255,8 +255,11 @@ def test_stub_decode_crash_fails_cleanly_and_routes_around(servers):
     stub = servers["stub"]
     streams = [_stream_tokens(stub.url, 150) for _ in range(4)]       # 3 s each at 20 ms per token
     try:
-        time.sleep(0.3)
-        decoders = [i for i in stub.state()["instances"] if i["role"] == "decode"]
+        def all_streams_decoding():
+            decoders = [i for i in stub.state()["instances"] if i["role"] == "decode"]
+            return decoders if sum(i["live_requests"] or 0 for i in decoders) == len(streams) else None
+
+        decoders = wait_for(all_streams_decoding, TIMEOUT, "every stream to reach a decode instance")
         victim = max(decoders, key=lambda i: i["live_requests"] or 0)
         assert victim["live_requests"] >= 1
         os.kill(victim["pid"], signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""Structured output and several samples in ``--colocated`` mode (issue 14, items 2 and 5), with the
+"""Structured output and several samples in ``--colocated`` mode, with the
 official ``openai`` client against one live colocated server of the smoke model: a ``json_schema``
 response parses and validates every time (only a working constraint can do that with noise
 weights), and ``n`` samples fork the prompt's KV on the one instance (greedy samples identical to

@@ -1,4 +1,4 @@
-"""A server that one request cannot take down (issue 11), end to end on 127.0.0.1.
+"""A server that one request cannot take down, end to end on 127.0.0.1.
 
 Two servers start once for the module: a 1P+1D engine deployment of the smoke model (hostile
 bodies, a property-based fuzz run, a crash and restart under load) and a 1P+1D STUB deployment

@@ -1,4 +1,4 @@
-"""The OpenAI surface vLLM users send (issue 14), with the official ``openai`` client against one
+"""The OpenAI surface vLLM users send, with the official ``openai`` client against one
 live 1P+1D server of the smoke model (prefill and decode in separate processes, so every feature
 crosses the hand-off): penalties and logit_bias change greedy output exactly as transformers'
 processors (or the direct formula) predict on the same checkpoint, min_tokens, max_completion_tokens,
@@ -215,7 +215,7 @@ def test_load_generator_over_httpx(server):
     assert s["completed"] == 4 and s["failed"] == 0 and s["output_lens"] == [4, 4, 4, 4]
 
 
-# ---- structured output (issue 14, item 3): the prefill instance constrains the first token, the
+# ---- structured output: the prefill instance constrains the first token, the
 # decode instance replays it and continues; random weights, so only the constraint makes JSON
 _PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12}, "mood": {"enum": ["calm", "busy", "odd"]},

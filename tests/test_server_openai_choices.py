@@ -1,4 +1,4 @@
-"""Several choices per request (issue 14, item 2) with the official ``openai`` client against one
+"""Several choices per request with the official ``openai`` client against one
 live 1P+1D server of the smoke model: ``n`` (the prompt prefilled once; greedy samples identical
 to n=1, seeded sample k identical to an n=1 request seeded ``seed + k``), ``best_of``, batched
 prompts (strings and token-id lists, choices indexed across prompts, usage summed, streamed with

@@ -1,4 +1,4 @@
-"""Simulator hygiene (issue 18 item 5): one SLO rule for trace files, requests beyond the model's
+"""Simulator hygiene: one SLO rule for trace files, requests beyond the model's
 context rejected and counted, a default host pool for AlignedServe."""
 
 import json

@@ -60,5 +60,6 @@ def test_batching_beats_one_at_a_time_under_load():
     cost = LinearCostModel(prefill_fixed=0.01, prefill_per_token=PER_TOKEN)
     single = Simulator(ClusterConfig(prefill_opts={"max_batch_size": 1}), cost).run(specs)
     batched = Simulator(ClusterConfig(prefill_opts={"token_budget": 4096}), cost).run(specs)
-    wait = lambda res: sum(r.times.prefill_start - r.arrival_time for r in res.requests) / len(specs)
+    def wait(res):
+        return sum(r.times.prefill_start - r.arrival_time for r in res.requests) / len(specs)
     assert wait(batched) < 0.5 * wait(single)

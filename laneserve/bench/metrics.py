@@ -1,4 +1,4 @@
-"""Per-request latency metrics and run summaries with vLLM's definitions (DESIGN.md, "Measuring").
+"""Per-request latency metrics and run summaries with vLLM's definitions (docs/design.md, "Measuring").
 
 Per request (seconds):
 

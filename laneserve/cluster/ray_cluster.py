@@ -1,4 +1,4 @@
-"""Instances as Ray actors across machines (issue 16): ``laneserve serve --ray-address``.
+"""Instances as Ray actors across machines: ``laneserve serve --ray-address``.
 
 The API/router process joins an existing Ray cluster as a driver and starts one actor per
 instance. Placement is the operator's, with Ray's own tools: a prefill instance asks for one unit

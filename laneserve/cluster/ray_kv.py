@@ -1,5 +1,4 @@
-"""The ``ray`` KV transport: a prefilled request's KV crosses machines through Ray's object store
-(issue 16).
+"""The ``ray`` KV transport: a prefilled request's KV crosses machines through Ray's object store.
 
 Put (prefill actor): the KV bytes go into the local object store (``ray.put``); the actor keeps
 the ObjectRef in a lease table under a fresh key for at most ``lease`` seconds, and the descriptor

@@ -1,6 +1,6 @@
 """KV transports: how a prefilled request's KV (:class:`~laneserve.engine.kv_cache.KVPayload`)
-travels from a prefill instance process to a decode instance process (issue 6: "shared host
-memory on one machine; a pluggable transport for GPUs").
+travels from a prefill instance process to a decode instance process (shared host
+memory on one machine; a pluggable transport for GPUs).
 
 A transport turns a payload into a small msgpack-able *descriptor* on the sending side
 (:meth:`put`) and back into a payload on the receiving side (:meth:`get`); :meth:`discard` drops a

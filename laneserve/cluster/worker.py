@@ -1,4 +1,4 @@
-"""One engine instance in its own process (or thread), served over ZeroMQ (issue 6).
+"""One engine instance in its own process (or thread), served over ZeroMQ.
 
 The worker owns an :class:`~laneserve.engine.instance.EngineInstance` (the scheduler contract's
 loop on tensors) and two sockets: a PULL socket it reads router messages from (a receiver thread
@@ -15,7 +15,7 @@ logprobs when asked for), hands finished prefills off (``export_kv`` -> KV trans
 blocks for an incoming transfer through the instance runtime (``offer_kv``, ``take_kv``), imports the KV
 and adds the request, as :class:`~laneserve.cluster.local.LocalCluster` does in one process.
 
-Failures stay with the request that caused them (issue 11): a request whose fields do not decode,
+Failures stay with the request that caused them: a request whose fields do not decode,
 a transfer that fails, or a step that raises fails the requests involved (an ``err`` message; their
 KV is freed) and the instance goes on. Only ``MAX_STEP_FAILURES`` failed steps in a row end the
 process (its supervisor in the router restarts it). A heartbeat thread with its own socket says

@@ -1,4 +1,5 @@
-"""Clocks: wall time in the engine and server, virtual time in the simulator (DESIGN.md)."""
+"""Clocks: wall time in the engine and server, virtual time in the simulator (docs/design.md,
+"The central contract")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""KV block accounting, pure Python (DESIGN.md): per-request block tables over a reference-counted
-block pool (``block_pool.py``: prefix caching, fork), a host-memory pool tier, and the swap /
-transfer plans the engine executes on tensors. A double free or a foreign free raises.
+"""KV block accounting, pure Python (docs/design.md, "The central contract"): per-request block
+tables over a reference-counted block pool (``block_pool.py``: prefix caching, fork), a host-memory
+pool tier, and the swap / transfer plans the engine executes on tensors. A double free or a foreign free raises.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Request and SLO state (DESIGN.md, "The central contract").
+"""Request and SLO state (docs/design.md, "The central contract").
 
 A request is counters over a token list: ``num_computed_tokens`` counts tokens whose KV exists, so
 chunked prefill, prefix reuse and decode all follow one rule. The same object is used by the

@@ -1,6 +1,6 @@
 """Cost models: one latency interface (:class:`CostModel`) with analytic (roofline, calibrated on
 measured H100/A100 profiles by ``laneserve calibrate``) and fitted (engine profile, FlowPrefill / Kairos / LAPS predictors)
-implementations (DESIGN.md, "Cost models"). Pure Python + numpy; never imports torch.
+implementations (docs/design.md, "Cost models"). Pure Python + numpy; never imports torch.
 
     >>> cm = make_cost_model("analytic", model="llama-3-8b", hardware="h100")
     >>> cm.prefill_time([(1024, 0)]) > cm.decode_step_time([1024])

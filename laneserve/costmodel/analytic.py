@@ -1,5 +1,5 @@
 """Analytic (roofline) cost model: one replica of a :class:`ModelSpec` on a :class:`HardwareSpec`
-(DESIGN.md, "Cost models"; LAPS §2.1's compute/memory split, FlowPrefill §4's operator boundaries).
+(docs/design.md, "Cost models"; LAPS §2.1's compute/memory split, FlowPrefill §4's operator boundaries).
 
 Each layer is the five operators of :data:`LAYER_OPERATORS`. An operator's time is
 

@@ -1,5 +1,5 @@
 """The one cost-model interface that the simulator, the policies' predictors and the engine's
-profiles all share (DESIGN.md, "Cost models").
+profiles all share (docs/design.md, "Cost models").
 
 Times are in seconds. A prefill batch is a sequence of ``(new_tokens, cached_tokens)`` pairs: the
 tokens computed in this step and the tokens of the same request whose KV is already present

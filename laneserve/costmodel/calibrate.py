@@ -1,5 +1,5 @@
 """Calibration as code: fit every hardware term of the analytic cost model to the shared profiles
-(DESIGN.md, "Cost models"; ``laneserve calibrate`` or ``python -m laneserve.costmodel.calibrate``).
+(docs/design.md, "Cost models"; ``laneserve calibrate`` or ``python -m laneserve.costmodel.calibrate``).
 
 Stages, each minimising the mean absolute percentage error (MAPE) with Nelder-Mead in log space:
 
@@ -47,7 +47,7 @@ import numpy as np
 
 from .analytic import AnalyticCostModel
 from .profile import (LLMSS_LINEAR, llmss_prefill_seconds, load_llmservingsim_layers,
-                      load_vidur_mlp)
+                      load_vidur_mlp, open_profile_csv)
 from .specs import H100_SXM, MODELS, HardwareSpec, HostOverhead, LinkSpec, fit_link, fit_send_recv
 
 VIDUR_FILE = "vidur_h100_llama2_7b_mlp.csv"
@@ -75,13 +75,20 @@ CALIBRATED_FIELDS = ("gemm_efficiency_max", "gemm_half_tokens", "memory_efficien
 ATTENTION_FIELDS = ("attn_key_s", "attn_block_s", "attn_shared_factor", "attn_floor_s")
 
 
+PACKAGED_PROFILES = Path(__file__).resolve().parent / "data"
+#: every measured profile the calibration reads (packaged gzipped in ``data/``; see ``data/NOTICE.md``)
+PROFILE_FILES = (VIDUR_FILE, LLMSS_FILE, SEND_RECV_FILE, *VIDUR_70B_FILES.values(),
+                 *ALLREDUCE_FILES.values(), CPU_FILE)
+
+
 def default_profiles_dir() -> Path:
-    """``<repo>/../shared/data/profiles``, else the copies packaged in ``laneserve/workloads/data``."""
-    here = Path(__file__).resolve()
-    for candidate in (here.parents[2].parent / "shared/data/profiles", here.parents[1] / "workloads/data"):
-        if (candidate / VIDUR_FILE).exists():
-            return candidate
-    raise FileNotFoundError("H100 profiles not found; pass --profiles DIR (shared/data/profiles)")
+    """The measured profiles packaged with laneserve (``laneserve/costmodel/data``, gzipped)."""
+    missing = [name for name in PROFILE_FILES
+               if not (PACKAGED_PROFILES / name).exists() and not (PACKAGED_PROFILES / f"{name}.gz").exists()]
+    if missing:
+        raise FileNotFoundError(f"packaged profiles missing from {PACKAGED_PROFILES}: {', '.join(missing)}; "
+                                "pass --profiles DIR")
+    return PACKAGED_PROFILES
 
 
 def mape(measured: Sequence[float], predicted: Sequence[float]) -> float:
@@ -172,7 +179,7 @@ def attention_mape(hw: HardwareSpec, rows: list[dict]) -> float:
 def load_allreduce(path: Path) -> dict[int, list[tuple[int, float]]]:
     """``{gpus: [(bytes, median seconds), ...]}`` of one-node all-reduces."""
     out: dict[int, list[tuple[int, float]]] = {}
-    with open(path, newline="") as f:
+    with open_profile_csv(path) as f:
         for r in csv.DictReader(f):
             if r["num_workers"] == r["devices_per_node"]:
                 out.setdefault(int(r["num_workers"]), []).append(
@@ -207,7 +214,7 @@ def allreduce_mape(table: dict[int, LinkSpec], data: dict[int, list[tuple[int, f
 
 def load_cpu_overheads(path: Path) -> list[tuple[str, int, int, float]]:
     """``(model, batch_size, tp, seconds)`` per row: the sum of :data:`HOST_COLUMNS`."""
-    with open(path, newline="") as f:
+    with open_profile_csv(path) as f:
         return [(r["model_name"], int(r["batch_size"]), int(r["tensor_parallel_degree"]),
                  sum(float(r[c]) for c in HOST_COLUMNS) * 1e-3) for r in csv.DictReader(f)]
 
@@ -389,7 +396,7 @@ def constants_module(report: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profiles", type=Path, default=None,
-                        help="folder of the shared profiles (default: ../shared/data/profiles)")
+                        help="folder of the measured profiles, as CSV or CSV.gz (default: the packaged ones)")
     parser.add_argument("--output", type=Path, default=None,
                         help="write the report (constants and per-file MAPE) as JSON here")
     parser.add_argument("--write-constants", action="store_true",

@@ -67,7 +67,7 @@ def fit_one(engine: str, system: str, rows: Sequence[dict]) -> dict[str, Any]:
     report: dict[str, Any] = {}
 
     # 1. GEMMs: per-layer sum of the 4 layer GEMMs, and the LM head
-    tok, targets, shapes, layers_t, lm = [], [], [], [], []
+    tok, targets, shapes, lm = [], [], [], []
     for r in data:
         m, tp = MODELS[r["model"]], r["tp"]
         t = _tokens(r)

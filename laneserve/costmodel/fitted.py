@@ -1,5 +1,5 @@
 """Fitted latency predictors: the policies' online predictors and the engine-twin cost model
-(DESIGN.md, "Cost models").
+(docs/design.md, "Cost models").
 
 * :class:`PolynomialTTFT` - FlowPrefill §5 (TTFT prediction): a polynomial of TTFT in the token
   count, least-squares fitted to a prefill profile.

@@ -1,4 +1,4 @@
-"""Profile file I/O (DESIGN.md, "Cost models": a cost model fitted from the engine's own profile).
+"""Profile file I/O (docs/design.md, "Cost models": a cost model fitted from the engine's own profile).
 
 An engine profile is one JSON file::
 
@@ -18,10 +18,12 @@ layer profile.
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from .base import CostModel, PrefillBatch
 
@@ -128,10 +130,21 @@ class VidurMlpRow:
     op_seconds: dict[str, float]      # median per operator, seconds
 
 
+def open_profile_csv(path: str | Path) -> TextIO:
+    """Open a measured profile CSV as text: ``path`` itself, else its gzip copy ``<path>.gz`` (the
+    profiles packaged in ``laneserve/costmodel/data`` are gzipped; a ``--profiles`` folder may hold
+    either form)."""
+    path = Path(path)
+    packed = path.with_name(path.name + ".gz")
+    if not path.exists() and packed.exists():
+        return gzip.open(packed, "rt", newline="")
+    return open(path, newline="")
+
+
 def load_vidur_mlp(path: str | Path) -> list[VidurMlpRow]:
     """Rows of Vidur's ``mlp.csv`` (one layer's non-attention operators vs tokens and TP)."""
     rows = []
-    with open(path, newline="") as f:
+    with open_profile_csv(path) as f:
         for r in csv.DictReader(f):
             ops = {op: float(r[f"time_stats.{op}.median"]) * 1e-3 for op in VIDUR_OPS
                    if r.get(f"time_stats.{op}.median")}
@@ -147,7 +160,7 @@ class SendRecvRow:
 
 
 def load_vidur_send_recv(path: str | Path) -> list[SendRecvRow]:
-    with open(path, newline="") as f:
+    with open_profile_csv(path) as f:
         return [SendRecvRow(int(r["size"]), float(r["time_stats.send_recv.median"]) * 1e-3,
                             int(r["devices_per_node"])) for r in csv.DictReader(f)]
 
@@ -155,7 +168,7 @@ def load_vidur_send_recv(path: str | Path) -> list[SendRecvRow]:
 def load_llmservingsim_layers(path: str | Path) -> dict[tuple[int, int, int], dict[str, float]]:
     """LLMServingSim's ``layers.csv``: ``{(input_tokens, kv_cache, tp): {layer_name: seconds}}``."""
     table: dict[tuple[int, int, int], dict[str, float]] = {}
-    with open(path, newline="") as f:
+    with open_profile_csv(path) as f:
         for r in csv.DictReader(f):
             key = (int(r["input"]), int(r["kv_cache"]), int(r["tp_size"]))
             table.setdefault(key, {})[r["layer_name"]] = float(r["latency(ns)"]) * 1e-9

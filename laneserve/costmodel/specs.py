@@ -1,10 +1,10 @@
-"""Model and hardware specifications for the analytic (roofline) cost model (DESIGN.md, "Cost
+"""Model and hardware specifications for the analytic (roofline) cost model (docs/design.md, "Cost
 models"; the roofline view of LAPS §2.1: the compute/memory boundary sits where the arithmetic
 intensity reaches P_peak / B_mem).
 
 Model shapes are the published Hugging Face ``config.json`` values. Hardware numbers are vendor peak
 figures; the efficiency, FlashAttention, all-reduce and host-overhead terms are *calibrated* on the
-measured profiles in ``shared/data/profiles`` by ``laneserve calibrate``
+measured profiles packaged in ``laneserve/costmodel/data`` by ``laneserve calibrate``
 (:mod:`laneserve.costmodel.calibrate`), which generates :mod:`laneserve.costmodel.fitted_constants`
 (a Python module, so nothing reads a file at import). Link bandwidths/latencies come from a fit of
 Vidur's H100 DGX send/recv profile (:func:`fit_send_recv`).

@@ -1,4 +1,4 @@
-"""The torch engine (DESIGN.md, "laneserve is three things": the engine that runs real Hugging Face
+"""The torch engine (docs/design.md, "What laneserve is": the engine that runs real Hugging Face
 checkpoints with a paged KV cache). ``EngineExecutor.execute(plan)`` is the real counterpart of the
 simulator's executor."""
 

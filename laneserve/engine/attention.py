@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache, two interchangeable paths (DESIGN.md, AlignedServe note:
+"""Attention over the paged KV cache, two interchangeable paths (docs/design.md, "AlignedServe":
 "a padded batch pays for its longest member, a ragged one for the sum").
 
 * ``"padded"``: one batched SDPA call over every sequence of the step, queries padded to the
@@ -10,7 +10,7 @@
 Both handle prefill chunks on top of cached tokens (causal within the chunk, full over the cached
 prefix) and decode (one query over the whole context). New K/V are written into the cache by the
 runner before attention; each layer then gathers the contexts it needs from the cache into a
-preallocated workspace with ``index_select(..., out=)`` (DESIGN.md facts: fresh allocation is 3–10x
+preallocated workspace with ``index_select(..., out=)`` (docs/design.md, "Measured facts": fresh allocation is 3–10x
 slower). A sequence without cached tokens attends to its fresh K/V directly (no gather).
 Backends are selected by name through :data:`ATTENTION_BACKENDS`.
 

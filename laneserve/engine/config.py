@@ -1,4 +1,4 @@
-"""Engine configuration (DESIGN.md, "Habits": config as frozen dataclasses; derived values are
+"""Engine configuration (docs/design.md, "Decisions": config as frozen dataclasses; derived values are
 computed, not mutated into the config).
 
 Defaults follow the device (fields left at ``"auto"`` / ``None`` are resolved at construction):
@@ -14,7 +14,7 @@ Defaults follow the device (fields left at ``"auto"`` / ``None`` are resolved at
 steps padded to ``(batch, context)`` buckets and short fresh prefills with a ``plan.padded_shape``
 padded to ``(L, B)`` buckets, each bucket a power-of-two grid up to the ``graph_max_*`` fields.
 On CUDA each bucket is captured as a CUDA graph on first use and replayed afterwards; on CPU the
-same static path runs eagerly (DESIGN.md, LAPS note), which is how the tests verify it.
+same static path runs eagerly (docs/design.md, "LAPS"), which is how the tests verify it.
 """
 
 from __future__ import annotations

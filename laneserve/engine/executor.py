@@ -1,4 +1,4 @@
-"""The engine's executor: ``result = executor.execute(plan)`` on tensors (DESIGN.md, "The central
+"""The engine's executor: ``result = executor.execute(plan)`` on tensors (docs/design.md, "The central
 contract"). The simulator implements the same call with a cost model.
 
 The executor never changes request counters; ``scheduler.update(plan, result, now)`` does. It

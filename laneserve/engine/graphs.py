@@ -1,5 +1,5 @@
-"""Static-shape bucket runner: the engine side of LAPS' captured shapes (``laps.txt`` §3; DESIGN.md,
-LAPS note: "CUDA graphs are captured per shape only on CUDA; on CPU the same bucketed, padded path
+"""Static-shape bucket runner: the engine side of LAPS' captured shapes (LAPS §3; docs/design.md,
+"LAPS": "CUDA graphs are captured per shape only on CUDA; on CPU the same bucketed, padded path
 runs eagerly").
 
 Buckets (:class:`BucketGrid`, power-of-two grids bounded by ``EngineConfig.graph_max_*``):

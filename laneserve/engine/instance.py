@@ -1,5 +1,5 @@
 """One engine instance: the shared instance runtime (:class:`~laneserve.runtime.Instance`) driven
-in wall time on real tensors (DESIGN.md, "The central contract")::
+in wall time on real tensors (docs/design.md, "The central contract")::
 
     plan = inst.begin_step(now); result = executor.execute(plan, should_stop); inst.end_step(...)
 

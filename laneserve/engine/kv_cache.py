@@ -1,4 +1,4 @@
-"""Paged KV tensors addressed by the core's block tables (DESIGN.md, "The central contract": block
+"""Paged KV tensors addressed by the core's block tables (docs/design.md, "The central contract": block
 accounting is pure Python in ``laneserve.core.kv``; tensors live only in the engine).
 
 One tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` per tier, so that a block

@@ -1,5 +1,5 @@
 """From a core ``StepPlan`` to the tensors of one forward pass, and the resumable forward itself
-(DESIGN.md, "The central contract"; FlowPrefill §4 operator-level preemption).
+(docs/design.md, "The central contract"; FlowPrefill §4 operator-level preemption).
 
 The runner reads, never writes, the request counters: a prefill chunk computes tokens
 ``[chunk.start, chunk.end)`` of the request's full token list (``prompt_token_ids +

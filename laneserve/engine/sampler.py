@@ -3,7 +3,7 @@ top-p, per-request seeds and optional top-n logprobs; plus stop conditions.
 
 Seeded requests draw from a generator seeded with ``(seed, output index)``, so a request's sample
 sequence depends only on its seed and logits — not on batching, preemption or on which instance
-(prefill or decode, DESIGN.md PD disaggregation) sampled which token. Unseeded requests share the
+(prefill or decode, under PD disaggregation) sampled which token. Unseeded requests share the
 engine's generator (``EngineConfig.seed``): deterministic for a fixed schedule.
 
 Logprobs are those of the model's distribution (log-softmax of the raw logits, before penalties,

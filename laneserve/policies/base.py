@@ -1,4 +1,4 @@
-"""The scheduler contract every policy implements (DESIGN.md, "The central contract").
+"""The scheduler contract every policy implements (docs/design.md, "The central contract").
 
 One instance is one loop::
 

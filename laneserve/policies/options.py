@@ -1,4 +1,4 @@
-"""Policy options as frozen, typed dataclasses (issue 12, item 2).
+"""Policy options as frozen, typed dataclasses.
 
 Every policy class declares ``Options``, a ``@dataclass(frozen=True, slots=True)`` subclass of
 :class:`PolicyOptions` whose fields are the policy's tunable options with their defaults. A policy
@@ -48,7 +48,7 @@ from functools import cache
 from numbers import Integral, Real
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
-O = TypeVar("O", bound="PolicyOptions")
+OptionsT = TypeVar("OptionsT", bound="PolicyOptions")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -214,7 +214,7 @@ def unknown_options_error(cls: type[PolicyOptions], unknown: Iterable[str]) -> V
     return ValueError(f"unknown option {names}; valid options (defaults): {format_options(cls)}")
 
 
-def build_options(cls: type[O], options: O | None, overrides: Mapping[str, Any]) -> O:
+def build_options(cls: type[OptionsT], options: OptionsT | None, overrides: Mapping[str, Any]) -> OptionsT:
     """The options a policy runs with: ``options`` (an instance of ``cls``, or None for the
     defaults) with the keyword ``overrides`` applied."""
     unknown = set(overrides) - option_defaults(cls).keys()

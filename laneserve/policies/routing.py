@@ -185,10 +185,12 @@ class LeastLoadedRouter(Router):
         """The least-loaded of ``candidates`` (indices of accepting instances)."""
         last = self._last_pick
         if instances[candidates[0]].role == "decode":
-            key = lambda i: (instances[i].kv_usage, instances[i].num_running + instances[i].num_waiting,
-                             last.get(i, -1), i)
+            def key(i: int) -> tuple:
+                return (instances[i].kv_usage, instances[i].num_running + instances[i].num_waiting,
+                        last.get(i, -1), i)
         else:
-            key = lambda i: (instances[i].queued_tokens, instances[i].num_waiting, last.get(i, -1), i)
+            def key(i: int) -> tuple:
+                return (instances[i].queued_tokens, instances[i].num_waiting, last.get(i, -1), i)
         choice = min(candidates, key=key)
         self._picks += 1
         last[choice] = self._picks

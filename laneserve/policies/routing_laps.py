@@ -1,4 +1,4 @@
-"""LAPS spatial disaggregation (``laps.txt`` §3.2, Algorithm 2): a short pool and a long pool of
+"""LAPS spatial disaggregation (LAPS §3.2, Algorithm 2): a short pool and a long pool of
 prefill instances, a router that sends each request to an instance of its lane's pool, and the
 lightweight instance-pressure controller that moves one instance between pools at a time.
 
@@ -48,7 +48,7 @@ exploded (seen on ShareGPT: the long pool, 79% of the tokens, left with one of e
 it (see :mod:`laneserve.policies.prefill.laps`); its scheduler learns its new lane through
 ``scheduler.set_lane`` when the instance object exposes one.
 
-Do no harm (``spill=True``, default; issue 18): a pool is never left idle or overloaded while
+Do no harm (``spill=True``, default; docs/design.md, "Do no harm"): a pool is never left idle or overloaded while
 the other has room. When the lane pool's pick holds more than ``spill_tokens`` queued tokens above
 the least-loaded live instance of either pool, the request goes to that instance instead (a
 prefill instance runs both lanes, so a spilled request is served like any other). With the

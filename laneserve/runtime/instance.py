@@ -1,5 +1,5 @@
-"""One instance's runtime around the scheduler contract, written once for every driver (DESIGN.md,
-wave 2, "One instance runtime"): the simulator (virtual time, cost-model steps), the engine's
+"""One instance's runtime around the scheduler contract, written once for every driver (docs/design.md,
+"One instance runtime"): the simulator (virtual time, cost-model steps), the engine's
 instance loop (wall time, torch steps), the in-process engine cluster and the instance processes
 of ``laneserve serve``.
 

@@ -1,3 +1,3 @@
-"""The serving system's HTTP side (issue 6): OpenAI-compatible API (:mod:`.api`), request
+"""The serving system's HTTP side: OpenAI-compatible API (:mod:`.api`), request
 validation (:mod:`.protocol`), incremental detokenisation (:mod:`.detok`) and Prometheus
 metrics (:mod:`.metrics`). The router and instance processes live in :mod:`laneserve.cluster`."""

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (issue 6, item 2): ``/v1/completions``, ``/v1/chat/completions``,
+"""The OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models``, ``/health``, ``/metrics`` (Prometheus) and ``/debug/state`` (per-instance KV blocks,
 queues and liveness, for tests and operators). ``/openapi.json`` and ``/docs`` describe the request
 and response bodies with the models of :mod:`laneserve.server.schema`; the handlers read the raw

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request validation (issue 6, items 2-4; issue 11, item 1; issue 14, item 1):
+"""OpenAI-compatible request validation:
 request bodies of ``/v1/completions`` and ``/v1/chat/completions`` become one
 :class:`GenerateInput`, or a :class:`BadRequest` (HTTP 400) whose message names the field and what
 is wrong.
@@ -32,7 +32,7 @@ messages the template sees; a call's JSON ``arguments`` become an object, as tem
 absent, with tools) needs the server's tool-call parser (``--enable-auto-tool-choice
 --tool-call-parser``, :mod:`laneserve.server.tool_parsers`) and is a 400 without it, as in vLLM.
 
-Several choices (issue 14, item 2): ``n`` samples of each prompt; on completions ``best_of`` >= n
+Several choices: ``n`` samples of each prompt; on completions ``best_of`` >= n
 samples of which the n with the highest cumulative logprob are returned (as vLLM; not with
 ``stream``), and a batch of prompts (a list of strings or of token-id lists, at most
 ``MAX_BATCH_PROMPTS``): choice ``i * n + j`` is sample j of prompt i. ``echo`` puts the prompt

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from laneserve.core.sampling import (INT64_MAX, INT64_MIN, MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_PENALTY,
                                      MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY)
 
-# ---- limits (issue 11) ---------------------------------------------------------------------------
+# ---- limits ------------------------------------------------------------------------------------
 # Every accepted int fits the wire (msgpack int64): seeds and priorities are int64 like vLLM's seed.
 MAX_JSON_DEPTH = 32            # nested arrays/objects in a body; a chat request with text parts needs 5
 MAX_TEMPERATURE = 2.0          # OpenAI's range [0, 2]; below GREEDY_TEMPERATURE (1e-5) is greedy

@@ -1,5 +1,5 @@
 """Torch-free discrete-event simulator that runs the same scheduler code as the engine against a
-cost model (DESIGN.md, "laneserve is three things on one core")."""
+cost model (docs/design.md, "What laneserve is")."""
 
 from laneserve.sim.config import ClusterConfig
 from laneserve.sim.executor import SimExecutor

@@ -1,4 +1,4 @@
-"""Runs of a stable decode batch, simulated as one event (issue 12, "a fast simulator").
+"""Runs of a stable decode batch, simulated as one event.
 
 A decode instance whose policy declares ``stable_decode_batch`` decodes its whole running set every
 step, and that set changes only at an event: a KV transfer arriving, a request finishing, a

@@ -81,7 +81,7 @@ def make_workload(name: str, **opts) -> Workload:
 
 __all__ = [
     "AZURE_CONV_PATH", "CHAT_SLO", "FLOWPREFILL_CLASSES", "FLOWPREFILL_PROMPT_STATS",
-    "FLOWPREFILL_TTFT_SLO", "LONG_CONTEXT_SLO", "MOONCAKE_CONV_PATH", "Workload", "alignedserve_mix",
+    "FLOWPREFILL_TTFT_SLO", "IdleLatencySLO", "LONG_CONTEXT_SLO", "MOONCAKE_CONV_PATH", "Workload", "alignedserve_mix",
     "arrival_times", "azure_conv", "mooncake_conv", "available_workloads", "detect_format", "flowprefill_mix", "flowprefill_model_key",
     "flowprefill_slos", "gamma_arrivals", "lmsys_multiturn", "load_azure_csv", "load_mooncake_jsonl",
     "load_trace", "make_workload", "poisson_arrivals", "sharegpt_workload", "short_long_mix",

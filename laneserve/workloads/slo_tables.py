@@ -1,6 +1,6 @@
 """SLO tables as data: FlowPrefill's per-model, per-class TTFT targets and laneserve's defaults.
 
-FlowPrefill (``flowprefill.txt`` §6.1, Table 2, "Settings of different TTFT SLO requirements")::
+FlowPrefill (FlowPrefill §6.1, Table 2, "Settings of different TTFT SLO requirements")::
 
     Model        Text   Image  Search  File
     Llama3-8B    0.25s  0.5s   4.0s    6.0s

@@ -1,4 +1,4 @@
-"""Synthetic workloads where a paper's setup needs them (DESIGN.md, "Measuring").
+"""Synthetic workloads where a paper's setup needs them (docs/design.md, "Measuring").
 
 - :func:`flowprefill_mix` — FlowPrefill §6.1: four task classes with Table 1 prompt lengths and mix
   ratios, Table 2 TTFT SLOs per model (:mod:`laneserve.workloads.slo_tables`).

@@ -1,4 +1,4 @@
-"""Loaders for real request traces (DESIGN.md, "Measuring": real traces first).
+"""Loaders for real request traces (docs/design.md, "Measuring": real traces first).
 
 - Azure LLM inference trace 2023, conversation (Patel et al., *Splitwise*, ISCA'24;
   Azure/AzurePublicDataset, CC-BY-4.0): CSV ``TIMESTAMP,ContextTokens,GeneratedTokens`` with

@@ -1,7 +1,7 @@
 """A workload: an immutable, arrival-ordered tuple of :class:`RequestSpec` plus metadata.
 
 Every transformation returns a new :class:`Workload` whose requests are sorted by arrival time and
-numbered ``0..n-1`` in that order (DESIGN.md, "Measuring": goodput searches the request rate,
+numbered ``0..n-1`` in that order (docs/design.md, "Measuring": goodput searches the request rate,
 SLO-scale sweeps scale the targets, so rate and SLO are transformations, not generator options).
 
 Time conventions: arrival times are seconds from the start of the workload; loaders and

@@ -3,7 +3,7 @@ Qwen2/2.5, Qwen3, Mistral without sliding window).
 
 transformers 5.x writes the rotary settings under ``rope_parameters`` (``rope_theta``,
 ``rope_type`` and the scaling keys); 4.x wrote ``rope_theta`` and ``rope_scaling`` at the top
-level. Both are read (DESIGN.md, "Facts measured on this machine").
+level. Both are read (docs/design.md, "Measured facts").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Hand-written forward of the Llama family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral) over a flat
 token stream, written as a generator that yields after every operator so a prefill can be
-preempted and resumed at operator boundaries (FlowPrefill §4; DESIGN.md, "The central contract").
+preempted and resumed at operator boundaries (FlowPrefill §4; docs/design.md, "The central contract").
 
 Per layer the operators are those of ``laneserve.costmodel.base.LAYER_OPERATORS``:
 

@@ -20,7 +20,8 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    """``"auto"``: the checkpoint's dtype on CUDA, float32 on CPU (fp32 is the CPU default, DESIGN.md facts)."""
+    """``"auto"``: the checkpoint's dtype on CUDA, float32 on CPU (the CPU default: docs/design.md,
+    "Measured facts")."""
     if requested != "auto":
         return _TORCH_DTYPES[requested]
     if device.type == "cuda":

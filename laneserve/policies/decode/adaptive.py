@@ -1,5 +1,5 @@
 """``adaptive`` decode: continuous batching that turns on Kairos' slack-guided steps and
-AlignedServe's length-aligned batches only when they pay (issue 18, item 3).
+AlignedServe's length-aligned batches only when they pay (docs/design.md, "adaptive").
 
 Every step starts from what the instance observes: the requests it holds (their KV lengths and
 TPOT targets), its KV memory, and step times (the bound cost model, refined online by measured

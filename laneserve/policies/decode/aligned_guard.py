@@ -1,4 +1,4 @@
-"""The running figures AlignedServe's do-no-harm guard reads (issue 12: a decision reads them in
+"""The running figures AlignedServe's do-no-harm guard reads (a decision reads them in
 O(1) instead of scanning every request the instance holds): the KV blocks every held request
 needs for its next token, the total and the longest context, and the tightest TPOT target. The
 policy updates them when a request arrives, decodes a token and leaves."""

@@ -35,7 +35,7 @@ member of the running batch to the candidate-requests buffer; an old-batch membe
 indexed by its grown length and keeping its starvation timer). The host pool being full at an
 eviction falls back to recompute (KV dropped, re-prefilled on this instance).
 
-Do no harm (``guard=True``, the default; issue 18). Aligning saves step time only where the
+Do no harm (``guard=True``, the default; docs/design.md, "Do no harm"). Aligning saves step time only where the
 attention kernel pads a mixed batch to its longest member; a ragged kernel charges a batch its
 total context, which no grouping lowers, so there parking requests in the host pool only delays
 them (a parked request's first token is out: every second it waits adds to its TPOT) and the
@@ -201,7 +201,7 @@ class AlignedServeDecode(DecodeScheduler):
         return decode_summary_time(self._cost_model, n, total, longest)
 
     def _alignment_pays(self) -> bool:
-        """The guard (issue 18): align only where the predicted step-time saving is real and
+        """The guard: align only where the predicted step-time saving is real and
         continuous batching is in trouble (see the module docstring)."""
         if self._never_aligns:
             return False

@@ -16,7 +16,7 @@ that does not fit the remaining block budget whole is entered from the end neare
 Each leaf keeps its entries in two sorted sets, by ``(length, since, seq)`` and by ``(since, seq)``
 (``seq`` numbers insertions: a leaf's insertion order), so the walks in length order, the oldest
 request of a leaf and the oldest-first walks cost O(log n) per entry visited instead of a sort or
-scan of the leaf per call (issue 12, item 1; ties are broken exactly as the sorts they replace).
+scan of the leaf per call (ties are broken exactly as the sorts they replace).
 
 Choices where the paper is silent (documented, reported): widening stops as soon as ``n_min`` is
 reached (whole subtrees are taken when they fit); a leaf too large for the budget gives its
