@@ -1,4 +1,4 @@
-"""Soak test of ``laneserve serve`` (issue 11): a few thousand requests over a few minutes against a
+"""Soak test of ``laneserve serve``: a few thousand requests over a few minutes against a
 live 1P+1D deployment of the smoke model, mixing
 
 - valid requests (streamed and not, completions and chat, 2-24 output tokens),
@@ -123,8 +123,12 @@ class Soak:
             if kind == "structured":
                 name, path, fields = r.choice(self.structured)
                 resp = await client.post(self.url + path, json=chat_body(MODEL, fields, max_tokens=48, seed=i))
+                if resp.status_code in (429, 503):          # admitted or not while an instance is down
+                    self.outcomes[f"refused_{resp.status_code}"] += 1
+                    return
                 if resp.status_code >= 500:
                     self.outcomes["hostile_5xx"] += 1
+                    self.lost.append(f"{i} {name}: {resp.status_code} {resp.text[:120]}")
                     return
                 verdict = judge(fields, resp.status_code, resp.json())
                 self.outcomes["structured_wrong" if verdict.startswith("wrong") else f"structured_{verdict}"] += 1
