@@ -81,3 +81,15 @@ def test_sim_cli_jobs_give_identical_results(tmp_path):
     assert got["1"] == got["2"]
     assert len(got["1"][0]) == 4 and set(got["1"][1]["goodput"]) == {"fcfs+continuous", "cp-edf-2k+continuous"}
     assert main([*args, "--jobs", "0", "--output", str(tmp_path / "0")]) == 2
+
+
+def test_sim_serve_and_bench_share_the_names_of_rates_and_routers():
+    from laneserve.cli import build_parser
+    parse = build_parser().parse_args
+    sim = parse(["sim", "--request-rate", "1,2", "--router-policy", "least-loaded", "--decode-router-policy",
+                 "tpot-aware"])
+    assert (sim.rates, sim.router, sim.decode_router) == ("1,2", "least-loaded", "tpot-aware")
+    assert parse(["sim", "--rates", "3", "--router", "round-robin"]).rates == "3"
+    serve = parse(["serve", "--router", "least-loaded", "--decode-router", "least-loaded"])
+    assert (serve.router, serve.decode_router) == ("least-loaded", "least-loaded")
+    assert parse(["bench", "--request-rate", "1,2"]).request_rate == "1,2"

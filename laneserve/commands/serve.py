@@ -99,7 +99,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="prefill policy spec (default adaptive; laneserve sim --list)")
     c.add_argument("--decode-policy", default="adaptive", help="decode policy spec (default adaptive)")
     c.add_argument("--router-policy", "--router", dest="router", default="round-robin", help="prefill router")
-    c.add_argument("--decode-router-policy", dest="decode_router", default="auto",
+    c.add_argument("--decode-router-policy", "--decode-router", dest="decode_router", default="auto",
                    help="decode router (default auto: the decode policy's own, tpot-aware for adaptive, "
                         "else least-loaded)")
     c.add_argument("--devices", default="cpu", help="comma-separated devices, assigned to instances in turn")

@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="option of a named workload, e.g. long_share=0.2 (repeatable)")
     w.add_argument("--num-requests", type=int, default=3000,
                    help="use the first N requests (default 3000; 0 = all)")
-    w.add_argument("--rates", default=None,
+    w.add_argument("--rates", "--request-rate", dest="rates", default=None,
                    help="comma-separated request rates (req/s) to sweep; default: 4 rates around "
                         "the workload's own")
     w.add_argument("--rate", type=float, help="a single request rate")
@@ -46,8 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"(default {DEFAULT_POLICIES})")
     c.add_argument("--prefill", type=int, default=1, help="prefill instances (or colocated instances)")
     c.add_argument("--decode", type=int, default=1, help="decode instances")
-    c.add_argument("--router", default="round-robin", help="prefill router")
-    c.add_argument("--decode-router", default="auto",
+    c.add_argument("--router", "--router-policy", dest="router", default="round-robin", help="prefill router")
+    c.add_argument("--decode-router", "--decode-router-policy", dest="decode_router", default="auto",
                    help="decode router (auto: the decode policy's own, adaptive -> tpot-aware; else least-loaded)")
     c.add_argument("--host-kv-tokens", type=int, default=0,
                    help="host KV pool per decode instance (default 0: none, except AlignedServe, which "
