@@ -48,7 +48,7 @@ from collections import Counter
 import httpx
 
 from laneserve.bench.hostile import amplification_body, chat_body, judge, slot_hog_body, structured_cases
-from laneserve.bench.live_server import Server  # noqa: E402
+from laneserve.bench.live_server import Server, rss_mb  # noqa: E402
 from laneserve.bench.results import markdown_table, write_result  # noqa: E402
 
 MODEL = "smoke-llama"
@@ -69,17 +69,6 @@ HOSTILE = [
     b'{"model": "smoke-llama", "prompt": ',
     b"\xff\xfe\x00garbage",
 ]
-
-
-def rss_mb(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 class Soak:

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from laneserve.bench.hostile import BOMB_REGEXES, BOMB_SCHEMAS, chat_body, judge, structured_cases
-from laneserve.bench.live_server import Server
+from laneserve.bench.live_server import Server, rss_mb
 from laneserve.bench.results import markdown_table, write_result
 
 MODEL = "smoke-llama"
@@ -141,17 +141,6 @@ def compare_engines() -> list[dict]:
             print(f"  {kind}:{name} {engine}: {row[engine]}", file=sys.stderr, flush=True)
         rows.append(row)
     return rows
-
-
-def rss_mb(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 def live() -> dict:

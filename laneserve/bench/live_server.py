@@ -17,6 +17,18 @@ import httpx
 TIMEOUT = 30.0
 
 
+def rss_mb(pid: int) -> float | None:
+    """Resident memory of process ``pid`` in MB (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,6 +25,8 @@ import os
 import sys
 from pathlib import Path
 
+from laneserve.commands.argtypes import at_least, fraction
+
 from laneserve.commands.vllm_flags import add_vllm_flags, apply_vllm_flags
 
 
@@ -53,28 +55,6 @@ def _dtype(text: str) -> str:
                                          "aliases fp32, bf16, fp16, half)") from None
 
 
-def _at_least(low: float, kind=int):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {text}")
-        return value
-    return parse
-
-
-def _share(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible server", description=__doc__,
                        formatter_class=_HelpFormatter)
@@ -87,9 +67,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address the API listens on")
     p.add_argument("--port", type=int, default=8000, help="port the API listens on")
     c = p.add_argument_group("deployment")
-    c.add_argument("--prefill", type=_at_least(1), default=1,
+    c.add_argument("--prefill", type=at_least(1), default=1,
                    help="prefill instances (colocated instances with --colocated)")
-    c.add_argument("--decode", type=_at_least(0), default=1, help="decode instances")
+    c.add_argument("--decode", type=at_least(0), default=1, help="decode instances")
     c.add_argument("--colocated", action="store_true",
                    help="colocated instances (prefill and decode on one engine)")
     c.add_argument("--in-process", action="store_true",
@@ -103,7 +83,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="decode router (default auto: the decode policy's own, tpot-aware for adaptive, "
                         "else least-loaded)")
     c.add_argument("--devices", default="cpu", help="comma-separated devices, assigned to instances in turn")
-    c.add_argument("--kv-tokens", type=_at_least(16), default=65536, help="KV-cache tokens per instance")
+    c.add_argument("--kv-tokens", type=at_least(16), default=65536, help="KV-cache tokens per instance")
     c.add_argument("--kv-transport", default=None,
                    help="prefill->decode KV transport: shm | inline | ray (default: shm; ray with --ray-address)")
     c.add_argument("--ray-address", default=None, metavar="ADDRESS|auto",
@@ -114,10 +94,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="auto (the checkpoint's dtype on CUDA, float32 on CPU), float32, bfloat16 or float16")
     e.add_argument("--attention", choices=("auto", "ragged", "padded", "paged"), default="auto",
                    help="attention path (auto: the device's default)")
-    e.add_argument("--threads", type=_at_least(1), default=1, help="torch threads per instance (CPU)")
-    e.add_argument("--max-num-batched-tokens", type=_at_least(1), default=2048,
+    e.add_argument("--threads", type=at_least(1), default=1, help="torch threads per instance (CPU)")
+    e.add_argument("--max-num-batched-tokens", type=at_least(1), default=2048,
                    help="tokens one prefill step may take")
-    e.add_argument("--host-kv-blocks", type=_at_least(0), default=0, help="host KV pool blocks per decode instance")
+    e.add_argument("--host-kv-blocks", type=at_least(0), default=0, help="host KV pool blocks per decode instance")
     e.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler")
     e.add_argument("--no-prefix-caching", action="store_true",
                    help="keep no prompt KV across requests (default: prefill and colocated instances reuse "
@@ -127,21 +107,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "CUDA, the same static path eagerly on CPU (default: on for CUDA devices, off on CPU; "
                         "--enforce-eager turns them off)")
     a = p.add_argument_group("admission and SLOs")
-    a.add_argument("--max-inflight", type=_at_least(1), default=256,
+    a.add_argument("--max-inflight", type=at_least(1), default=256,
                    help="sequences in the system before new requests get 429")
-    a.add_argument("--max-queued-tokens", type=_at_least(1), default=None,
+    a.add_argument("--max-queued-tokens", type=at_least(1), default=None,
                    help="prompt tokens waiting for prefill before new requests get 429")
-    a.add_argument("--max-request-share", type=_share, default=0.25,
+    a.add_argument("--max-request-share", type=fraction, default=0.25,
                    help="the share of --max-inflight slots, and of the decode KV cache, one request may hold "
                         "(more is a 400 naming the limit)")
-    a.add_argument("--max-response-bytes", type=_at_least(1 << 16), default=64 << 20,
+    a.add_argument("--max-response-bytes", type=at_least(1 << 16), default=64 << 20,
                    help="largest response a request may ask for (estimated from echo, logprobs, prompt_logprobs, "
                         "n and max_tokens before any work; more is a 400)")
     a.add_argument("--default-slo", default="", metavar="ttft_ms=X,tpot_ms=Y",
                    help="SLO of requests that name none")
     a.add_argument("--slo-class", action="append", default=[], metavar="NAME:ttft_ms=X,tpot_ms=Y[,priority=P]",
                    help="a named SLO class with its defaults (repeatable)")
-    a.add_argument("--default-max-tokens", type=_at_least(1), default=256,
+    a.add_argument("--default-max-tokens", type=at_least(1), default=256,
                    help="chat completions: max_tokens when the request sets none (capped by the context)")
     r = p.add_argument_group("robustness and security")
     r.add_argument("--api-key", default=None,
@@ -152,20 +132,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--metrics-prefix", choices=("laneserve", "vllm", "both"), default="laneserve",
                    help="/metrics names: laneserve's, vLLM's (vllm:*, labels model_name and engine, for vLLM "
                         "dashboards), or both")
-    r.add_argument("--max-request-bytes", type=_at_least(1024), default=8 << 20,
+    r.add_argument("--max-request-bytes", type=at_least(1024), default=8 << 20,
                    help="larger request bodies get 413 before they are parsed")
-    r.add_argument("--header-timeout", type=_at_least(0.1, float), default=10.0,
+    r.add_argument("--header-timeout", type=at_least(0.1, float), default=10.0,
                    help="seconds a connection has to send a request's headers (idle and slow clients are closed)")
-    r.add_argument("--keep-alive-timeout", type=_at_least(0.1, float), default=5.0,
+    r.add_argument("--keep-alive-timeout", type=at_least(0.1, float), default=5.0,
                    help="seconds an idle keep-alive connection stays open")
-    r.add_argument("--body-timeout", type=_at_least(0.1, float), default=30.0,
+    r.add_argument("--body-timeout", type=at_least(0.1, float), default=30.0,
                    help="seconds a request body has to arrive (408 after)")
-    r.add_argument("--heartbeat-timeout", type=_at_least(0, float), default=10.0,
+    r.add_argument("--heartbeat-timeout", type=at_least(0, float), default=10.0,
                    help="seconds without a heartbeat before an instance is declared hung, killed and "
                         "restarted (0 = never)")
-    r.add_argument("--max-restarts", type=_at_least(0), default=5,
+    r.add_argument("--max-restarts", type=at_least(0), default=5,
                    help="restarts of a crashed or hung instance (with backoff) before it stays down")
-    r.add_argument("--shutdown-timeout", type=_at_least(0, float), default=30.0,
+    r.add_argument("--shutdown-timeout", type=at_least(0, float), default=30.0,
                    help="on SIGTERM/SIGINT: seconds running requests get to finish")
     h = p.add_argument_group("measurement harness")
     h.add_argument("--stub", action="store_true", help="STUB instances that echo immediately (no model)")

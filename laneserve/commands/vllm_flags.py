@@ -42,28 +42,11 @@ import json
 import re
 from pathlib import Path
 
+from laneserve.commands.argtypes import at_least, fraction
+
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+POSITIVE = at_least(1)
 _UVICORN_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
 
 
 def add_vllm_flags(p: argparse.ArgumentParser) -> None:
@@ -71,21 +54,21 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="checkpoint folder or Hugging Face id (as vllm serve's positional MODEL; same as --model)")
     v = p.add_argument_group("vllm serve compatibility")
-    v.add_argument("--max-model-len", type=_positive, default=None,
+    v.add_argument("--max-model-len", type=POSITIVE, default=None,
                    help="context length a request may use, prompt + output (default: the checkpoint's "
                         "max_position_embeddings)")
-    v.add_argument("--max-num-seqs", type=_positive, default=None,
+    v.add_argument("--max-num-seqs", type=POSITIVE, default=None,
                    help="requests one decode step may hold: the decode policy's max_batch_size (default: the "
                         "policy's own, 256)")
-    v.add_argument("--block-size", type=_positive, default=16, help="tokens per KV-cache block")
+    v.add_argument("--block-size", type=POSITIVE, default=16, help="tokens per KV-cache block")
     v.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse cached leading KV blocks of prompts (default: on; --no-enable-prefix-caching = "
                         "--no-prefix-caching)")
     v.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (laneserve's default already; excludes --cuda-graphs)")
-    v.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1,
+    v.add_argument("--tensor-parallel-size", "-tp", type=POSITIVE, default=1,
                    help="GPUs per instance: only 1 (tensor parallelism is not supported by laneserve's engine yet)")
-    v.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
+    v.add_argument("--gpu-memory-utilization", type=fraction, default=None,
                    help="accepted and checked, but the KV cache is sized by --kv-tokens (a log line says so) "
                         "(default: not set)")
     v.add_argument("--chat-template", default=None,
