@@ -40,6 +40,16 @@ def default_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def workers(jobs: int | None, ray_address: str | None) -> int | RayWorkers:
+    """What ``--jobs`` / ``--ray-address`` ask for: Ray tasks, or processes (default: every core)."""
+    if ray_address:
+        return RayWorkers(ray_address)
+    jobs = default_jobs() if jobs is None else jobs
+    if jobs < 1:
+        raise ValueError("--jobs must be >= 1")
+    return jobs
+
+
 def map_jobs(fn: Callable[..., Any], tasks: Sequence[tuple], jobs: int | RayWorkers,
              on_done: Callable[[int], None] | None = None) -> list[Any]:
     """``[fn(*t) for t in tasks]``, over ``jobs`` processes (or Ray tasks); ``on_done(i)`` after task

@@ -219,7 +219,7 @@ def plot_plan(path: Path, result, curve: list[dict] | None, title: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from laneserve.bench.parallel import RayWorkers, default_jobs
+    from laneserve.bench.parallel import workers
     from laneserve.bench.progress import progress_bar
     from laneserve.bench.report import format_console_table
     from laneserve.bench.results import markdown_table, write_result
@@ -228,11 +228,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         spec = build_spec(args)
-        jobs = default_jobs() if args.jobs is None else args.jobs
-        if jobs < 1:
-            raise ValueError("--jobs must be >= 1")
-        if args.ray_address:
-            jobs = RayWorkers(args.ray_address)
+        jobs = workers(args.jobs, args.ray_address)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from laneserve.bench.experiment import (policy_config, policy_goodput, policy_slo_scale,
                                            split_policy_sets, sweep, validate)
-    from laneserve.bench.parallel import RayWorkers, default_jobs, map_jobs
+    from laneserve.bench.parallel import map_jobs, workers
     from laneserve.bench.progress import progress_bar
     from laneserve.commands.common import load_workload
     from laneserve.bench.report import format_console_table, write_report
@@ -168,11 +168,7 @@ def run(args: argparse.Namespace) -> int:
             rates = [round(r0 * f, 2) for f in (1, 2, 4, 6)]
         if not rates or min(rates) <= 0:
             raise ValueError("request rates must be > 0")
-        jobs = default_jobs() if args.jobs is None else args.jobs
-        if jobs < 1:
-            raise ValueError("--jobs must be >= 1")
-        if args.ray_address:
-            jobs = RayWorkers(args.ray_address)
+        jobs = workers(args.jobs, args.ray_address)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -173,14 +173,20 @@ class AnalyticCostModel:
         waves = math.ceil(blocks / hw.num_sms)
         return max(longest, hw.attn_shared_factor * waves * walk(mean_keys))
 
-    def prefill_attention_time(self, batch: PrefillBatch) -> float:
-        """Causal attention of prefill chunks in one layer (new tokens attend to cached + new)."""
+    def _prefill_pairs(self, batch: PrefillBatch) -> list[tuple[int, int]]:
+        """The (new, cached) token pairs attention works on: each chunk's, or on a padded kernel
+        every chunk padded to the longest new part and the longest total."""
         pairs = [(n, c) for n, c in batch if n > 0]
-        if not pairs:
-            return 0.0
-        if self.attention == "padded":
+        if pairs and self.attention == "padded":
             new, total = max(n for n, _ in pairs), max(n + c for n, c in pairs)
             pairs = [(new, total - new)] * len(pairs)
+        return pairs
+
+    def prefill_attention_time(self, batch: PrefillBatch) -> float:
+        """Causal attention of prefill chunks in one layer (new tokens attend to cached + new)."""
+        pairs = self._prefill_pairs(batch)
+        if not pairs:
+            return 0.0
         dtype, hw = self.model.dtype_bytes, self.hw
         query_pairs = sum(n * (c + n / 2) for n, c in pairs)
         flops = 4.0 * self._q_local * query_pairs

@@ -274,12 +274,9 @@ class EngineCostModel(AnalyticCostModel):
 
     def prefill_attention_time(self, batch: PrefillBatch) -> float:
         """FlashAttention-3 over the prefill chunks of one layer (causal over cached + new)."""
-        pairs = [(n, c) for n, c in batch if n > 0]
+        pairs = self._prefill_pairs(batch)
         if not pairs:
             return 0.0
-        if self.attention == "padded":
-            new, total = max(n for n, _ in pairs), max(n + c for n, c in pairs)
-            pairs = [(new, total - new)] * len(pairs)
         c, hw = self.constants, self.hw
         work = 0.0
         for n, cached in pairs:
