@@ -15,7 +15,7 @@ Mapping onto the scheduler contract (policies/base.py):
 - Algorithm 1 walks the other waiting requests in priority order and adds ``r`` when the predicted
   latency of the grown batch is below the head's remaining time and the batch stays under G
   (strict inequalities, as printed); it keeps scanning after a rejection.
-- Bound on every suspension (DESIGN.md): a task parked for ``max_suspension`` seconds is resumed
+- Bound on every suspension (docs/design.md): a task parked for ``max_suspension`` seconds is resumed
   ahead of any priority; :meth:`next_wakeup` names that moment so the loop asks
   :meth:`should_preempt` even without an arrival. A task resumed this way is not preempted for
   priority again (only for another overdue task), so a suspension lasts at most
@@ -292,7 +292,8 @@ class FlowPrefillScheduler(PrefillScheduler):
             t_remain = head.ttft_deadline - now
             limit = budget if cap is None else min(budget, cap + 1)
             cutoff = self._fit_cutoff(tokens, limit, t_remain)
-            for r in self._candidates(walk, head_key, lambda: cutoff - tokens):
+            # late binding wanted: the walk reads the tokens taken so far
+            for r in self._candidates(walk, head_key, lambda: cutoff - tokens):  # noqa: B023
                 if len(plan.prefills) >= self.max_batch_size or self._batch_closed(tokens, limit, t_remain):
                     break
                 n = tokens + self.new_tokens(r)

@@ -38,7 +38,7 @@ prefills in lane order, the last one taking a partial chunk (``long_batch="singl
 request per step, as the paper describes; "fill" is the default so that long prefills just above
 L_m do not run in under-filled steps).
 
-Do no harm (issue 18). The registered ``laps`` departs from the paper where the league measured
+Do no harm. The registered ``laps`` departs from the paper where the league measured
 harm (``benchmarks/league.py``, Llama-3-8B on the analytic H100 model: before these guards LAPS
 reached 0.72x the best baseline's goodput on a bursty short/long mix and 0.90x on AlignedServe's
 95%-short mix); ``laps-literal`` (``LITERAL``) is the paper's algorithm and the ablation presets

@@ -28,7 +28,7 @@ Choices where the paper is loose (documented here and in the report):
 * Ŝ (service time of a short batch) is an EWMA of observed short-batch step times; r̂_s is an
   EWMA of short inter-arrival times, also fed by the observed fill rate ``depth/τ`` after each
   dispatch — this is how "W is updated from the observed fill time" (τ) enters.
-* Do no harm at light load (``light_load=True``, default; issue 18): when the short arrival
+* Do no harm at light load (``light_load=True``, default): when the short arrival
   rate is so low that the rest of the window is not expected to bring one more request
   (``r̂_s · (t0 + W_max − t) < 1``), waiting cannot grow the batch, only delay it, so the batch
   leaves at once (reason ``"light"``; not before ``W_min``): the wait depth collapses to what is queued. The paper's

@@ -1,4 +1,4 @@
-"""Straightforward reference forms of the incremental prefill policies (issue 12, item 1): every
+"""Straightforward reference forms of the incremental prefill policies: every
 decision re-ranks the whole waiting queue, as the policies did before their queues became
 incremental. Not registered; ``tests/test_policy_incremental.py`` runs each beside its optimised
 twin and asserts identical plans step for step."""
