@@ -1,4 +1,4 @@
-"""The policy league (issue 18 item 1): goodput of every policy on nine workloads, 1P+1D and 4P+4D.
+"""The policy league: goodput of every policy on ten workloads, 1P+1D and 4P+4D (the long-context one on 1P+1D).
 
 Goodput = the highest request rate at which >= 90% of the requests meet both their TTFT and TPOT
 targets, found by bisection (``laneserve.bench.league``; search range centred on the prefill
@@ -21,6 +21,25 @@ Workloads and their SLO rules (also in the results):
 | kairos | Kairos prefill setup: Mooncake lengths, Poisson (benchmarks/prefill_kairos.py) | TTFT = prefill_kairos' equal-reach SLO (our prefill time of the longest prompt the paper's 8 s affords), TPOT 50 ms |
 | bursty | short (32-256) / long (4-8K) 80/20 mix, gamma arrivals cv 3 | short 0.4 s, long 4 s TTFT; TPOT 50 ms |
 | multislo | Azure lengths and arrivals, three classes 30/50/20% | interactive 0.25 s / 25 ms, standard 0.6 s / 50 ms, relaxed 5 s / 100 ms (TTFT / TPOT) |
+| longctx | bundled Mooncake conversation trace (inputs 12K tokens on average, p99 85K), recorded arrivals (3 s ticks spread); 1P+1D only | TTFT 8 s, TPOT 50 ms |
+
+The long-context workload is the bundled trace itself (no synthetic stand-in needed): its prompts
+are the long contexts of the held-out check that found every good policy on an attainment plateau
+(0.87-0.93 from 0.5 to 0.9 req/s), because some of its requests cannot meet a 50 ms TPOT whatever
+the policy: the workload table states each workload's *TPOT-feasible share*, the requests whose
+decode step alone, on an idle instance at their final context (prompt + output), fits their TPOT.
+
+How sure each goodput is (``laneserve.bench.league``): the results give beside the 90% crossing
+the *area goodput* (the attainment curve's area over the log-rate range of the cell's workload,
+shape and mode, as a rate) and mark *plateau* cells (attainment within 0.03 of 90% over a 1.5x
+range of rates); the adaptive-vs-best ratios are given on both figures, and a table lists what
+the area figure changes for adaptive. The curve is the search's own evaluations (octaves from the
+bottom of the range up to the first miss, then the bisection), held flat beyond a cell's last
+point: past the first miss a cell's curve is its attainment there, which on a plateau is right
+and on a cliff overstates the weaker policies (area ratios are then compressed towards 1, never
+inflated). ``--curve-evals k`` follows the curve further on a half-octave grid (up to ``k`` more
+evaluations per search, down to 50% attainment); the committed league does not (with 8 its first
+cells ran about ten times slower on this machine).
 
 Entries (data: ``ENTRIES``; an entry whose policy is not registered is skipped and reported):
 baselines, one entry per paper policy, compositions, routers at 4P held against least-loaded with
@@ -86,6 +105,7 @@ MAX_SIZES = {"1P+1D": 3000, "4P+4D": 6000}       # ...up to this many
 QUICK_SIZES = {"1P+1D": 100, "4P+4D": 200}
 REL_TOL, MAX_EVALS = 0.02, 16
 QUICK_REL_TOL, QUICK_MAX_EVALS = 0.25, 5
+CURVE_EVALS = 0        # more half-octave curve points per search (--curve-evals; 0: the search's own points)
 HOST_KV_TOKENS = 1_000_000
 TPOT = 0.05
 IDLE_MULTIPLE, IDLE_FLOOR = 3.0, 0.4
@@ -151,6 +171,20 @@ def multislo(n: int, cost, seed: int = 0) -> Workload:
     return Workload.from_specs("multislo", specs, wl.meta)
 
 
+def longctx(n: int, cost, seed: int = 0) -> Workload:
+    return trace_block("mooncake_conv", n, seed).spread_ticks(3.0, seed=seed).with_slo(SLO(ttft=8.0, tpot=TPOT))
+
+
+def tpot_feasible_share(workload: Workload, cost) -> float:
+    """The share of requests whose decode step alone, on an idle instance at the request's final
+    context (prompt + output tokens), fits its TPOT target (1.0 without TPOT targets)."""
+    specs = [s for s in workload.specs if s.slo.tpot]
+    if not specs:
+        return 1.0
+    fits = sum(cost.decode_step_time([s.prompt_len + s.output_len]) <= s.slo.tpot for s in specs)
+    return fits / len(workload.specs)
+
+
 def seeded(workloads: list[LeagueWorkload], seed: int) -> list[LeagueWorkload]:
     """``workloads`` built with ``seed`` (seed 0: unchanged)."""
     return workloads if seed == 0 else [replace(w, build=partial(w.build, seed=seed)) for w in workloads]
@@ -176,6 +210,9 @@ WORKLOADS = [
                    "short/long 80/20 mix, gamma arrivals cv 3"),
     LeagueWorkload("multislo", "TTFT / TPOT: interactive 0.25 s / 25 ms, standard 0.6 s / 50 ms, "
                    "relaxed 5 s / 100 ms", multislo, "Azure lengths and arrivals, classes 30/50/20%"),
+    LeagueWorkload("longctx", "TTFT 8 s, TPOT 50 ms", longctx,
+                   "bundled Mooncake conversation trace as a long-context workload (inputs 12K tokens on "
+                   "average, p99 85K), recorded arrivals (3 s ticks spread)", shapes=("1P+1D",)),
 ]
 
 ONE, FOUR = ("1P+1D",), ("4P+4D",)
@@ -216,8 +253,13 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.3g}"
 
 
+def _mark(row: dict) -> str:
+    return "~" if row.get("plateau_ratio") else ""
+
+
 def goodput_tables(rows: list[dict], shapes, mode: str) -> str:
-    """Per shape: one row per workload, one column per entry, ``goodput (ratio to best baseline)``."""
+    """Per shape: one row per workload, one column per entry, ``goodput (ratio to best baseline)``;
+    ``~`` marks a ratio with a plateau on either side."""
     out = []
     for shape in shapes:
         sel = [r for r in rows if r["shape"] == shape and r["mode"] == mode]
@@ -228,11 +270,45 @@ def goodput_tables(rows: list[dict], shapes, mode: str) -> str:
             for r in sel:
                 if r["workload"] == w:
                     ratio = r["ratio_vs_best_baseline"]
-                    line[r["entry"]] = f"{_fmt(r['goodput'])} ({_fmt(ratio)})"
+                    line[r["entry"]] = f"{_fmt(r['goodput'])} ({_fmt(ratio)}){_mark(r)}"
             table.append(line)
         out.append(f"### {shape}{'' if mode == 'default' else f', {mode} predictors'}: goodput req/s "
-                   f"(ratio to the best baseline)\n\n" + markdown_table(table, ["workload", *entries]))
+                   f"(ratio to the best baseline; ~ a plateau on either side)\n\n"
+                   + markdown_table(table, ["workload", *entries]))
     return "\n".join(out)
+
+
+def area_tables(rows: list[dict], shapes, mode: str) -> str:
+    """As :func:`goodput_tables` with the area goodput."""
+    out = []
+    for shape in shapes:
+        sel = [r for r in rows if r["shape"] == shape and r["mode"] == mode]
+        entries = list(dict.fromkeys(r["entry"] for r in sel))
+        table = []
+        for w in dict.fromkeys(r["workload"] for r in sel):
+            line = {"workload": w}
+            for r in sel:
+                if r["workload"] == w:
+                    line[r["entry"]] = (f"{_fmt(r['area_goodput'])} ({_fmt(r['area_ratio_vs_best_baseline'])})"
+                                        f"{_mark(r)}")
+            table.append(line)
+        out.append(f"### {shape}{'' if mode == 'default' else f', {mode} predictors'}: area goodput req/s "
+                   f"(ratio to the best baseline's; ~ a plateau on either side)\n\n"
+                   + markdown_table(table, ["workload", *entries]))
+    return "\n".join(out)
+
+
+def adaptive_changes(rows: list[dict]) -> str:
+    """Adaptive's ratios on both figures, cell by cell, with the plateau marks."""
+    table = [{"workload": r["workload"], "shape": r["shape"], "mode": r["mode"],
+              "vs best baseline (90% crossing)": _fmt(r["ratio_vs_best_baseline"]),
+              "vs best baseline (area)": _fmt(r["area_ratio_vs_best_baseline"]),
+              "vs best policy (90% crossing)": _fmt(r["ratio_vs_best_other"]),
+              "vs best policy (area)": _fmt(r["area_ratio_vs_best_other"]),
+              "plateau": ("this cell " + "-".join(_fmt(x) for x in r["plateau_range"]) + " req/s"
+                          if r["plateau"] else ("best baseline" if r["plateau_ratio"] else "-"))}
+             for r in rows if r["kind"] == "adaptive"]
+    return markdown_table(table)
 
 
 def main() -> None:
@@ -251,6 +327,9 @@ def main() -> None:
     ap.add_argument("--predictor", choices=["both", *modes] if len(modes) > 1 else list(modes),
                     default="both" if len(modes) > 1 else modes[0],
                     help="predictor modes to run (the axis exists when the sim config has a predictor field)")
+    ap.add_argument("--curve-evals", type=int, default=CURVE_EVALS,
+                    help="up to this many more evaluations per search follow the attainment curve on a "
+                         "half-octave grid for the area goodput (0: the area of the search's own points)")
     ap.add_argument("--seed", type=int, default=0,
                     help="workload sample (0: the committed league; see trace_block for the traces)")
     ap.add_argument("--output", type=Path, help="results folder (default benchmarks/results, "
@@ -263,6 +342,7 @@ def main() -> None:
     run_modes = modes if args.predictor == "both" else (args.predictor,)
     sizes = QUICK_SIZES if args.quick else SIZES
     rel_tol, max_evals = (QUICK_REL_TOL, QUICK_MAX_EVALS) if args.quick else (REL_TOL, MAX_EVALS)
+    curve_evals = args.curve_evals
     if args.requests:
         sizes = dict(zip(SHAPES, (int(x) for x in args.requests.split(","))))
     max_evals = args.max_evals or max_evals
@@ -273,7 +353,7 @@ def main() -> None:
     duration = None if args.quick or not args.duration else args.duration
     league = run_league(workloads, entries, cost, sizes=sizes, shapes=shapes, modes=run_modes,
                         jobs=args.jobs, rel_tol=rel_tol, max_evals=max_evals, host_kv_tokens=HOST_KV_TOKENS,
-                        duration=duration, max_sizes=MAX_SIZES,
+                        duration=duration, max_sizes=MAX_SIZES, curve_evals=curve_evals,
                         progress=lambda line: print(line, file=sys.stderr, flush=True))
     rows = cell_ratios(league["cells"], entries)
     metrics, detail = league_metrics(rows)
@@ -298,8 +378,14 @@ def main() -> None:
              f"meeting both TTFT and TPOT, bisection to {rel_tol:g} relative; host KV pool {HOST_KV_TOKENS} "
              f"tokens per decode instance; 4P+4D entries use least-loaded unless named (decode side: least-loaded, "
              f"except adaptive decode's own tpot-aware and the entry that names it); predictor modes "
-             f"{list(run_modes)}; workload seed {args.seed}.")
-    wl_rows = [{"workload": w.name, "requests": w.description, "slo_rule": w.slo_rule} for w in workloads]
+             f"{list(run_modes)}; workload seed {args.seed}; area goodput from the search's own evaluations"
+             + (f" and up to {curve_evals} more per search on a half-octave grid (down to 50% attainment)."
+                if curve_evals else "."))
+    wl_rows = [{"workload": w.name, "requests": w.description, "slo_rule": w.slo_rule,
+                "shapes": ", ".join(s for s in w.shapes if s in shapes),
+                "tpot_feasible_share": round(tpot_feasible_share(
+                    w.build(max(MAX_SIZES[s] for s in w.shapes if s in shapes), cost), cost), 4)}
+               for w in workloads if any(s in shapes for s in w.shapes)]
     detail_rows = [{"metric": k, "value": _fmt(d["value"]), "where": d["where"] or "-", "cells": d["cells"]}
                    for k, d in detail.items()]
     md = (setup + "\n\n## Workloads and SLO rules\n\n" + markdown_table(wl_rows)
@@ -308,6 +394,8 @@ def main() -> None:
                                                           for k, v in league["skipped"].items()])
              if league["skipped"] else "")
           + "\n## Goodput per cell\n\n" + "\n".join(goodput_tables(rows, shapes, m) for m in run_modes)
+          + "\n## Area goodput per cell\n\n" + "\n".join(area_tables(rows, shapes, m) for m in run_modes)
+          + "\n## Adaptive on both figures\n\n" + adaptive_changes(rows)
           + "\n" + "".join(f"![heat map]({p})\n" for p in pngs)
           + "\n## Entries\n\n" + markdown_table([{"entry": e.name, "kind": e.kind, "paper": e.paper or "-",
                                                   "shapes": ", ".join(e.shapes),

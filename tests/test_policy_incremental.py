@@ -190,7 +190,7 @@ def test_sorted_keys_matches_a_sorted_list(monkeypatch, load):
 
 
 def test_flowprefill_refits_are_exercised():
-    """The online predictor refits mid-run (so the queue's rebuild path runs) and the lockstep
+    """The online predictor refits mid-run (so the queue's incremental re-keying runs) and the lockstep
     still agrees."""
     made = []
 

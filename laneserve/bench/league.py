@@ -1,4 +1,4 @@
-"""The policy league (issue 18): goodput of every policy entry on every workload and cluster shape.
+"""The policy league: goodput of every policy entry on every workload and cluster shape.
 
 A league is workloads x shapes x entries (x predictor modes when the simulator has them). Each
 cell is a goodput search (:func:`search_cell`: the highest request rate at which >= 90% of the
@@ -28,6 +28,27 @@ routers (round-robin), which are reported but not held.
 A goodput that is never met (not even at the bottom of the search range, after one retry an
 order of magnitude lower) counts as 0 in the ratios; a ratio whose denominator is 0 is left out
 of the minimum and listed under ``undefined``.
+
+How sure a goodput is. Bisection finds *a* rate where attainment crosses 90%; where the curve
+runs flat near 90% over a wide range of rates (a *plateau*: long contexts that miss their TPOT
+whatever the policy keep every good policy at 0.87-0.93), which policy crosses last is decided by
+a few requests, and the crossing can differ by 1.5x for an attainment difference of 0.03. So
+beside it the league reports, per cell:
+
+- the **area goodput** (:func:`area_goodput`): with ``curve_evals`` > 0 each search also
+  evaluates the half-octave grid ``lo x 2^(k/2)`` up to the first rate whose attainment falls
+  below :data:`CURVE_FLOOR`; the attainment curve (every evaluation, linear in log-rate, held
+  flat beyond a cell's own first and last points) is integrated over the log-rate range that
+  the cells of its workload, shape and mode share, each point weighted ``min(attainment / 0.9,
+  1)``, and turned back into a rate: ``lo x exp(area)``, the crossing of a curve that is at
+  target up to there and 0 beyond. On a steep curve it sits near the crossing; on a plateau a
+  0.03 attainment difference moves it by a few percent, not by the plateau's width;
+- a **plateau** mark: the evaluated rates whose attainment is within :data:`PLATEAU_BAND` of
+  the target span a factor of at least :data:`PLATEAU_SPAN` (``plateau_range`` gives them). A
+  ratio is marked when either side of it (the entry or the best baseline) sits on a plateau.
+
+:func:`league_metrics` gives the headline ratios on both figures (``adaptive_min_area_ratio_*``
+beside the crossing ones).
 """
 
 from __future__ import annotations
@@ -49,6 +70,10 @@ from laneserve.workloads.traces import IdleLatencySLO
 SHAPES: dict[str, tuple[int, int]] = {"1P+1D": (1, 1), "4P+4D": (4, 4)}
 KINDS = ("baseline", "paper", "composition", "router", "baseline-router", "adaptive")
 DEFAULT_ROUTER = "least-loaded"
+TARGET = 0.9               # the attainment goodput asks for
+CURVE_FLOOR = 0.5          # the attainment curve is followed down to here
+PLATEAU_BAND = 0.03        # attainment within this of the target...
+PLATEAU_SPAN = 1.5         # ...over at least this factor of rates: a plateau
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,6 +86,7 @@ class LeagueWorkload:
     build: Callable[[int, CostModel], Workload]
     description: str = ""
     prefill_opts: dict[str, Any] = field(default_factory=dict)
+    shapes: tuple[str, ...] = tuple(SHAPES)       # the cluster shapes it runs on
 
 
 @dataclass(slots=True, frozen=True)
@@ -177,11 +203,24 @@ class RunLength:
         return min(want, available)
 
 
+def curve_rates(lo: float, hi: float) -> list[float]:
+    """The half-octave grid ``lo x 2^(k/2)`` up to ``hi``."""
+    rates, k = [], 0
+    while (rate := lo * 2.0 ** (k / 2)) <= hi * (1 + 1e-12):
+        rates.append(rate)
+        k += 1
+    return rates
+
+
 def search_cell(workload: Workload, config: ClusterConfig, cost: CostModel, lo: float, hi: float,
-                rel_tol: float, max_evals: int, length: RunLength | None = None) -> dict[str, Any]:
+                rel_tol: float, max_evals: int, length: RunLength | None = None,
+                curve_evals: int = 0) -> dict[str, Any]:
     """One goodput search (module level: it runs in worker processes). Not met at ``lo``: one
     more search, over ``[lo/16, lo]``. Each evaluation simulates the first ``length.requests(rate)``
-    requests of ``workload`` at the rate (all of them without ``length``)."""
+    requests of ``workload`` at the rate (all of them without ``length``). With ``curve_evals``,
+    up to that many more evaluations follow the attainment curve on the half-octave grid from the
+    search's bottom (:func:`curve_rates`), skipping rates already evaluated, until it falls below
+    :data:`CURVE_FLOOR` (for :func:`area_goodput`)."""
     t0 = time.perf_counter()
     length = length or RunLength(len(workload))
     sizes: list[int] = []
@@ -193,24 +232,83 @@ def search_cell(workload: Workload, config: ClusterConfig, cost: CostModel, lo: 
 
     res = goodput_search(attainment, lo=lo, hi=hi, rel_tol=rel_tol, max_evals=max_evals)
     points = list(res.points)
+    bottom = lo
     if not res.met:
-        res = goodput_search(attainment, lo=lo / 16, hi=lo, rel_tol=rel_tol, max_evals=max_evals)
+        bottom = lo / 16
+        res = goodput_search(attainment, lo=bottom, hi=lo, rel_tol=rel_tol, max_evals=max_evals)
         points += res.points
+    curve = 0
+    for rate in curve_rates(bottom, hi):
+        if curve >= curve_evals:
+            break
+        seen = [a for x, a in points if abs(x - rate) <= 1e-9 * rate]
+        if seen:
+            value = seen[0]
+        else:
+            value = attainment(rate)
+            points.append((rate, value))
+            curve += 1
+        if value < CURVE_FLOOR:
+            break
     return {"goodput": res.value, "evals": len(points), "saturated": res.saturated,
             "monotone": res.monotone, "points": sorted(points), "wall_s": time.perf_counter() - t0,
             "max_requests": max(sizes)}
+
+
+def _curve_at(points: Sequence[tuple[float, float]], log_rate: float) -> float:
+    """Attainment at ``exp(log_rate)``: linear in log-rate between evaluated points, flat beyond."""
+    xs = [math.log(x) for x, _ in points]
+    if log_rate <= xs[0]:
+        return points[0][1]
+    if log_rate >= xs[-1]:
+        return points[-1][1]
+    i = next(k for k in range(1, len(xs)) if xs[k] >= log_rate)
+    x0, x1 = xs[i - 1], xs[i]
+    a0, a1 = points[i - 1][1], points[i][1]
+    return a0 if x1 == x0 else a0 + (a1 - a0) * (log_rate - x0) / (x1 - x0)
+
+
+def area_goodput(points: Sequence[tuple[float, float]], lo: float, hi: float, target: float = TARGET) -> float | None:
+    """``lo x exp(∫ min(a(r) / target, 1) d ln r)`` over ``[lo, hi]`` (see the module docstring);
+    None without points."""
+    pts = sorted((x, a) for x, a in points if not math.isnan(a))
+    if not pts or hi <= lo:
+        return None if not pts else lo
+    knots = sorted({math.log(lo), math.log(hi), *(math.log(x) for x, _ in pts if lo < x < hi)})
+    area = 0.0
+    for u, v in zip(knots, knots[1:]):
+        # the curve is linear between knots; the weight min(a / target, 1) is piecewise linear:
+        # integrate it on a fine enough split of the segment
+        steps = 8
+        for j in range(steps):
+            a = u + (v - u) * j / steps
+            b = u + (v - u) * (j + 1) / steps
+            wa = min(_curve_at(pts, a) / target, 1.0)
+            wb = min(_curve_at(pts, b) / target, 1.0)
+            area += 0.5 * (wa + wb) * (b - a)
+    return lo * math.exp(area)
+
+
+def plateau(points: Sequence[tuple[float, float]], target: float = TARGET) -> tuple[float, float] | None:
+    """The span of evaluated rates whose attainment is within :data:`PLATEAU_BAND` of ``target``,
+    when it covers a factor of at least :data:`PLATEAU_SPAN`; else None."""
+    near = [x for x, a in points if abs(a - target) <= PLATEAU_BAND]
+    if len(near) >= 2 and max(near) >= PLATEAU_SPAN * min(near):
+        return (min(near), max(near))
+    return None
 
 
 def run_league(workloads: Sequence[LeagueWorkload], entries: Sequence[Entry], cost: CostModel, *,
                sizes: dict[str, int], shapes: Sequence[str] = tuple(SHAPES),
                modes: Sequence[str] | None = None, jobs: int = 1, rel_tol: float = 0.04,
                max_evals: int = 14, host_kv_tokens: int = 1_000_000, duration: float | None = None,
-               max_sizes: dict[str, int] | None = None,
+               max_sizes: dict[str, int] | None = None, curve_evals: int = 0,
                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every (workload, shape, entry, mode) cell; ``sizes`` gives the requests per evaluation for
     each shape, or with ``duration`` the least of them (:class:`RunLength`: enough requests for
     ``duration`` seconds of arrivals at each evaluated rate, at most ``max_sizes``, whose first
-    requests the workload is built with). Returns ``{"cells", "skipped", "modes", "ranges", "wall_s"}``."""
+    requests the workload is built with); ``curve_evals`` as :func:`search_cell`. Returns
+    ``{"cells", "skipped", "modes", "ranges", "wall_s"}``."""
     from laneserve.bench.parallel import map_jobs
     if duration is not None and not max_sizes:
         raise ValueError("duration needs max_sizes: the requests the workloads are built with")
@@ -220,6 +318,8 @@ def run_league(workloads: Sequence[LeagueWorkload], entries: Sequence[Entry], co
     tasks, keys, ranges = [], [], {}
     for lw in workloads:
         for shape in shapes:
+            if shape not in lw.shapes:
+                continue
             length = RunLength(sizes[shape], duration)
             wl = lw.build(sizes[shape] if duration is None else max_sizes[shape], cost)
             cap = capacity_estimate(wl, cost, SHAPES[shape][0],
@@ -232,7 +332,7 @@ def run_league(workloads: Sequence[LeagueWorkload], entries: Sequence[Entry], co
                     continue
                 for mode in modes:
                     cfg = entry_config(entry, shape, lw, mode, host_kv_tokens=host_kv_tokens)
-                    tasks.append((wl, cfg, cost, lo, hi, rel_tol, max_evals, length))
+                    tasks.append((wl, cfg, cost, lo, hi, rel_tol, max_evals, length, curve_evals))
                     keys.append((lw.name, shape, entry, mode))
     t0 = time.perf_counter()
     done = [0]
@@ -263,26 +363,51 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 def cell_ratios(cells: Iterable[Cell], entries: Sequence[Entry]) -> list[dict[str, Any]]:
     """One row per cell: goodput, the best baseline's goodput on its (workload, shape, mode), the
     ratio to it, for paper entries their group's best ratio (``paper_ratio_vs_best_baseline``), and
-    for router entries the ratio to their reference entry."""
+    for router entries the ratio to their reference entry; beside them the same on the area
+    goodput (``area_*``, over the log-rate range the cells of the (workload, shape, mode) share)
+    and the plateau marks (``plateau``: this cell; ``plateau_ratio``: this cell or its best
+    baseline)."""
     cells = list(cells)
     by_key = {(c.workload, c.shape, c.mode, c.entry): c for c in cells}
     refs = {e.name: e.reference for e in entries}
     papers = {e.name: e.paper for e in entries}
+    spans: dict[tuple, tuple[float, float]] = {}
+    for c in cells:
+        if c.points:
+            k = (c.workload, c.shape, c.mode)
+            xs = [x for x, _ in c.points]
+            lo, hi = spans.get(k, (min(xs), max(xs)))
+            spans[k] = (min(lo, *xs), max(hi, *xs))
+    area = {c.entry + "|" + "|".join((c.workload, c.shape, c.mode)):
+            area_goodput(c.points, *spans[(c.workload, c.shape, c.mode)]) if c.points else None for c in cells}
+
+    def area_of(c: Cell) -> float | None:
+        return area[c.entry + "|" + "|".join((c.workload, c.shape, c.mode))]
+
     best_base: dict[tuple, float] = {}
+    best_base_cell: dict[tuple, Cell] = {}
+    best_base_area: dict[tuple, float] = {}
     for c in cells:
         if c.kind == "baseline":
             k = (c.workload, c.shape, c.mode)
+            if k not in best_base or (c.goodput or 0.0) > best_base[k]:
+                best_base_cell[k] = c
             best_base[k] = max(best_base.get(k, 0.0), c.goodput or 0.0)
+            best_base_area[k] = max(best_base_area.get(k, 0.0), area_of(c) or 0.0)
     rows = []
     for c in cells:
         k = (c.workload, c.shape, c.mode)
         base = best_base.get(k)
-        best_other = max((o.goodput or 0.0 for o in cells if (o.workload, o.shape, o.mode) == k
-                          and o.entry != c.entry and o.kind != "adaptive"), default=None)
+        others = [o for o in cells if (o.workload, o.shape, o.mode) == k and o.entry != c.entry and o.kind != "adaptive"]
+        best_other = max((o.goodput or 0.0 for o in others), default=None)
+        best_other_area = max((area_of(o) or 0.0 for o in others), default=None)
         ref = by_key.get((*k, refs.get(c.entry))) if refs.get(c.entry) else None
         group = ([o for o in cells if (o.workload, o.shape, o.mode) == k and o.kind == "paper"
                   and papers.get(o.entry) == papers[c.entry]] if papers.get(c.entry) else [c])
         group_best = max(group, key=lambda o: o.goodput or 0.0) if c.kind == "paper" else None
+        own_plateau = plateau(c.points)
+        base_cell = best_base_cell.get(k)
+        base_plateau = plateau(base_cell.points) if base_cell is not None else None
         rows.append({"workload": c.workload, "shape": c.shape, "mode": c.mode, "entry": c.entry,
                      "kind": c.kind, "goodput": c.goodput, "best_baseline": base,
                      "ratio_vs_best_baseline": _ratio(c.goodput, base),
@@ -292,6 +417,13 @@ def cell_ratios(cells: Iterable[Cell], entries: Sequence[Entry]) -> list[dict[st
                      "paper_group_best": group_best.entry if group_best else None,
                      "paper_ratio_vs_best_baseline": (_ratio(group_best.goodput, base) if group_best
                                                       else None),
+                     "area_goodput": area_of(c), "area_best_baseline": best_base_area.get(k),
+                     "area_ratio_vs_best_baseline": _ratio(area_of(c), best_base_area.get(k)),
+                     "area_best_other": best_other_area,
+                     "area_ratio_vs_best_other": _ratio(area_of(c), best_other_area),
+                     "area_ratio_vs_reference": _ratio(area_of(c), area_of(ref)) if ref else None,
+                     "plateau": own_plateau is not None, "plateau_range": own_plateau,
+                     "plateau_ratio": own_plateau is not None or base_plateau is not None,
                      "evals": c.evals, "saturated": c.saturated, "monotone": c.monotone,
                      "max_requests": c.max_requests})
     return rows
@@ -315,14 +447,19 @@ def league_metrics(rows: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], dict
     specs = {
         "adaptive_min_ratio_vs_best_baseline": ("adaptive", "ratio_vs_best_baseline"),
         "adaptive_min_ratio_vs_best_policy": ("adaptive", "ratio_vs_best_other"),
+        "adaptive_min_area_ratio_vs_best_baseline": ("adaptive", "area_ratio_vs_best_baseline"),
+        "adaptive_min_area_ratio_vs_best_policy": ("adaptive", "area_ratio_vs_best_other"),
         "worst_paper_policy_ratio_vs_best_baseline": ("paper", "paper_ratio_vs_best_baseline"),
         "worst_router_ratio_vs_least_loaded": ("router", "ratio_vs_reference"),
     }
     metrics, detail = {}, {}
     for name, (kind, key) in specs.items():
         found = _min_over((r for r in rows if r["kind"] == kind), key)
+        if found["value"] is None and "area" in key and not any(r[key] is not None for r in rows):
+            continue                       # no curves evaluated: no area figures
         metrics[name] = found["value"]
         detail[name] = found
+    metrics["plateau_cells"] = sum(1 for r in rows if r["plateau"])
     return metrics, detail
 
 

@@ -1,6 +1,6 @@
 """A sorted set of unique, totally ordered keys with O(log n) search, cheap insert and delete, and
-in-order walks that survive deletions (issue 12, item 1: the policies' queues keep their order per
-event instead of re-sorting per decision).
+in-order walks that survive deletions (the policies' queues keep their order per event instead of
+re-sorting per decision).
 
 The keys live in blocks of at most ``2 * LOAD`` (a "sorted list of sorted lists"): a search
 bisects the block maxima, then one block; inserting or deleting moves at most one block's tail.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Iterator
+from itertools import chain
 from typing import Any
 
 LOAD = 512
@@ -43,6 +44,9 @@ class SortedKeys:
 
     def first(self) -> Any | None:
         return self._blocks[0][0] if self._len else None
+
+    def last(self) -> Any | None:
+        return self._blocks[-1][-1] if self._len else None
 
     def add(self, key: Any) -> None:
         """Insert ``key`` (not already present)."""
@@ -114,6 +118,10 @@ class SortedKeys:
             last = block[j]
             j += 1
             yield last
+
+    def to_list(self) -> list[Any]:
+        """All keys in order, as one list (copied in C, no per-key Python step)."""
+        return list(chain.from_iterable(self._blocks))
 
     def __iter__(self) -> Iterator[Any]:
         """All keys in order (no changes during the iteration: use :meth:`walk` for that)."""

@@ -1,4 +1,4 @@
-"""Where the SLO-aware policies' predictors come from (issue 18, "honest predictors").
+"""Where the SLO-aware policies' predictors come from ("honest predictors": a policy does not read the cost model that charges the time).
 
 FlowPrefill's TTFT polynomial, LAPS' long-chunk estimate, Kairos prefill's ``estimate="cost"`` and
 Kairos decode's step table all read a cost model bound with
@@ -9,7 +9,7 @@ Kairos decode's step table all read a cost model bound with
   generic prior and learns from the step times the instance observes (the runtime feeds it every
   completed step, :meth:`LearnedCostModel.observe`). Nothing of the run's cost model is read.
 - ``oracle``: the run's own cost model, the one that charges the time: perfect predictions (the
-  behaviour before issue 18, kept for comparison and for paper reproductions).
+  earlier behaviour, kept for comparison and for paper reproductions).
 - ``profile``: a :class:`~laneserve.costmodel.FittedCostModel` fitted once, before the run, to an
   offline profile of the same model and hardware (:func:`profile_cost_model`): a fixed grid of
   prefill and decode batches timed on the run's cost model, each time multiplied by an independent
@@ -25,8 +25,9 @@ model (prefill 10 ms + 0.1 ms per token, i.e. 10K tokens/s; decode 10 ms + 0.1 m
 50 ns per KV token; on a ragged kernel the decode model also has a term in the longest context,
 :func:`learned_decode_features`, which the prior leaves at 0), a few pseudo-samples of which stay
 in the fit with weight :data:`PRIOR_WEIGHT` each (they only decide directions the observations do not span).
-``prefill_version`` / ``decode_version`` count the refits; policies that cache predictions rebuild
-when they change.
+``prefill_version`` / ``decode_version`` count the refits; policies that cache predictions re-read
+them when they change, without re-predicting their whole queue in one decision (S-EDF's queue
+re-keys only the requests a refit can move, Kairos re-times its columns in vectorised passes).
 """
 
 from __future__ import annotations
@@ -235,6 +236,14 @@ class LearnedTTFT:
 
     def observe(self, tokens: int, seconds: float) -> None:
         self.model.observe_prefill([(tokens, 0)], seconds)
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """``(c0, c1, c2)`` of the current fit, as :meth:`__call__` evaluates them:
+        ``c0 + n * (c1 + n * c2)``."""
+        if self._version != self.model.prefill_version:
+            self._version = self.model.prefill_version
+            self._c0, self._c1, self._c2 = self.model.ttft_polynomial()
+        return self._c0, self._c1, self._c2
 
     def __call__(self, tokens: float) -> float:
         if self._version != self.model.prefill_version:

@@ -1,7 +1,7 @@
 """``adaptive`` prefill: S-EDF with operator preemption (FlowPrefill §5), plus LAPS' length lanes
-when the observed prompt lengths are bimodal (issue 18, item 3).
+when the observed prompt lengths are bimodal.
 
-Why this composition: on every workload we measured (issue 18's table, ``benchmarks/adaptive_check``)
+Why this composition: on every workload we measured (``benchmarks/adaptive_check``)
 FlowPrefill's ordering generalises — priority ``sgn(slack)/deadline`` serves what can still make
 its TTFT first, operator-level preemption lets an urgent arrival past a running long prefill, and
 SLO-aware batching (Algorithm 1) grows a batch only while its head still meets its deadline. It
@@ -88,6 +88,19 @@ class AdaptivePrefill(FlowPrefillScheduler):
         if not self.min_share <= share <= 1 - self.min_share:
             return False
         return lengths.median(short) >= self.long_factor * self.boundary    # the long lengths' median
+
+    def _candidates(self, walk, head_key, bound):
+        """Algorithm 1's candidates, only from the head's lane while lanes are in force: the other
+        lane's requests would all be refused by :meth:`_may_join`, and refusing them changes
+        nothing Algorithm 1 decides (its batch and its stopping test move only when a request
+        joins), so they are not walked one by one (a long head behind thousands of short prompts)."""
+        if not self._bimodal:
+            return super()._candidates(walk, head_key, bound)
+        head = self.requests[head_key[3]]
+        boundary = self.boundary
+        if head.remaining_prefill < boundary:
+            return self._queue.ordered_below(head_key, lambda: min(bound(), boundary))
+        return self._queue.ordered_below(head_key, bound, floor=boundary)
 
     def _may_join(self, head: Request, req: Request) -> bool:
         if not self._bimodal:

@@ -1,6 +1,6 @@
 """Kairos urgency-based prefill (``kairos.txt`` §3.1, Algorithms 1–2): the literal algorithm
 (``kairos-literal`` and its ablation presets) and the registered ``kairos``, a version that does
-no harm (issue 18, item 2).
+no harm.
 
 The literal algorithm (:class:`KairosPrefill`), every step:
 
@@ -91,13 +91,14 @@ from laneserve.core.request import Request
 from laneserve.policies.base import StepOutcome
 from laneserve.policies.options import above, at_least, build_options, default_to, option_error
 from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
-from laneserve.policies.prefill.kairos_slots import ArrivalSlots
+from laneserve.policies.prefill.kairos_slots import ArrivalSlots, linear_prefill_times
 from laneserve.policies.registry import register
 
 INF = float("inf")
 SAME_TARGET = 1e-9      # relative TTFT spread under which the requests count as one target
 HOL_SHARE = 0.5         # a prompt whose prefill takes this share of its target can block the rest
 DEFAULT_THROUGHPUT = 1.0e4     # tokens/s before anything was observed or bound
+BATCH_DURATIONS = 64           # touched requests above which their durations are computed at once
 
 
 def _arrival_key(req: Request) -> tuple[float, int]:
@@ -196,6 +197,7 @@ class KairosPrefill(PrefillScheduler):
         self._seconds_seen = 0.0
         self._slots = ArrivalSlots()
         self._dirty: set[int] = set()                # ids whose remaining tokens may have changed
+        self.recomputed = 0                          # durations re-read one request at a time
         if cost_model is not None:
             self.bind_cost_model(cost_model)
 
@@ -239,19 +241,56 @@ class KairosPrefill(PrefillScheduler):
         return self._cost_model.prefill_time([(new, req.prompt_len - new)])
 
     def _refresh(self) -> None:
-        """Bring the slots' work columns up to date (the requests touched since the last decision,
-        every one when a learned cost model refitted under ``estimate="cost"``)."""
+        """Bring the slots' work columns up to date: the requests touched since the last decision,
+        and every duration when a learned cost model refitted under ``estimate="cost"`` (at once,
+        vectorised, for a linear model; one by one otherwise)."""
         slots = self._slots
-        if self.estimate == "cost" and self._cost_model is None:
+        cost = self.estimate == "cost"
+        if cost and self._cost_model is None:
             raise RuntimeError("kairos estimate='cost' needs a cost model (bind_cost_model)")
         version = getattr(self._cost_model, "prefill_version", None)
-        if self.estimate == "cost" and version != self._model_version:
+        if cost and version != self._model_version:
             self._model_version = version           # a learned model refitted: every duration is stale
-            self._dirty.update(r.request_id for r in self.queue)
-        for rid in self._dirty:
+            if not self._redo_durations():
+                self._dirty.update(r.request_id for r in self.queue)
+        dirty = self._dirty
+        if cost and len(dirty) > BATCH_DURATIONS and self._batch_durations():
+            return
+        for rid in dirty:
             req = self.requests[rid]
-            slots.set_work(req, self.new_tokens(req), self._duration(req) if self.estimate == "cost" else 0.0)
-        self._dirty.clear()
+            slots.set_work(req, self.new_tokens(req), self._duration(req) if cost else 0.0)
+        if cost:
+            self.recomputed += len(dirty)
+        dirty.clear()
+
+    def _redo_durations(self) -> bool:
+        """Every queued request's duration at once, in a few vectorised passes over the columns
+        (:func:`linear_prefill_times`, equal to the model's own per-request times); the requests
+        touched since the last decision are re-read after it. False when the model is not linear."""
+        slots = self._slots
+        live = np.flatnonzero(slots.alive[:slots.n])
+        times = linear_prefill_times(self._cost_model, slots.rem[live], slots.plen[live])
+        if times is None:
+            return False
+        slots.dur[live] = times
+        return True
+
+    def _batch_durations(self) -> bool:
+        """The touched requests' tokens one by one, their durations at once (many touched at once:
+        a burst of arrivals filed since the last decision). False when the model is not linear
+        (nothing done)."""
+        slots, dirty = self._slots, self._dirty
+        tokens = {rid: self.new_tokens(self.requests[rid]) for rid in dirty}
+        idx = np.array([i for rid in dirty if (i := slots.slot.get(rid)) is not None], dtype=np.intp)
+        plen = slots.plen[idx]
+        new = np.array([float(tokens[slots.reqs[i].request_id]) for i in idx.tolist()])
+        times = linear_prefill_times(self._cost_model, new, plen)
+        if times is None:
+            return False
+        slots.rem[idx] = new
+        slots.dur[idx] = times
+        dirty.clear()
+        return True
 
     def _step_seconds(self) -> np.ndarray:
         """Each slot's estimated prefill seconds: ``n_r / μ``, or the cost model's (``estimate="cost"``)."""

@@ -1,4 +1,4 @@
-"""Kairos prefill's queue as numpy columns in arrival order (issue 12, item 1).
+"""Kairos prefill's queue as numpy columns in arrival order.
 
 Algorithm 2's FCFS walk is a prefix sum: with every queued request already arrived (``arrival <=
 now``) the cursor never jumps, so request ``k`` finishes at ``now + Σ_{j<=k} n_j / μ``. The columns
@@ -8,9 +8,21 @@ running sum, so the sums equal the Python walk's bit for bit), a partial chunk r
 Emptied slots are compacted away once they outnumber the live ones. A decision is then a handful of
 vectorised passes (``np.cumsum`` accumulates left to right, as the walk does) and a partial sort of
 the best scores, instead of a Python loop and a full sort.
+
+When an online predictor refits, every slot's cost-model duration changes. :func:`linear_prefill_times`
+recomputes the column in a few vectorised passes, bit for bit what the model's own ``prefill_time``
+returns per request (a linear model evaluates ``np.dot`` of its coefficients and the features,
+which on the BLAS builds we run is a chain of fused multiply-adds; the chain is emulated exactly
+with error-free transformations, and the rare element whose emulation cannot be proved exact is
+computed with rationals). Each use checks a few rows against the model's own evaluation and falls
+back to it for every row on a mismatch, so a BLAS that sums differently costs time, never a
+different decision.
 """
 
 from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
@@ -123,3 +135,73 @@ class ArrivalSlots:
         self.n = self.live = len(reqs)
         self.reqs = reqs
         self.slot = {r.request_id: i for i, r in enumerate(reqs)}
+
+
+# ---- the cost-model durations of every slot at once ---------------------------------------------
+_SPLIT = 134217729.0          # 2^27 + 1 (Veltkamp)
+_CHECK_ROWS = 8
+
+
+def _exact_fma(a: float, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """``round(a * b + c)`` element-wise with a single rounding (what a fused multiply-add
+    returns), for finite values far from overflow and underflow."""
+    p = a * b
+    t = _SPLIT * a
+    ah = t - (t - a)
+    al = a - ah
+    t = _SPLIT * b
+    bh = t - (t - b)
+    bl = b - bh
+    e = ((ah * bh - p) + ah * bl + al * bh) + al * bl          # a*b = p + e exactly
+    s = p + c
+    z = s - p
+    t1 = (p - (s - z)) + (c - z)                                # p + c = s + t1 exactly
+    v = t1 + e
+    z = v - t1
+    w = (t1 - (v - z)) + (e - z)                                # t1 + e = v + w exactly
+    out = s + v
+    z = out - s
+    d = (s - (out - z)) + (v - z)                               # s + v = out + d exactly
+    # a*b + c = out + d + w: out is its rounding unless d + w reaches half the gap to a neighbour
+    gap = np.minimum(np.nextafter(out, np.inf) - out, out - np.nextafter(out, -np.inf))
+    near = (np.abs(d) + np.abs(w)) * (1.0 + 2.0 ** -50) >= 0.5 * gap
+    hard = np.flatnonzero(near & (w != 0.0))                    # rare: decide with rationals
+    for i in hard.tolist():
+        out[i] = float(Fraction(a) * Fraction(float(b[i])) + Fraction(float(c[i])))
+    return out
+
+
+def _attention(new: np.ndarray, plen: np.ndarray, attention: str) -> np.ndarray:
+    """The query-key pair feature of :func:`laneserve.costmodel.fitted.prefill_features` for one
+    chunk of ``new`` tokens after ``plen - new`` cached ones, per element, with the same float
+    operations (0 where nothing is new)."""
+    if attention == "padded":
+        attn = new * (plen - new / 2)
+    else:
+        attn = new * ((plen - new) + new / 2)
+    return np.where(new > 0, attn, 0.0)
+
+
+def linear_prefill_times(model: Any, new: np.ndarray, plen: np.ndarray) -> np.ndarray | None:
+    """``model.prefill_time([(n, p - n)])`` for every pair of ``new`` and ``plen`` (float arrays of
+    integers), vectorised; None when ``model`` is not a linear step model (no ``prefill_coef``) or
+    when the check rows disagree with the model's own evaluation."""
+    coef = getattr(model, "prefill_coef", None)
+    attention = getattr(model, "attention", None)
+    if coef is None or attention is None or len(coef) != 4:
+        return None
+    c0, c1, c2, c3 = (float(c) for c in coef)
+    # np.dot of (tokens, pairs, chunks, 1): fma(c3, 1, fma(c2, chunks, fma(c1, pairs, c0 * tokens))).
+    # The chunk count is 0 or 1 and the last feature 1, so those products are exact and their
+    # fused multiply-adds are plain additions.
+    started = new > 0
+    acc = _exact_fma(c1, _attention(new, plen, attention), c0 * new)
+    acc = acc + np.where(started, c2, 0.0)
+    acc = acc + c3
+    out = np.where(started, acc, 0.0)
+    step = max(1, len(new) // _CHECK_ROWS)
+    for i in range(0, len(new), step):
+        n = int(new[i])
+        if model.prefill_time([(n, int(plen[i]) - n)]) != out[i]:
+            return None
+    return out

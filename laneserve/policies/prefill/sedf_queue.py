@@ -1,24 +1,48 @@
 """FlowPrefill's waiting queue in priority order, maintained per event instead of re-sorted per
-decision (issue 12, item 1).
+decision.
 
 A request's key (:func:`~laneserve.policies.prefill.priority.sedf_key`) is static except for the
 sign of its slack ``x = deadline − now − p`` (``p`` = TTFT̂ of its step tokens for S-EDF, 0 for
-D-EDF), and that sign flips once, from + to −, when ``now`` passes ``deadline − p``. So:
+D-EDF). With ``p`` fixed the sign flips once, from + to −, when ``now`` passes ``deadline − p``.
+So:
 
 - one sorted set (:class:`~laneserve.core.sorted_keys.SortedKeys`) of keys ``(0, d, arrival, id)``
   (slack ≥ 0), ``(1, 0, arrival, id)`` (no deadline) and ``(2, −d, arrival, id)`` (slack < 0): the
   group number leads, so its order is the full priority order;
-- a sorted set of flip checks ``(deadline − p − tol, id)`` of the positive requests:
-  :meth:`advance` walks those due and re-evaluates the sign with the exact float expression of the
-  reference key (``tol`` covers the rounding difference between ``d − p`` and ``(d − now) − p``; a
-  request still non-negative stays and is checked again next time); a flip moves one key;
-- ``p`` of a request is computed when it enters (its step tokens do not change while it waits).
+- per member with a deadline, one *entry* in a sorted set: a flip check ``(d − p − tol, id)`` while
+  its key is positive, an unflip check ``(d − p + tol, id)`` while it is negative (``tol`` covers
+  the rounding difference between ``d − p`` and ``(d − now) − p``). :meth:`advance` walks the
+  flip checks that are due and re-evaluates the sign with the exact float expression of the
+  reference key (a request still non-negative stays and is checked again next time); a flip
+  moves one key;
+- ``p`` of a request is computed from its step tokens as filed when it enters (they do not change
+  while it waits).
 
-Every structure deletes eagerly (no dead entries, nothing to compact), so an event costs
-O(log n) per request it adds, removes or flips. Work proportional to the queue happens only in
-bulk, with one C sort: when many keys flip at once (more than a quarter of the queue, e.g. after
-a long step) and on :meth:`rebuild`, which :meth:`advance` runs when the predictor was refitted
-(its ``version`` changed) or ``now`` went backwards, and :meth:`set_predictor` after a new one.
+**Refits without a rebuild.** An online predictor refits now and then (its ``version`` changes):
+every ``p`` changes, so every sign may. Re-predicting the whole queue at once is O(n) work in
+one decision, so it is not done. The members are grouped in *generations*, one per fit their
+``p`` was computed under; each generation files its entries by the bit length of the step tokens
+(a *band*: ``[2^(b−1), 2^b)`` tokens). When the predictor refits, a new generation starts (new
+members join it) and, for every older generation and band, the largest rise ``up`` and fall
+``down`` of the prediction between the two fits over the band's token range bound how far any
+member's flip point ``d − p`` moved. A positive member can only have turned negative if its stored
+flip check is within ``up`` of ``now``, a negative member only positive again if its unflip check
+is within ``down`` of it: at every :meth:`advance` exactly those are re-predicted (moved to the
+current generation, key fixed if its sign changed), and besides them at most
+:data:`MIGRATE_BATCH` more, so the old generations drain over the following decisions. The keys
+are then exactly those of a full re-prediction at ``now`` — the decisions are unchanged — while
+the work of one decision is proportional to the members whose sign can have changed (those the
+refit truly moves, plus those of the same band within its bound), not to the queue. Predictors
+that change without telling their polynomial (a ``version`` but no ``coefficients()``) still get
+the full rebuild. A step back in time (``now`` below the last ``advance``) re-checks the negative
+members whose unflip check is at or after ``now`` the same way.
+
+Work proportional to the queue happens only in bulk, in C: when many keys flip at once (more than
+``BULK_FLIP`` + 1/64 of the queue, e.g. after a long step, where moving them one by one would
+cost more) the sets they are in are filtered and merged with their new keys in one linear pass
+each; and
+:meth:`rebuild` (:meth:`set_predictor`, a new predictor) sorts everything afresh. :attr:`rekeys` counts the members re-predicted (for
+tests and benchmarks).
 
 ``ordered`` walks the keys best first; requests may be removed during the walk. EDF and FCFS keys
 never change. Every key is also filed in the sorted set of its *size class* (remaining prompt
@@ -38,6 +62,84 @@ from laneserve.policies.prefill.priority import INF, ORDERINGS, PriorityKey
 
 _FLIPPING = ("sedf", "dedf")
 BUCKET = 128                 # tokens per size class of :meth:`SignedDeadlineQueue.ordered_below`
+MIGRATE_BATCH = 32           # members of older generations re-predicted per advance beyond the due ones
+BULK_FLIP = 64               # flips beyond this + 1/64 of the queue go in by one merge per set
+_MARGIN = 1e-9               # relative slack of the refit bounds (float evaluation of p and of d - now)
+
+Coefficients = tuple[float, float, float]
+
+
+def _tol(d: float, p: float) -> float:
+    return 1e-9 * (abs(d) + abs(p) + 1.0)
+
+
+def _band_range(band: int) -> tuple[int, int]:
+    """The step-token counts of a band (their bit length is ``band``)."""
+    return (0, 0) if band == 0 else (1 << (band - 1), (1 << band) - 1)
+
+
+def _poly_extremes(a: Coefficients, lo: float, hi: float) -> tuple[float, float]:
+    """``(max, min)`` of ``a0 + a1 t + a2 t²`` over ``lo <= t <= hi``."""
+    a0, a1, a2 = a
+    points = [lo, hi]
+    if a2 != 0.0:
+        vertex = -a1 / (2.0 * a2)
+        if lo < vertex < hi:
+            points.append(vertex)
+    values = [a0 + t * (a1 + t * a2) for t in points]
+    return max(values), min(values)
+
+
+def refit_bounds(old: Coefficients, new: Coefficients, band: int) -> tuple[float, float]:
+    """``(up, down)``: bounds on how much the prediction of a step of ``band``'s token counts can
+    rise and fall from the ``old`` fit to the ``new`` one (each ≥ 0, with a margin for the float
+    evaluation of the predictions and of the slack test)."""
+    lo, hi = _band_range(band)
+    diff = (new[0] - old[0], new[1] - old[1], new[2] - old[2])
+    top, bottom = _poly_extremes(diff, float(lo), float(hi))
+    scale = 1.0 + sum(abs(c) * hi ** k for k, c in enumerate(old)) + sum(abs(c) * hi ** k for k, c in enumerate(new))
+    margin = _MARGIN * scale
+    return max(top, 0.0) + margin, max(-bottom, 0.0) + margin
+
+
+class _Generation:
+    """The members whose ``p`` was predicted under one fit: their flip and unflip checks, per band
+    of step tokens, and (once a newer fit exists) per band the bounds of the change of ``p``."""
+
+    __slots__ = ("coefficients", "flips", "unflips", "up", "down", "size")
+
+    def __init__(self, coefficients: Coefficients | None) -> None:
+        self.coefficients = coefficients
+        self.flips: dict[int, SortedKeys] = {}
+        self.unflips: dict[int, SortedKeys] = {}
+        self.up: dict[int, float] = {}
+        self.down: dict[int, float] = {}
+        self.size = 0
+
+    def add(self, entry: tuple[float, int], band: int, positive: bool) -> None:
+        sets = self.flips if positive else self.unflips
+        members = sets.get(band)
+        if members is None:
+            sets[band] = SortedKeys((entry,))
+        else:
+            members.add(entry)
+        self.size += 1
+
+    def remove(self, entry: tuple[float, int], band: int, positive: bool) -> None:
+        sets = self.flips if positive else self.unflips
+        members = sets[band]
+        members.remove(entry)
+        if not members:
+            del sets[band]
+        self.size -= 1
+
+    def bound(self, current: Coefficients) -> None:
+        """Bounds of the change of ``p`` from this fit to ``current``, per band."""
+        old = self.coefficients
+        assert old is not None
+        self.up, self.down = {}, {}
+        for band in {*self.flips, *self.unflips}:
+            self.up[band], self.down[band] = refit_bounds(old, current, band)
 
 
 class SignedDeadlineQueue:
@@ -50,16 +152,20 @@ class SignedDeadlineQueue:
         self.step_tokens = step_tokens
         self._reqs: dict[int, Request] = {}
         self._key: dict[int, PriorityKey] = {}         # key of every member
-        self._p: dict[int, float] = {}                 # predicted seconds (flipping orderings)
+        self._p: dict[int, float] = {}                 # predicted seconds (flipping, with a deadline)
+        self._band: dict[int, int] = {}                # band of the step tokens as filed
+        self._tokens: dict[int, int] = {}              # step tokens as filed (S-EDF)
+        self._entry: dict[int, tuple[float, int]] = {}  # flip or unflip check (flipping, with a deadline)
+        self._gen_of: dict[int, _Generation] = {}
         self._class_of: dict[int, int] = {}            # size class of each member
-        self._flip: dict[int, tuple[float, int]] = {}  # flip check of each positive member
         self._rem: dict[int, tuple[int, int]] = {}     # (remaining prefill, id) as filed
         self._order = SortedKeys()
         self._classes: dict[int, SortedKeys] = {}      # size class -> its members' keys
-        self._flips = SortedKeys()
         self._by_rem = SortedKeys()
         self._now = -INF
         self._version = getattr(predict, "version", None)
+        self._gens: list[_Generation] = [_Generation(self._coefficients())]   # oldest first
+        self.rekeys = 0
 
     # ---- membership ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -72,34 +178,43 @@ class SignedDeadlineQueue:
         rid = req.request_id
         if rid in self._reqs:
             self.discard(rid)
-        self._file(req)
-        self._order.add(key := self._key[rid])
-        c = self._class_of[rid]
+        if self.ordering in _FLIPPING:
+            self._sync()
+        self._reqs[rid] = req
+        self._class_of[rid] = c = req.remaining_prefill // BUCKET
+        self._rem[rid] = rem = (req.remaining_prefill, rid)
+        key = self._file(req)
+        self._order.add(key)
         if c in self._classes:
             self._classes[c].add(key)
         else:
             self._classes[c] = SortedKeys((key,))
-        self._by_rem.add(self._rem[rid])
-        if rid in self._flip:
-            self._flips.add(self._flip[rid])
+        self._by_rem.add(rem)
 
-    def _file(self, req: Request) -> None:
-        """Record ``req``'s key, class, remaining tokens and flip check (not the sorted sets)."""
+    def _file(self, req: Request) -> PriorityKey:
+        """Record ``req``'s key (positive, checked at the next :meth:`advance`) and its flip check
+        in the current generation; not the sorted sets of keys."""
         rid = req.request_id
-        self._reqs[rid] = req
-        self._class_of[rid] = req.remaining_prefill // BUCKET
-        self._rem[rid] = (req.remaining_prefill, rid)
         if self.ordering not in _FLIPPING:
-            self._key[rid] = ORDERINGS[self.ordering](req, 0.0, 0.0)
-            return
+            key = self._key[rid] = ORDERINGS[self.ordering](req, 0.0, 0.0)
+            return key
         d = req.ttft_deadline
-        p = self.predict(self.step_tokens(req)) if self.ordering == "sedf" else 0.0
-        self._p[rid] = p
         if d == INF:
-            self._key[rid] = (1, 0.0, req.arrival_time, rid)
-            return
-        self._key[rid] = (0, d, req.arrival_time, rid)
-        self._flip[rid] = (d - p - 1e-9 * (abs(d) + abs(p) + 1.0), rid)
+            key = self._key[rid] = (1, 0.0, req.arrival_time, rid)
+            return key
+        if self.ordering == "sedf":
+            tokens = self._tokens[rid] = self.step_tokens(req)
+            p = self.predict(tokens)
+            band = int(tokens).bit_length()
+        else:
+            p, band = 0.0, 0
+        self._p[rid] = p
+        self._band[rid] = band
+        key = self._key[rid] = (0, d, req.arrival_time, rid)
+        entry = self._entry[rid] = (d - p - _tol(d, p), rid)
+        gen = self._gen_of[rid] = self._gens[-1]
+        gen.add(entry, band, True)
+        return key
 
     def discard(self, request_id: int) -> None:
         if self._reqs.pop(request_id, None) is None:
@@ -112,76 +227,211 @@ class SignedDeadlineQueue:
         if not members:
             del self._classes[c]
         self._by_rem.remove(self._rem.pop(request_id))
-        flip = self._flip.pop(request_id, None)
-        if flip is not None:
-            self._flips.remove(flip)
-        self._p.pop(request_id, None)
+        entry = self._entry.pop(request_id, None)
+        if entry is not None:
+            gen = self._gen_of.pop(request_id)
+            gen.remove(entry, self._band.pop(request_id), key[0] == 0)
+            self._p.pop(request_id)
+            self._tokens.pop(request_id, None)
+            if gen.size == 0 and gen is not self._gens[-1]:
+                self._gens.remove(gen)
+
+    # ---- the predictor's fits --------------------------------------------------------------
+    def _coefficients(self) -> Coefficients | None:
+        """The polynomial of the current fit, when the predictor tells it (None: unknown)."""
+        if self.ordering == "dedf":
+            return (0.0, 0.0, 0.0)
+        coefficients = getattr(self.predict, "coefficients", None)
+        return tuple(coefficients()) if callable(coefficients) else None     # type: ignore[return-value]
+
+    def _sync(self) -> None:
+        """Start a generation when the predictor refitted (bounding how far each older one's
+        predictions moved), or rebuild when its fit cannot be read."""
+        version = getattr(self.predict, "version", None)
+        if version == self._version:
+            return
+        self._version = version
+        if self.ordering == "dedf":                      # p is 0 whatever the fit
+            return
+        current = self._coefficients()
+        if current is None or any(g.coefficients is None for g in self._gens if g.size):
+            self.rebuild()
+            return
+        if self._gens[-1].size == 0:
+            self._gens.pop()
+        for gen in self._gens:
+            gen.bound(current)
+        self._gens.append(_Generation(current))
 
     # ---- time ------------------------------------------------------------------------------
     def advance(self, now: float) -> None:
-        """Bring every key to ``now``: rebuild after a refit or a step back in time, then move the
-        requests whose slack turned negative."""
+        """Bring every key to ``now``: re-predict the members a refit may have moved (see the
+        module docstring) and some more of the older generations, then move the requests whose
+        slack turned negative (or, after a step back in time, non-negative again)."""
         if self.ordering not in _FLIPPING:
             return
-        version = getattr(self.predict, "version", None)
-        if version != self._version or now < self._now:
-            self._version = version
-            self.rebuild()
+        self._sync()
+        back = now < self._now
         self._now = now
-        self._settle(now)
+        if len(self._gens) > 1:
+            self._migrate_due(now)
+        self._settle(now, back)
 
-    def _settle(self, now: float) -> None:
-        keys, ps = self._key, self._p
-        flipping = []
-        for check in self._flips.walk():
-            if check[0] > now:
+    def _migrate_due(self, now: float) -> None:
+        """Re-predict every member of an older generation whose sign may have changed, then up to
+        :data:`MIGRATE_BATCH` more (oldest generation first)."""
+        margin = _MARGIN * (abs(now) + 1.0)
+        for gen in self._gens[:-1]:
+            for band, flips in list(gen.flips.items()):
+                limit = now + gen.up[band] + margin
+                while flips and flips.first()[0] <= limit:
+                    self._migrate(flips.first()[1], now)
+            for band, unflips in list(gen.unflips.items()):
+                limit = now - gen.down[band] - margin
+                while unflips and unflips.last()[0] >= limit:
+                    self._migrate(unflips.last()[1], now)
+        budget = MIGRATE_BATCH
+        for gen in self._gens[:-1]:
+            for sets, pick in ((gen.flips, SortedKeys.first), (gen.unflips, SortedKeys.last)):
+                for members in list(sets.values()):
+                    while budget > 0 and members:
+                        self._migrate(pick(members)[1], now)
+                        budget -= 1
+            if budget <= 0:
                 break
-            rid = check[1]
-            d = keys[rid][1]
-            if d - now - ps[rid] < 0:                      # the reference's own expression
-                flipping.append(rid)
-        if len(flipping) > len(self._reqs) // 4:         # a burst: re-sort everything at once
-            for rid in flipping:
-                self._flip_key(rid)
-            self._index()
+        self._gens = [g for g in self._gens[:-1] if g.size] + [self._gens[-1]]
+
+    def _migrate(self, rid: int, now: float) -> None:
+        """Re-predict member ``rid`` of an older generation under the current fit and file it in
+        the current generation, its key fixed if the sign changed."""
+        key, band, entry = self._key[rid], self._band[rid], self._entry[rid]
+        positive = key[0] == 0
+        self._gen_of[rid].remove(entry, band, positive)
+        d = key[1] if positive else -key[1]
+        p = self._p[rid] = self.predict(self._tokens[rid]) if self.ordering == "sedf" else 0.0
+        self.rekeys += 1
+        negative = d - now - p < 0
+        if negative == positive:                          # the sign changed
+            new = (2, -d, key[2], rid) if negative else (0, d, key[2], rid)
+            self._move(rid, key, new)
+        self._file_entry(rid, d, p, band, not negative)
+
+    def _file_entry(self, rid: int, d: float, p: float, band: int, positive: bool) -> None:
+        entry = self._entry[rid] = (d - p - _tol(d, p), rid) if positive else (d - p + _tol(d, p), rid)
+        gen = self._gen_of[rid] = self._gens[-1]
+        gen.add(entry, band, positive)
+
+    def _move(self, rid: int, old: PriorityKey, new: PriorityKey) -> None:
+        """Replace ``rid``'s key in the sorted sets of keys."""
+        self._key[rid] = new
+        self._order.remove(old)
+        self._order.add(new)
+        members = self._classes[self._class_of[rid]]
+        members.remove(old)
+        members.add(new)
+
+    def _settle(self, now: float, back: bool) -> None:
+        keys, ps = self._key, self._p
+        gen = self._gens[-1]
+        flipping = []
+        for flips in gen.flips.values():
+            for check in flips.walk():
+                if check[0] > now:
+                    break
+                rid = check[1]
+                if keys[rid][1] - now - ps[rid] < 0:         # the reference's own expression
+                    flipping.append(rid)
+        if back:
+            self._unflip_back(now)
+        if not flipping:
             return
+        if len(flipping) > BULK_FLIP + len(self._reqs) // 64:     # a burst: merge them in at once
+            self._flip_bulk(flipping)
+            return
+        bands = self._band
         for rid in flipping:
             old = keys[rid]
-            self._flips.remove(self._flip[rid])
-            new = self._flip_key(rid)
-            self._order.remove(old)
-            self._order.add(new)
-            members = self._classes[self._class_of[rid]]
-            members.remove(old)
-            members.add(new)
+            gen.remove(self._entry[rid], bands[rid], True)
+            d = old[1]
+            self._move(rid, old, (2, -d, old[2], rid))
+            self._file_entry(rid, d, ps[rid], bands[rid], False)
 
-    def _flip_key(self, rid: int) -> PriorityKey:
-        """Turn ``rid``'s key negative (the sorted sets are the caller's)."""
-        del self._flip[rid]
-        old = self._key[rid]
-        new = self._key[rid] = (2, -old[1], old[2], rid)
-        return new
+    def _unflip_back(self, now: float) -> None:
+        """After a step back in time: the current generation's negative members whose slack is
+        non-negative again at ``now`` turn positive."""
+        gen, keys, ps = self._gens[-1], self._key, self._p
+        limit = now - _MARGIN * (abs(now) + 1.0)
+        turning = []
+        for unflips in gen.unflips.values():
+            for check in reversed(unflips):
+                if check[0] < limit:
+                    break
+                rid = check[1]
+                if not -keys[rid][1] - now - ps[rid] < 0:
+                    turning.append(rid)
+        for rid in turning:
+            old, band = keys[rid], self._band[rid]
+            gen.remove(self._entry[rid], band, False)
+            d = -old[1]
+            self._move(rid, old, (0, d, old[2], rid))
+            self._file_entry(rid, d, ps[rid], band, True)
+
+    def _flip_bulk(self, flipping: list[int]) -> None:
+        """Turn the keys of ``flipping`` (current generation, positive) negative and rebuild the
+        sets they are in: each is the set without them merged with their new keys (two sorted
+        runs, one linear C merge), not a re-sort."""
+        gen, keys, ps, bands, class_of = self._gens[-1], self._key, self._p, self._band, self._class_of
+        gone = set(flipping)
+        new_unflips: dict[int, list[tuple[float, int]]] = {}
+        new_keys: dict[int, list[PriorityKey]] = {}
+        entries = self._entry
+        for rid in flipping:
+            _, d, arrival, _ = keys[rid]
+            key = keys[rid] = (2, -d, arrival, rid)
+            new_keys.setdefault(class_of[rid], []).append(key)
+            p = ps[rid]
+            entry = entries[rid] = (d - p + 1e-9 * (abs(d) + abs(p) + 1.0), rid)
+            new_unflips.setdefault(bands[rid], []).append(entry)
+        for band, added in new_unflips.items():
+            kept = [e for e in gen.flips[band].to_list() if e[1] not in gone]
+            if kept:
+                gen.flips[band] = SortedKeys(kept)
+            else:
+                del gen.flips[band]
+            old_unflips = gen.unflips.get(band)
+            gen.unflips[band] = SortedKeys((old_unflips.to_list() if old_unflips else []) + sorted(added))
+        moved = sorted(k for ks in new_keys.values() for k in ks)
+        self._order = SortedKeys([k for k in self._order.to_list() if k[3] not in gone] + moved)
+        for c, ks in new_keys.items():
+            ks.sort()
+            self._classes[c] = SortedKeys([k for k in self._classes[c].to_list() if k[3] not in gone] + ks)
 
     def rebuild(self) -> None:
-        """Re-predict every member and re-sort every structure (O(n log n), one C sort each):
-        after a refit of the predictor; keys are positive again until the next :meth:`advance`."""
+        """Re-predict every member and re-sort every structure (O(n log n), one C sort each): for
+        a new predictor; keys are positive again until the next :meth:`advance`."""
         members = list(self._reqs.values())
-        self._reqs, self._key, self._p, self._class_of, self._flip, self._rem = {}, {}, {}, {}, {}, {}
+        self._reqs, self._key, self._p, self._class_of, self._rem = {}, {}, {}, {}, {}
+        self._band, self._tokens, self._entry, self._gen_of = {}, {}, {}, {}
+        self._gens = [_Generation(self._coefficients())]
         self._now = -INF
         for req in members:
+            rid = req.request_id
+            self._reqs[rid] = req
+            self._class_of[rid] = req.remaining_prefill // BUCKET
+            self._rem[rid] = (req.remaining_prefill, rid)
             self._file(req)
+            self.rekeys += 1
         self._index()
+        self._by_rem = SortedKeys(self._rem.values())
 
     def _index(self) -> None:
-        """Sort the sorted sets afresh from the per-member records."""
+        """Sort the sets of keys afresh from the per-member records."""
         self._order = SortedKeys(self._key.values())
         by_class: dict[int, list[PriorityKey]] = {}
         class_of = self._class_of
         for rid, key in self._key.items():
             by_class.setdefault(class_of[rid], []).append(key)
         self._classes = {c: SortedKeys(ks) for c, ks in by_class.items()}
-        self._flips = SortedKeys(self._flip.values())
-        self._by_rem = SortedKeys(self._rem.values())
 
     # ---- queries ---------------------------------------------------------------------------
     def top(self) -> tuple[PriorityKey, Request] | None:
@@ -196,14 +446,16 @@ class SignedDeadlineQueue:
         for key in self._order.walk():
             yield key, reqs[key[3]]
 
-    def ordered_below(self, after: PriorityKey, bound: Callable[[], int]) -> Iterator[Request]:
-        """Members ranked after ``after`` whose remaining prompt tokens may be below ``bound()``,
-        best first, lazily: ``bound`` is re-read at every step and may only shrink; a size class
-        whose every member is at or above it is no longer walked (members of the boundary class
-        may still be yielded: the caller checks each). Removals during the walk are fine."""
+    def ordered_below(self, after: PriorityKey, bound: Callable[[], int], floor: int = 0) -> Iterator[Request]:
+        """Members ranked after ``after`` whose remaining prompt tokens may be below ``bound()``
+        (and, with ``floor``, may be at least ``floor``), best first, lazily: ``bound`` is re-read
+        at every step and may only shrink; a size class whose every member is at or above it (or
+        below ``floor``) is not walked (members of the boundary classes may still be yielded: the
+        caller checks each). Removals during the walk are fine."""
         reqs = self._reqs
         limit = bound()
-        walks = {c: members.walk(after) for c, members in self._classes.items() if c * BUCKET < limit}
+        walks = {c: members.walk(after) for c, members in self._classes.items()
+                 if c * BUCKET < limit and (c + 1) * BUCKET > floor}
         frontier = []
         for c, walk in walks.items():
             key = next(walk, None)
