@@ -257,9 +257,12 @@ def _mark(row: dict) -> str:
     return "~" if row.get("plateau_ratio") else ""
 
 
-def goodput_tables(rows: list[dict], shapes, mode: str) -> str:
+def goodput_tables(rows: list[dict], shapes, mode: str, figure: str = "goodput") -> str:
     """Per shape: one row per workload, one column per entry, ``goodput (ratio to best baseline)``;
-    ``~`` marks a ratio with a plateau on either side."""
+    ``~`` marks a ratio with a plateau on either side. ``figure="area_goodput"``: the area goodput."""
+    ratio_key = "ratio_vs_best_baseline" if figure == "goodput" else "area_ratio_vs_best_baseline"
+    what = "goodput req/s (ratio to the best baseline" if figure == "goodput" else \
+        "area goodput req/s (ratio to the best baseline's"
     out = []
     for shape in shapes:
         sel = [r for r in rows if r["shape"] == shape and r["mode"] == mode]
@@ -269,32 +272,10 @@ def goodput_tables(rows: list[dict], shapes, mode: str) -> str:
             line = {"workload": w}
             for r in sel:
                 if r["workload"] == w:
-                    ratio = r["ratio_vs_best_baseline"]
-                    line[r["entry"]] = f"{_fmt(r['goodput'])} ({_fmt(ratio)}){_mark(r)}"
+                    line[r["entry"]] = f"{_fmt(r[figure])} ({_fmt(r[ratio_key])}){_mark(r)}"
             table.append(line)
-        out.append(f"### {shape}{'' if mode == 'default' else f', {mode} predictors'}: goodput req/s "
-                   f"(ratio to the best baseline; ~ a plateau on either side)\n\n"
-                   + markdown_table(table, ["workload", *entries]))
-    return "\n".join(out)
-
-
-def area_tables(rows: list[dict], shapes, mode: str) -> str:
-    """As :func:`goodput_tables` with the area goodput."""
-    out = []
-    for shape in shapes:
-        sel = [r for r in rows if r["shape"] == shape and r["mode"] == mode]
-        entries = list(dict.fromkeys(r["entry"] for r in sel))
-        table = []
-        for w in dict.fromkeys(r["workload"] for r in sel):
-            line = {"workload": w}
-            for r in sel:
-                if r["workload"] == w:
-                    line[r["entry"]] = (f"{_fmt(r['area_goodput'])} ({_fmt(r['area_ratio_vs_best_baseline'])})"
-                                        f"{_mark(r)}")
-            table.append(line)
-        out.append(f"### {shape}{'' if mode == 'default' else f', {mode} predictors'}: area goodput req/s "
-                   f"(ratio to the best baseline's; ~ a plateau on either side)\n\n"
-                   + markdown_table(table, ["workload", *entries]))
+        out.append(f"### {shape}{'' if mode == 'default' else f', {mode} predictors'}: {what}; "
+                   f"~ a plateau on either side)\n\n" + markdown_table(table, ["workload", *entries]))
     return "\n".join(out)
 
 
@@ -394,7 +375,7 @@ def main() -> None:
                                                           for k, v in league["skipped"].items()])
              if league["skipped"] else "")
           + "\n## Goodput per cell\n\n" + "\n".join(goodput_tables(rows, shapes, m) for m in run_modes)
-          + "\n## Area goodput per cell\n\n" + "\n".join(area_tables(rows, shapes, m) for m in run_modes)
+          + "\n## Area goodput per cell\n\n" + "\n".join(goodput_tables(rows, shapes, m, "area_goodput") for m in run_modes)
           + "\n## Adaptive on both figures\n\n" + adaptive_changes(rows)
           + "\n" + "".join(f"![heat map]({p})\n" for p in pngs)
           + "\n## Entries\n\n" + markdown_table([{"entry": e.name, "kind": e.kind, "paper": e.paper or "-",
