@@ -124,31 +124,44 @@ def test_a_refit_does_not_repredict_the_queue_in_one_decision(n):
         sedf_key(r, now, predictor(r.prompt_len)) for r in queue._reqs.values())[:200]
 
 
+def burst(spec: str, n: int, seed: int) -> tuple:
+    """``spec`` with an online predictor, ``n`` requests queued at once (20% long prompts, three
+    TTFT classes)."""
+    sched = registry.make("prefill", spec, KVCacheManager(blocks_for(10**8, 16), 16))
+    learner = LearnedCostModel()
+    sched.bind_cost_model(learner)
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        prompt = int(rng.integers(2048, 12289)) if rng.random() < 0.2 else int(rng.integers(32, 257))
+        sched.add_request(Request(i, float(i) / n, prompt, 1, SLO(ttft=float(rng.choice([0.3, 1.0, 4.0])),
+                                                                       tpot=None)), float(i) / n)
+    return sched, learner
+
+
+def run_step(sched, learner, executor, plan, now: float) -> float:
+    """Charge ``plan``, feed the learner, finish what it prefilled; the time after it."""
+    result = executor.execute(plan)
+    now += result.duration
+    learner.observe(plan, result.duration)
+    for req in sched.update(plan, result, now).prefilled:
+        sched.release(req.request_id)
+    return now
+
+
 def test_flowprefill_refit_decisions_stay_bounded():
     """S-EDF on a burst with its online predictor refitting: a decision re-predicts the requests
     whose sign the refit may have moved (in a dense burst, a share of those near their flip) and
     a bounded slice more, far from the whole queue a rebuild re-predicts."""
     worst = {}
     for n in (2_000, 8_000):
-        sched = registry.make("prefill", "sedf", KVCacheManager(blocks_for(10**8, 16), 16))
-        learner = LearnedCostModel()
-        sched.bind_cost_model(learner)
-        rng = np.random.default_rng(0)
-        for i in range(n):
-            prompt = int(rng.integers(2048, 12289)) if rng.random() < 0.2 else int(rng.integers(32, 257))
-            sched.add_request(Request(i, float(i) / n, prompt, 1, SLO(ttft=float(rng.choice([0.3, 1.0, 4.0])),
-                                                                           tpot=None)), float(i) / n)
+        sched, learner = burst("sedf", n, seed=0)
         now, executor, most = 1.0, SimExecutor(COST), 0
         sched.schedule(now)                     # the first decision settles the burst
         for _ in range(300):
             before = sched._queue.rekeys
             plan = sched.schedule(now)
             most = max(most, sched._queue.rekeys - before)
-            result = executor.execute(plan)
-            now += result.duration
-            learner.observe(plan, result.duration)
-            for req in sched.update(plan, result, now).prefilled:
-                sched.release(req.request_id)
+            now = run_step(sched, learner, executor, plan, now)
         assert learner.prefill_version >= 8
         worst[n] = most
     assert worst[2_000] < 2_000 // 8 and worst[8_000] < 8_000 // 8, worst
@@ -178,15 +191,7 @@ def test_kairos_refit_recomputes_no_duration_one_by_one(spec):
     """A refit of the learned model re-times every queued request at once (vectorised), exactly as
     one by one: after each decision the column equals the model's per-request times, and the
     requests re-read one at a time are only those the decision's events touched."""
-    sched = registry.make("prefill", spec, KVCacheManager(blocks_for(10**8, 16), 16))
-    learner = LearnedCostModel()
-    sched.bind_cost_model(learner)
-    rng = np.random.default_rng(1)
-    n = 3000
-    for i in range(n):
-        prompt = int(rng.integers(2048, 12289)) if rng.random() < 0.2 else int(rng.integers(32, 257))
-        sched.add_request(Request(i, float(i) / n, prompt, 1, SLO(ttft=float(rng.choice([0.3, 1.0, 4.0])),
-                                                                       tpot=None)), float(i) / n)
+    sched, learner = burst(spec, 3000, seed=1)
     now, executor = 1.0, SimExecutor(COST)
     sched.schedule(now)
     for _ in range(150):
@@ -199,9 +204,5 @@ def test_kairos_refit_recomputes_no_duration_one_by_one(spec):
         sample = live[:: max(1, len(live) // 50)]
         assert [slots.dur[i] for i in sample] == [
             learner.prefill_time([(int(slots.rem[i]), int(slots.plen[i]) - int(slots.rem[i]))]) for i in sample]
-        result = executor.execute(plan)
-        now += result.duration
-        learner.observe(plan, result.duration)
-        for req in sched.update(plan, result, now).prefilled:
-            sched.release(req.request_id)
+        now = run_step(sched, learner, executor, plan, now)
     assert learner.prefill_version >= 7
