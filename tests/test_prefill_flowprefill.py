@@ -265,16 +265,34 @@ class TickClock:
         return self.t
 
 
+class _HostCopyLink:
+    """A KV link between two instances of one thread: a host copy, the prefill blocks freed at once."""
+
+    def take(self, source, req, now):
+        return source.hand_off(req, lambda r: source.executor.export_kv(r.request_id, r.num_computed_tokens))
+
+    def deliver(self, req, dest, payload, now):
+        dest.offer_kv(req, payload)
+
+    def discard(self, req, payload):
+        raise AssertionError("the decode instance always accepts")
+
+
 def _engine_pd_run(prefill_spec: str) -> tuple[dict[int, list[int]], object]:
     from engine_support import make_executor, prompts
     from laneserve.core.sampling import SamplingParams
     from laneserve.engine.instance import EngineInstance
+    from laneserve.runtime.cluster import ClusterRuntime, Deployment
 
     pex, dex = make_executor("qwen3", num_blocks=256), make_executor("qwen3", num_blocks=256)
     clock = TickClock()
     psched = make("prefill", prefill_spec, pex.kv)
     dsched = make("decode", "continuous", dex.kv)
-    pinst, dinst = EngineInstance(psched, pex, clock=clock), EngineInstance(dsched, dex, clock=clock)
+    pinst = EngineInstance(psched, pex, clock=clock, instance_id=0)
+    dinst = EngineInstance(dsched, dex, clock=clock, instance_id=1)
+    # the hand-off is the cluster runtime's, as in every driver; the link is LocalCluster's, minus threads
+    runtime = ClusterRuntime(Deployment(prefill_policy=prefill_spec, decode_policy="continuous"), _HostCopyLink(),
+                             front=[pinst], back=[dinst])
     lengths = [180, 12, 30, 150, 9, 20]
     due = [0.0, 3.0, 5.0, 6.0, 30.0, 31.0]           # in clock ticks: the short ones land mid-prefill
     ttft = [500.0, 20.0, 40.0, 800.0, 15.0, 25.0]
@@ -289,11 +307,8 @@ def _engine_pd_run(prefill_spec: str) -> tuple[dict[int, list[int]], object]:
             break
         out = pinst.step()
         for r in out.prefilled if out else []:
-            payload = pex.export_kv(r.request_id, r.num_computed_tokens)
-            psched.release(r.request_id)
-            dsched.reserve(r)
-            dex.import_kv(r.request_id, payload)
-            dsched.add_request(r, clock.now())
+            assert runtime.on_prefilled(r, pinst, clock.now()) is dinst
+        dinst.take_kv(lambda payload: payload)
         dinst.step()
     assert all(r.phase is Phase.FINISHED for r in reqs)
     return {r.request_id: r.output_token_ids for r in reqs}, psched

@@ -12,7 +12,6 @@ from laneserve.bench.metrics import summarize
 from laneserve.bench.search import SearchResult, goodput_search, slo_scale_search
 from laneserve.costmodel.base import CostModel
 from laneserve.sim import ClusterConfig, Simulator
-from laneserve.sim.config import decode_router_name
 from laneserve.workloads import Workload
 
 if TYPE_CHECKING:
@@ -49,10 +48,9 @@ def split_policy_sets(text: str) -> list[str]:
 
 def validate(config: ClusterConfig, cost: CostModel) -> None:
     """Build the cluster's policies once, so a bad name or option fails before a long run."""
-    from laneserve.policies import registry
+    from laneserve.runtime.cluster import make_routers
     Simulator(config, cost)._make_instances()
-    registry.make("router", config.router)
-    registry.make("router", decode_router_name(config))
+    make_routers(config.deployment, lambda: (cost, None))
 
 
 def run_point(workload: Workload, config: ClusterConfig, cost: CostModel, *, rate: float | None = None,

@@ -1,9 +1,11 @@
 """An in-process PD cluster of real engine instances, one thread each (the engine's counterpart of
 the simulator's cluster, used for replaying traces and for the twin check).
 
-Each instance thread loops over its :class:`EngineInstance`; a finished prefill is exported from
-its prefill executor (a host copy of its KV), and handed to a decode instance chosen by the decode
-router, whose thread reserves blocks, imports the KV and starts decoding it. The prefill instance
+Each instance thread loops over its :class:`EngineInstance`; admission and the hand-off are the
+cluster runtime's (:class:`~laneserve.runtime.cluster.ClusterRuntime`): a finished prefill is
+exported from its prefill executor (a host copy of its KV, :class:`_LocalLink`), and handed to a
+decode instance chosen by the decode router, whose thread reserves blocks, imports the KV and
+starts decoding it. The prefill instance
 frees its blocks once the KV is exported (the host copy carries it), so prefill memory is not held
 during the transfer — a difference from the simulator that matters only under memory pressure.
 Instances share one model object (weights are read-only) and one wall clock.
@@ -17,12 +19,22 @@ from collections.abc import Callable, Sequence
 
 from laneserve.core.clock import WallClock
 from laneserve.core.kv import HostKVPool
-from laneserve.core.request import Phase, Request
+from laneserve.core.request import Request
 from laneserve.engine.config import EngineConfig
 from laneserve.engine.executor import EngineExecutor
 from laneserve.engine.instance import EngineInstance
 from laneserve.engine.kv_cache import make_kv_manager
 from laneserve.policies import registry
+from laneserve.runtime.cluster import (DEFAULT_DECODE_POLICY, DEFAULT_DECODE_ROUTER, DEFAULT_PREFILL_POLICY,
+                                       DEFAULT_ROUTER, ClusterRuntime, Deployment)
+
+
+def _learned_step_model(config: EngineConfig):
+    """(model, learner) for a decode router that predicts step times: a model learned from the
+    decode instances' completed steps, for the engine's attention kernel."""
+    from laneserve.policies.predictors import LearnedCostModel
+    learner = LearnedCostModel(attention=config.attention or "ragged")
+    return learner, learner
 
 
 class _Worker:
@@ -46,7 +58,7 @@ class _Worker:
                     self.wake.clear()
                     continue
                 for req in outcome.prefilled:
-                    cluster._hand_off(inst, req)
+                    cluster.runtime.on_prefilled(req, inst, inst.clock.now())
                 for req in outcome.finished:
                     cluster._finished(req)
         except BaseException as exc:  # surfaced by LocalCluster.run
@@ -54,14 +66,42 @@ class _Worker:
             cluster.stopping = True
 
 
+class _LocalLink:
+    """The in-process KV link (:class:`~laneserve.runtime.cluster.KVLink`): the prefill instance
+    exports a host copy and frees its blocks at once; the decode instance's thread imports it."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+
+    def take(self, source: EngineInstance, req: Request, now: float):
+        req.times.transfer_start = now
+        return source.hand_off(req, lambda r: source.executor.export_kv(r.request_id, r.num_computed_tokens))
+
+    def deliver(self, req: Request, dest: EngineInstance, payload, now: float) -> None:
+        dest.offer_kv(req, payload)
+        self.cluster.workers[dest.instance_id].wake.set()
+
+    def discard(self, req: Request, payload) -> None:
+        self.cluster._finished(req)
+
+
 class LocalCluster:
+    """``deployment`` (a :class:`~laneserve.runtime.cluster.Deployment`) gives topology,
+    policies and routers; the keyword arguments build one when it is not given (the defaults are
+    every entry point's: adaptive prefill and decode, round-robin, the decode policy's own decode
+    router)."""
+
     def __init__(self, model_path, *, num_prefill: int = 1, num_decode: int = 1,
-                 prefill_policy: str = "fcfs", decode_policy: str = "continuous",
-                 router: str = "round-robin", decode_router: str = "least-loaded",
-                 config: EngineConfig | None = None, kv_tokens: int = 65536) -> None:
+                 prefill_policy: str = DEFAULT_PREFILL_POLICY, decode_policy: str = DEFAULT_DECODE_POLICY,
+                 router: str = DEFAULT_ROUTER, decode_router: str = DEFAULT_DECODE_ROUTER,
+                 config: EngineConfig | None = None, kv_tokens: int = 65536,
+                 deployment: Deployment | None = None) -> None:
         from laneserve.engine.models.loader import load_model
         config = config or EngineConfig(num_threads=1)
         self.config = config
+        self.deployment = deployment = deployment or Deployment(
+            num_prefill=num_prefill, num_decode=num_decode, prefill_policy=prefill_policy,
+            decode_policy=decode_policy, router=router, decode_router=decode_router)
         self.model = load_model(model_path, config.device, config.dtype)
         if config.num_threads is not None:
             import torch
@@ -69,22 +109,27 @@ class LocalCluster:
         self.clock = WallClock()
         blocks = max(1, kv_tokens // config.block_size)
 
-        def instance(i: int, kind: str, spec: str) -> EngineInstance:
-            kv = make_kv_manager(blocks, config, role=kind, model_id=str(model_path))
-            # decode instances get a host pool (swap preemption, AlignedServe's KV pool) when
+        def instance(i: int, role: str, spec: str) -> EngineInstance:
+            kv = make_kv_manager(blocks, config, role=role, model_id=str(model_path))
+            # decode-side instances get a host pool (swap preemption, AlignedServe's KV pool) when
             # config.num_host_blocks asks for one; scheduler and executor share it
             host = (HostKVPool(config.num_host_blocks, config.block_size)
-                    if kind == "decode" and config.num_host_blocks else None)
+                    if role != "prefill" and config.num_host_blocks else None)
             extra = {"host_pool": host} if host is not None else {}
-            return EngineInstance(registry.make(kind, spec, kv, **extra),
+            if role == "colocated":
+                extra["token_budget"] = config.max_num_batched_tokens
+            return EngineInstance(registry.make(role, spec, kv, **extra),
                                   EngineExecutor(self.model, kv, config, host),
                                   clock=self.clock, instance_id=i)
 
-        self.prefill = [instance(i, "prefill", prefill_policy) for i in range(num_prefill)]
-        self.decode = [instance(num_prefill + j, "decode", decode_policy) for j in range(num_decode)]
-        self.router = registry.make("router", router)
-        self.decode_router = registry.make("router", decode_router)
-        self.workers = {inst.instance_id: _Worker(inst, self) for inst in (*self.prefill, *self.decode)}
+        instances = [instance(i, role, spec) for i, (role, spec) in enumerate(deployment.roles())]
+        self.prefill = instances[:deployment.num_prefill]
+        self.decode = instances[deployment.num_prefill:]
+        self.runtime = ClusterRuntime(deployment, _LocalLink(self), front=self.prefill, back=self.decode,
+                                      step_model=lambda: _learned_step_model(config))
+        for inst in self.decode:           # a decode router that predicts steps reads their last one
+            inst.record_decode = self.runtime.reads_step_times
+        self.workers = {inst.instance_id: _Worker(inst, self) for inst in instances}
         self.stopping = False
         self._done: list[Request] = []
         self._done_lock = threading.Lock()
@@ -92,16 +137,6 @@ class LocalCluster:
         self._expected = 0
 
     # ---- callbacks from worker threads -------------------------------------------------------
-    def _hand_off(self, src: EngineInstance, req: Request) -> None:
-        req.phase = Phase.TRANSFERRING
-        req.times.transfer_start = self.clock.now()
-        payload = src.executor.export_kv(req.request_id, req.num_computed_tokens)
-        src.scheduler.release(req.request_id)
-        d = self.decode_router.route(req, self.decode, self.clock.now())
-        req.decode_instance = self.decode[d].instance_id
-        self.decode[d].offer_kv(req, payload)
-        self.workers[self.decode[d].instance_id].wake.set()
-
     def _finished(self, req: Request) -> None:
         with self._done_lock:
             self._done.append(req)
@@ -128,10 +163,9 @@ class LocalCluster:
                 delay = at - self.clock.now()
                 if delay > 0:
                     time.sleep(delay)
-                i = self.router.route(req, self.prefill, self.clock.now())
-                req.prefill_instance = i
-                self.prefill[i].submit(req, at=at)
-                self.workers[self.prefill[i].instance_id].wake.set()
+                inst = self.runtime.admit(req, self.clock.now())
+                inst.submit(req, at=at)
+                self.workers[inst.instance_id].wake.set()
                 self._check_workers()
             while not self._all_done.wait(0.1):
                 self._check_workers()

@@ -1,23 +1,26 @@
 """One instance's runtime around the scheduler contract, written once for every driver (docs/design.md,
 "One instance runtime"): the simulator (virtual time, cost-model steps), the engine's
 instance loop (wall time, torch steps), the in-process engine cluster and the instance processes
-of ``laneserve serve``.
+of ``laneserve serve``. Its verbs are the contract's (:class:`~laneserve.policies.base.InstanceScheduler`):
 
 ::
 
-    plan = inst.begin_step(now)                       # None: idle until an event or inst.next_wakeup()
+    plan = inst.schedule(now)                         # None: idle until an event or inst.next_wakeup()
     ...                                                # the driver runs the plan, in its own time
-    outcome = inst.end_step(plan, result, now, duration)   # prefilled: hand off; finished: done
+    outcome = inst.update(plan, result, now, duration)     # prefilled: hand off; finished: done
 
 What a driver feeds in besides steps:
 
-- ``arrive(req, now)``: a new request enters the scheduler; ``preempt_wanted(now)`` then says
+- ``add_request(req, now)``: a new request enters the scheduler; ``preempt_wanted(now)`` then says
   whether the running (preemptible) step should stop at its next operator boundary.
 - ``offer_kv(req, payload)``: a prefilled request whose KV waits to come in (decode side);
   ``admit_kv(now)`` yields each one that fits now with its blocks reserved, in the order the decode
   policy picks (``offer_end``: the oldest first, except adaptive decode's intake rule), and fails
   (finish reason ``error``) one that can never fit this instance's memory.
 - ``abort(rid, now)``: drops the request wherever it is here (an offered transfer too).
+- ``hand_off(req, export)``: the prefill side of a hand-off (the cluster side is
+  :meth:`ClusterRuntime.on_prefilled <laneserve.runtime.cluster.ClusterRuntime.on_prefilled>`):
+  the finished prefill's KV is exported and this instance's blocks are let go (``release``).
 
 An instance may carry a ``learner`` (:class:`~laneserve.policies.predictors.LearnedCostModel`,
 the ``online`` predictor its policy was bound to): every completed step is fed to it, before the
@@ -68,13 +71,13 @@ class Instance(SchedulerLoad):
         return self.scheduler.num_waiting + len(self.pending)   # (routers ask often: no list)
 
     # ---- steps -----------------------------------------------------------------------------
-    def begin_step(self, now: float) -> StepPlan | None:
+    def schedule(self, now: float) -> StepPlan | None:
         """The scheduler's next plan (now running), or None when it has nothing to run now."""
         plan = self.scheduler.schedule(now)
         self.plan = plan
         return plan
 
-    def end_step(self, plan: StepPlan, result: StepResult, now: float, duration: float) -> StepOutcome:
+    def update(self, plan: StepPlan, result: StepResult, now: float, duration: float) -> StepOutcome:
         """The step ``plan`` ended at ``now`` after ``duration`` seconds (``result.completed`` False:
         it stopped at an operator boundary and is parked); request state advances."""
         self.plan = None
@@ -91,8 +94,11 @@ class Instance(SchedulerLoad):
         return self.scheduler.update(plan, result, now)
 
     # ---- events ----------------------------------------------------------------------------
-    def arrive(self, req: Request, now: float) -> None:
+    def add_request(self, req: Request, now: float) -> None:
         self.scheduler.add_request(req, now)
+
+    # the verbs before they were the contract's (the engine's loop, until it follows)
+    begin_step, end_step, arrive = schedule, update, add_request
 
     def preempt_wanted(self, now: float) -> bool:
         """Whether the running step should stop at its next operator boundary (asked after an
@@ -128,6 +134,18 @@ class Instance(SchedulerLoad):
                 continue
             sched.reserve(req)
             yield req, payload
+
+    def hand_off(self, req: Request, export: Callable[[Request], Any]) -> Any:
+        """The prefill side of ``req``'s hand-off: ``export(req)`` (a host copy of its KV, a
+        transport descriptor) is returned once this instance's blocks are let go. An ``export``
+        that raises leaves them held (the caller aborts the request)."""
+        payload = export(req)
+        self.release(req)
+        return payload
+
+    def release(self, req: Request) -> None:
+        """``req``'s KV left this instance: its blocks are freed."""
+        self.scheduler.release(req.request_id)
 
     def abort(self, request_id: int, now: float, reason: str = "abort") -> tuple[Request | None, Any]:
         """Drop ``request_id`` here; returns (the request, the payload of its offered transfer if it

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from laneserve.policies.predictors import PREDICTORS
+from laneserve.runtime.cluster import Deployment
 
 #: host memory per GPU behind the default host KV pool: a DGX H100 has 2 TB of host memory for
 #: its 8 GPUs (NVIDIA DGX H100 user guide)
@@ -70,11 +71,17 @@ class ClusterConfig:
         if self.max_model_len is not None and self.max_model_len < 0:
             raise ValueError("max_model_len must be None or >= 0")
 
+    @property
+    def deployment(self) -> Deployment:
+        """Topology, policies and routers, as every driver reads them (the cluster runtime's)."""
+        colocated = self.mode == "colocated"
+        return Deployment(mode=self.mode, num_prefill=self.num_colocated if colocated else self.num_prefill,
+                          num_decode=self.num_decode, prefill_policy=self.prefill_policy,
+                          decode_policy=self.decode_policy, colocated_policy=self.colocated_policy,
+                          router=self.router, decode_router=self.decode_router)
+
     def describe(self) -> str:
-        if self.mode == "colocated":
-            return f"{self.num_colocated}x colocated [{self.colocated_policy}] router={self.router}"
-        return (f"{self.num_prefill}P[{self.prefill_policy}] + {self.num_decode}D[{self.decode_policy}]"
-                f" router={self.router}")
+        return self.deployment.describe()
 
 
 def kv_capacity_tokens(cost_model: Any, utilization: float) -> int:
@@ -95,15 +102,14 @@ def default_host_kv_tokens(cost_model: Any) -> int:
     return int(HOST_BYTES_PER_GPU * getattr(cost_model, "tp", 1) / per_token)
 
 
-def decode_router_name(config: ClusterConfig) -> str:
-    """The decode router a run uses: ``config.decode_router``, with "auto" resolved."""
-    from laneserve.policies import registry
-    return registry.decode_router_for(config.decode_policy, config.decode_router)
-
-
 def context_limit(config: ClusterConfig, cost_model: Any) -> int | None:
     """The prompt + output tokens a request may need on this run (None: no limit)."""
     if config.max_model_len is not None:
         return config.max_model_len or None
     spec = getattr(cost_model, "model", None)
     return getattr(spec, "max_context", None)
+
+
+def decode_router_name(config: ClusterConfig) -> str | None:
+    """The decode router a run uses: ``config.decode_router``, with "auto" resolved."""
+    return config.deployment.decode_router_name()

@@ -29,10 +29,10 @@ from laneserve.core.request import Phase, Request, RequestSpec
 from laneserve.costmodel.base import CostModel
 from laneserve.policies import registry
 from laneserve.policies.base import InstanceScheduler
-from laneserve.runtime import Instance
 from laneserve.policies.predictors import PredictorSource
-from laneserve.sim.config import (ClusterConfig, context_limit, decode_router_name, default_host_kv_tokens,
-                                  kv_capacity_tokens)
+from laneserve.runtime import Instance
+from laneserve.runtime.cluster import ClusterRuntime
+from laneserve.sim.config import ClusterConfig, context_limit, default_host_kv_tokens, kv_capacity_tokens
 from laneserve.sim.executor import SimExecutor
 from laneserve.sim.macro import DecodeRun, stable_decode_plan
 
@@ -111,6 +111,7 @@ class Simulator:
     # ---- set-up ----------------------------------------------------------------------------
     def _make_instances(self) -> tuple[list[SimInstance], list[SimInstance]]:
         cfg = self.config
+        deployment = cfg.deployment
         default_tokens = kv_capacity_tokens(self.cost, cfg.gpu_memory_utilization)
         bs = cfg.block_size
         predictors = self.predictors = PredictorSource(cfg.predictor, self.cost)
@@ -126,32 +127,27 @@ class Simulator:
                 tokens = default_host_kv_tokens(self.cost)
             return HostKVPool(blocks_for(tokens, bs), bs, exclusive=True) if tokens else None
 
-        def instance(i: int, role: str, scheduler) -> SimInstance:
+        def instance(i: int, role: str, spec: str) -> SimInstance:
             """Every instance's policy that reads predictors (overrides ``bind_cost_model``) reads
             the run's (online: a learner of its own); the others get no learner to feed."""
+            if role == "prefill":
+                scheduler = registry.make(role, spec, kv(cfg.prefill_kv_tokens), **cfg.prefill_opts)
+            else:
+                tokens = cfg.prefill_kv_tokens if role == "colocated" else cfg.decode_kv_tokens
+                opts = cfg.prefill_opts if role == "colocated" else cfg.decode_opts
+                scheduler = registry.make(role, spec, kv(tokens), host_pool=host(role, spec), **opts)
             if type(scheduler).bind_cost_model is InstanceScheduler.bind_cost_model:
                 return SimInstance(i, role, scheduler)
             model, learner = predictors.for_instance()
             scheduler.bind_cost_model(model)
             return SimInstance(i, role, scheduler, learner)
 
-        if cfg.mode == "colocated":
-            front = [instance(i, "colocated", registry.make(
-                "colocated", cfg.colocated_policy, kv(cfg.prefill_kv_tokens),
-                host_pool=host("colocated", cfg.colocated_policy), **cfg.prefill_opts))
-                for i in range(cfg.num_colocated)]
-            return front, []
-        front = [instance(i, "prefill", registry.make("prefill", cfg.prefill_policy,
-                                                      kv(cfg.prefill_kv_tokens), **cfg.prefill_opts))
-                 for i in range(cfg.num_prefill)]
-        if cfg.prefix_cache_tokens is not None:
+        instances = [instance(i, role, spec) for i, (role, spec) in enumerate(deployment.roles())]
+        front, back = instances[:deployment.num_prefill], instances[deployment.num_prefill:]
+        if cfg.prefix_cache_tokens is not None and not deployment.colocated:
             for inst in front:
                 inst.scheduler.bind_prefix_cache(
                     PrefixCache(cfg.prefix_cache_tokens or cfg.prefill_kv_tokens or default_tokens))
-        back = [instance(cfg.num_prefill + j, "decode", registry.make(
-                    "decode", cfg.decode_policy, kv(cfg.decode_kv_tokens),
-                    host_pool=host("decode", cfg.decode_policy), **cfg.decode_opts))
-                for j in range(cfg.num_decode)]
         return front, back
 
     # ---- the run -----------------------------------------------------------------------------
@@ -169,205 +165,243 @@ class Simulator:
         requests.sort(key=lambda r: (r.arrival_time, r.request_id))
         front, back = self._make_instances()
         self.front, self.back = front, back
-        router = registry.make("router", cfg.router)
-        decode_router = registry.make("router", decode_router_name(cfg))
-        reads_contexts = decode_router.reads_step_times
-        if reads_contexts:                   # the router predicts step times: give it the predictor
-            decode_router.bind_cost_model(*self.predictors.for_instance())
-            for inst in back:
-                inst.record_decode = True
-        executor, cost, link = self.executor, self.cost, cfg.kv_link
-        limit = context_limit(cfg, cost)
-        macro = self.macro_steps
-        heap: list[tuple] = []
-        seq = 0
-        push = heapq.heappush
-        now = 0.0
-        events = 0
-
-        def schedule_wakeup(inst: SimInstance, t: float) -> None:
-            nonlocal seq
-            wake = inst.scheduler.next_wakeup()
-            if wake is not None and wake != inst.wakeup_at:
-                inst.wakeup_at = wake
-                seq += 1
-                push(heap, (max(wake, t), seq, _WAKEUP, inst, 0))
-
-        def rearm(inst: SimInstance, t: float) -> None:
-            """After a preemption check that did not stop the running step: a policy may now want
-            a look at a later time (LAPS' AWD window closing during a long chunk)."""
-            wake = inst.scheduler.next_wakeup()
-            if inst.preempt_at is None and wake is not None and wake > t:
-                schedule_wakeup(inst, t)
-
-        def start_step(inst: SimInstance, t: float) -> None:
-            nonlocal seq
-            plan = inst.begin_step(t)
-            if plan is None:
-                schedule_wakeup(inst, t)
-                return
-            run = DecodeRun.start(inst, plan, t, cost) if macro and stable_decode_plan(inst, plan) else None
-            result = executor.execute(plan) if run is None else StepResult(duration=run.first)
-            inst.result, inst.step_start = result, t
-            inst.step_token += 1
-            inst.preempt_at = None
-            seq += 1
-            end = t + result.duration
-            if run is not None and run.steps > 1:
-                inst.run, end = run, run.end_time
-            push(heap, (end, seq - inst.tie, _STEP, inst, inst.step_token))
-            if plan.preemptible:          # a wake-up may preempt it (FlowPrefill suspension bound)
-                schedule_wakeup(inst, t)
-
-        def try_preempt(inst: SimInstance, t: float) -> None:
-            nonlocal seq
-            plan = inst.plan
-            if inst.preempt_at is not None or not inst.preempt_wanted(t):
-                return
-            bounds = SimExecutor.boundaries(plan)
-            if not bounds:
-                return
-            cum = list(accumulate(plan.op_times[plan.ops_done:]))
-            for k in bounds:
-                end = inst.step_start + cum[k - plan.ops_done - 1]
-                if end >= t:
-                    inst.preempt_at = k
-                    inst.step_token += 1
-                    seq += 1
-                    push(heap, (end, seq - inst.tie, _STEP, inst, inst.step_token))
-                    return
-
-        def try_transfers(dec: SimInstance, t: float) -> bool:
-            """Start the offered transfers that fit now; True if any did (memory was reserved)."""
-            nonlocal seq
-            reserved = False
-            for req, _ in dec.admit_kv(t, on_drop=release_source):
-                reserved = True
-                start = dec.link_free_at if dec.link_free_at > t else t
-                end = start + cost.kv_transfer_time(req.num_computed_tokens, link)
-                dec.link_free_at = end
-                req.times.transfer_start = start
-                seq += 1
-                push(heap, (end, seq, _TRANSFER, dec, req))
-            return reserved
-
-        def touch(dec: SimInstance, t: float) -> None:
-            """Something changes ``dec``'s batch or memory at ``t``: its run ends with the step
-            running now."""
-            nonlocal seq
-            run = dec.run
-            if run is not None and run.truncate(t):
-                dec.step_token += 1
-                seq += 1
-                push(heap, (run.end_time, seq - dec.tie, _STEP, dec, dec.step_token))
-
-        def release_source(req: Request, _payload) -> None:
-            """A transfer that can never fit its decode instance: its prefill KV is let go."""
-            if req.prefill_instance is not None:
-                front[req.prefill_instance].scheduler.release(req.request_id)
-
-        def arrive(req: Request, t: float) -> None:
-            if limit is not None and req.prompt_len + req.max_output_tokens > limit:
-                req.finish(t, "rejected")          # the server's 400: beyond the model's context
-                return
-            i = router.route(req, front, t)
-            inst = front[i]
-            req.prefill_instance = i
-            if not inst.scheduler.kv.fits_ever(req.prompt_len + 1):
-                req.finish(t, "error")
-                return
-            inst.arrive(req, t)
-            if inst.plan is None:
-                start_step(inst, t)
-            elif inst.plan.preemptible:
-                try_preempt(inst, t)
-                rearm(inst, t)
-
-        total = len(requests)
-        next_arrival = 0
-        while True:
-            if next_arrival < total and (not heap or requests[next_arrival].arrival_time <= heap[0][0]):
-                req = requests[next_arrival]
-                next_arrival += 1
-                now = req.arrival_time
-                arrive(req, now)
-                events += 1
-                if progress is not None and next_arrival % 1000 == 0:
-                    progress(next_arrival, total)
-                continue
-            if not heap:
-                break
-            now, _, kind, inst, payload = heapq.heappop(heap)
-            events += 1
-            if kind == _STEP:
-                if payload != inst.step_token:
-                    continue                      # superseded by a preemption or a shorter run
-                run = inst.run
-                if run is not None:
-                    if run.extend(cost):          # the end of a chunk, the batch unchanged: go on
-                        seq += 1
-                        push(heap, (run.end_time, seq - inst.tie, _STEP, inst, payload))
-                        continue
-                    run.sync(now)                 # the last step of the run: count the ones before
-                    inst.run = None
-                plan, result = inst.plan, inst.result
-                if inst.preempt_at is not None:   # stopped at an operator boundary
-                    result = StepResult(duration=now - inst.step_start, completed=False)
-                    plan.ops_done = inst.preempt_at
-                inst.result = None
-                outcome = inst.end_step(plan, result, now, now - inst.step_start)
-                for req in outcome.prefilled:
-                    req.phase = Phase.TRANSFERRING
-                    for dec in back:               # the router reads their memory as of now
-                        if dec.run is None:
-                            continue
-                        if reads_contexts:         # (and, reading contexts, their counters)
-                            dec.run.sync(now)
-                        else:
-                            dec.run.grow(now)
-                    dec = back[decode_router.route(req, back, now)]
-                    req.decode_instance = dec.instance_id
-                    dec_run = dec.run
-                    if dec_run is not None:        # the policy may read its requests' counters
-                        dec_run.sync(now)
-                    dec.offer_kv(req)
-                    # a reservation leaves the batch as it is: a run goes on if its growth still fits
-                    if try_transfers(dec, now) and dec_run is not None and not dec_run.growth_fits():
-                        touch(dec, now)
-                if inst.role != "prefill" and outcome.finished:
-                    try_transfers(inst, now)
-                start_step(inst, now)
-            elif kind == _TRANSFER:
-                req = payload
-                req.times.transfer_end = now
-                src = front[req.prefill_instance]
-                src.scheduler.release(req.request_id)
-                if src.plan is None:
-                    start_step(src, now)
-                touch(inst, now)
-                inst.arrive(req, now)
-                if inst.plan is None:
-                    start_step(inst, now)
-            else:  # _WAKEUP
-                if inst.wakeup_at is not None and now >= inst.wakeup_at:
-                    inst.wakeup_at = None
-                if inst.plan is None:
-                    start_step(inst, now)
-                elif inst.plan.preemptible:
-                    try_preempt(inst, now)
-                    rearm(inst, now)
-
+        run = _Run(self, front, back)
+        now, events = run.loop(requests, progress)
         unfinished = 0
         for req in requests:
             if not req.is_finished:
                 unfinished += 1
                 req.finish(now, "error")
         if progress is not None:
-            progress(total, total)
+            progress(len(requests), len(requests))
         first = requests[0].arrival_time if requests else 0.0
         stats = [inst.stats(now - first) for inst in (*front, *back)]
         return SimResult(requests=requests, duration=now - first, config=cfg, instances=stats,
                          events=events, wall_seconds=time.perf_counter() - wall0, unfinished=unfinished)
+
+
+class _Run:
+    """One run's event loop: the event heap and what each event does to the instances. The
+    decisions between instances (admission routing, the hand-off, the decode router) are the
+    cluster runtime's (:class:`~laneserve.runtime.cluster.ClusterRuntime`); this class is its
+    driver in virtual time, and :class:`_SimLink` is how a KV payload travels here."""
+
+    def __init__(self, sim: Simulator, front: list[SimInstance], back: list[SimInstance]) -> None:
+        cfg = sim.config
+        self.front, self.back = front, back
+        self.cost, self.executor, self.link = sim.cost, sim.executor, cfg.kv_link
+        self.limit = context_limit(cfg, sim.cost)
+        self.macro = sim.macro_steps
+        self.runtime = ClusterRuntime(cfg.deployment, _SimLink(self), front=front, back=back,
+                                      step_model=sim.predictors.for_instance)
+        self.reads_contexts = self.runtime.reads_step_times
+        if self.reads_contexts:              # the router predicts step times from their last steps
+            for inst in back:
+                inst.record_decode = True
+        self.heap: list[tuple] = []
+        self.seq = 0
+
+    def push(self, t: float, tie: int, kind: int, inst: SimInstance, payload) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq - tie, kind, inst, payload))
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def loop(self, requests: list[Request], progress: Callable[[int, int], None] | None) -> tuple[float, int]:
+        """Every event until none is left: (the time of the last, the number of events)."""
+        heap = self.heap
+        pop = heapq.heappop
+        total, next_arrival, now, events = len(requests), 0, 0.0, 0
+        while True:
+            if next_arrival < total and (not heap or requests[next_arrival].arrival_time <= heap[0][0]):
+                req = requests[next_arrival]
+                next_arrival += 1
+                now = req.arrival_time
+                self.arrive(req, now)
+                events += 1
+                if progress is not None and next_arrival % 1000 == 0:
+                    progress(next_arrival, total)
+                continue
+            if not heap:
+                return now, events
+            now, _, kind, inst, payload = pop(heap)
+            events += 1
+            if kind == _STEP:
+                self.on_step_end(inst, payload, now)
+            elif kind == _TRANSFER:
+                self.on_transfer_end(inst, payload, now)
+            else:
+                self.on_wakeup(inst, now)
+
+    # ---- events ------------------------------------------------------------------------------
+    def arrive(self, req: Request, t: float) -> None:
+        if self.limit is not None and req.prompt_len + req.max_output_tokens > self.limit:
+            req.finish(t, "rejected")          # the server's 400: beyond the model's context
+            return
+        inst = self.runtime.admit(req, t)
+        if not inst.scheduler.kv.fits_ever(req.prompt_len + 1):
+            req.finish(t, "error")
+            return
+        inst.add_request(req, t)
+        self.nudge(inst, t)
+
+    def on_step_end(self, inst: SimInstance, token: int, now: float) -> None:
+        if token != inst.step_token:
+            return                                # superseded by a preemption or a shorter run
+        run = inst.run
+        if run is not None:
+            if run.extend(self.cost):             # the end of a chunk, the batch unchanged: go on
+                self.push(run.end_time, inst.tie, _STEP, inst, token)
+                return
+            run.sync(now)                         # the last step of the run: count the ones before
+            inst.run = None
+        plan, result = inst.plan, inst.result
+        if inst.preempt_at is not None:           # stopped at an operator boundary
+            result = StepResult(duration=now - inst.step_start, completed=False)
+            plan.ops_done = inst.preempt_at
+        inst.result = None
+        outcome = inst.update(plan, result, now, now - inst.step_start)
+        for req in outcome.prefilled:
+            self.sync_decoders(now)
+            self.runtime.on_prefilled(req, inst, now)
+        if inst.role != "prefill" and outcome.finished:
+            self.try_transfers(inst, now)
+        self.start_step(inst, now)
+
+    def on_transfer_end(self, dec: SimInstance, req: Request, now: float) -> None:
+        req.times.transfer_end = now
+        src = self.front[req.prefill_instance]
+        src.release(req)                          # the prefill side held the KV until now
+        if src.plan is None:
+            self.start_step(src, now)
+        self.touch(dec, now)
+        dec.add_request(req, now)
+        if dec.plan is None:
+            self.start_step(dec, now)
+
+    def on_wakeup(self, inst: SimInstance, now: float) -> None:
+        if inst.wakeup_at is not None and now >= inst.wakeup_at:
+            inst.wakeup_at = None
+        self.nudge(inst, now)
+
+    def nudge(self, inst: SimInstance, t: float) -> None:
+        """Something happened that the instance's policy may act on: an idle instance starts a
+        step; a running preemptible one may stop at an operator boundary."""
+        if inst.plan is None:
+            self.start_step(inst, t)
+        elif inst.plan.preemptible:
+            self.try_preempt(inst, t)
+            self.rearm(inst, t)
+
+    # ---- steps -------------------------------------------------------------------------------
+    def start_step(self, inst: SimInstance, t: float) -> None:
+        plan = inst.schedule(t)
+        if plan is None:
+            self.schedule_wakeup(inst, t)
+            return
+        cost = self.cost
+        run = DecodeRun.start(inst, plan, t, cost) if self.macro and stable_decode_plan(inst, plan) else None
+        result = self.executor.execute(plan) if run is None else StepResult(duration=run.first)
+        inst.result, inst.step_start = result, t
+        inst.step_token += 1
+        inst.preempt_at = None
+        end = t + result.duration
+        if run is not None and run.steps > 1:
+            inst.run, end = run, run.end_time
+        self.push(end, inst.tie, _STEP, inst, inst.step_token)
+        if plan.preemptible:          # a wake-up may preempt it (FlowPrefill suspension bound)
+            self.schedule_wakeup(inst, t)
+
+    def schedule_wakeup(self, inst: SimInstance, t: float) -> None:
+        wake = inst.scheduler.next_wakeup()
+        if wake is not None and wake != inst.wakeup_at:
+            inst.wakeup_at = wake
+            self.push(max(wake, t), 0, _WAKEUP, inst, 0)
+
+    def rearm(self, inst: SimInstance, t: float) -> None:
+        """After a preemption check that did not stop the running step: a policy may now want
+        a look at a later time (LAPS' AWD window closing during a long chunk)."""
+        wake = inst.scheduler.next_wakeup()
+        if inst.preempt_at is None and wake is not None and wake > t:
+            self.schedule_wakeup(inst, t)
+
+    def try_preempt(self, inst: SimInstance, t: float) -> None:
+        plan = inst.plan
+        if inst.preempt_at is not None or not inst.preempt_wanted(t):
+            return
+        bounds = SimExecutor.boundaries(plan)
+        if not bounds:
+            return
+        cum = list(accumulate(plan.op_times[plan.ops_done:]))
+        for k in bounds:
+            end = inst.step_start + cum[k - plan.ops_done - 1]
+            if end >= t:
+                inst.preempt_at = k
+                inst.step_token += 1
+                self.push(end, inst.tie, _STEP, inst, inst.step_token)
+                return
+
+    # ---- decode side -------------------------------------------------------------------------
+    def sync_decoders(self, now: float) -> None:
+        """The decode router reads the decode instances' memory as of ``now`` (and, reading
+        contexts, their counters): their runs count the steps ended so far."""
+        for dec in self.back:
+            if dec.run is None:
+                continue
+            if self.reads_contexts:
+                dec.run.sync(now)
+            else:
+                dec.run.grow(now)
+
+    def try_transfers(self, dec: SimInstance, t: float) -> bool:
+        """Start the offered transfers that fit now; True if any did (memory was reserved)."""
+        reserved = False
+        for req, _ in dec.admit_kv(t, on_drop=self.release_source):
+            reserved = True
+            start = dec.link_free_at if dec.link_free_at > t else t
+            end = start + self.cost.kv_transfer_time(req.num_computed_tokens, self.link)
+            dec.link_free_at = end
+            req.times.transfer_start = start
+            self.push(end, 0, _TRANSFER, dec, req)
+        return reserved
+
+    def touch(self, dec: SimInstance, t: float) -> None:
+        """Something changes ``dec``'s batch or memory at ``t``: its run ends with the step
+        running now."""
+        run = dec.run
+        if run is not None and run.truncate(t):
+            dec.step_token += 1
+            self.push(run.end_time, dec.tie, _STEP, dec, dec.step_token)
+
+    def release_source(self, req: Request, _payload) -> None:
+        """A transfer that can never fit its decode instance: its prefill KV is let go."""
+        if req.prefill_instance is not None:
+            self.front[req.prefill_instance].release(req)
+
+
+class _SimLink:
+    """The simulator's KV link (:class:`~laneserve.runtime.cluster.KVLink`): the prefill instance
+    keeps the KV until its transfer ends (:meth:`_Run.on_transfer_end` releases it); an offer
+    starts its transfer once the decode instance can reserve its blocks, transfers to one decode
+    instance queueing on its incoming link."""
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+
+    def take(self, source: SimInstance, req: Request, now: float) -> None:
+        return None
+
+    def deliver(self, req: Request, dec: SimInstance, payload, now: float) -> None:
+        run = self.run
+        dec_run = dec.run
+        if dec_run is not None:        # the policy may read its requests' counters
+            dec_run.sync(now)
+        dec.offer_kv(req)
+        # a reservation leaves the batch as it is: a run goes on if its growth still fits
+        if run.try_transfers(dec, now) and dec_run is not None and not dec_run.growth_fits():
+            run.touch(dec, now)
+
+    def discard(self, req: Request, payload) -> None:
+        pass
 
 
 def simulate(specs: Sequence[RequestSpec], cost: CostModel, config: ClusterConfig | None = None,
