@@ -94,7 +94,7 @@ def test_alignedserve_gets_a_default_host_pool():
     expected = HOST_BYTES_PER_GPU / COST.kv_bytes_per_token
     assert pool.num_blocks * pool.block_size == pytest.approx(expected, abs=16)
     assert default_host_kv_tokens(COST) == int(expected)
-    _, plain = Simulator(ClusterConfig(), COST)._make_instances()
+    _, plain = Simulator(ClusterConfig(decode_policy="continuous"), COST)._make_instances()
     assert plain[0].scheduler.host_pool is None                 # continuous batching: unchanged
     wl = Workload.from_specs("w", _specs([200, 400, 800, 1600]))
     result = Simulator(ClusterConfig(decode_policy="alignedserve"), COST).run(wl.specs)

@@ -51,7 +51,7 @@ def fingerprint(config: ClusterConfig, specs, cost, macro: bool):
 
 
 BASE = ClusterConfig(num_prefill=1, num_decode=1)
-B44 = ClusterConfig(num_prefill=4, num_decode=4)
+B44 = ClusterConfig(num_prefill=4, num_decode=4, prefill_policy="fcfs", decode_policy="continuous")
 CONFIGS = {
     "fcfs 1P+1D": BASE,
     "fcfs 4P+4D": B44,

@@ -88,7 +88,7 @@ def test_cp_edf_serves_earliest_deadline_first():
     res = Simulator(ClusterConfig(prefill_policy="cp-edf:chunk=512"), COST).run(specs)
     done = {r.request_id: r.times.prefill_end for r in res.requests}
     assert done[2] < done[1] < done[0]
-    fcfs = Simulator(ClusterConfig(), COST).run(specs)
+    fcfs = Simulator(ClusterConfig(prefill_policy="fcfs"), COST).run(specs)
     done = {r.request_id: r.times.prefill_end for r in fcfs.requests}
     assert done[0] < done[1] <= done[2]   # FCFS batches 1 and 2 together behind 0
 

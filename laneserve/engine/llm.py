@@ -23,6 +23,7 @@ from laneserve.engine.instance import EngineInstance
 from laneserve.engine.kv_cache import make_kv_manager
 from laneserve.engine.sampler import StopChecker
 from laneserve.policies import registry
+from laneserve.runtime.cluster import Deployment
 
 #: cap on the CPU KV cache the offline API sizes by itself (tokens); set num_kv_blocks to go higher
 DEFAULT_CPU_KV_TOKENS = 1 << 17
@@ -41,7 +42,9 @@ class CompletionOutput:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None,
-                 policy: str = "colocated:prefill=fcfs", quiet: bool = False) -> None:
+                 policy: str | None = None, quiet: bool = False) -> None:
+        """``policy``: the colocated policy spec; None: every entry point's default pair
+        (:class:`~laneserve.runtime.cluster.Deployment`: adaptive prefill and decode, colocated)."""
         from laneserve.engine.models.loader import load_model
         from laneserve.engine.smoke import is_smoke_model, smoke_model_path
 
@@ -64,6 +67,7 @@ class LLM:
         host = HostKVPool(config.num_host_blocks, config.block_size) if config.num_host_blocks else None
         self.executor = EngineExecutor(self.model, kv, config, host)
         self.tokenizer = self.model.tokenizer
+        policy = policy or Deployment(mode="colocated").front_policy
         scheduler = registry.make("colocated", policy, kv, token_budget=config.max_num_batched_tokens,
                                   host_pool=host)
         self.instance = EngineInstance(scheduler, self.executor,

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from laneserve.policies.predictors import PREDICTORS
-from laneserve.runtime.cluster import Deployment
+from laneserve.runtime.cluster import (DEFAULT_DECODE_POLICY, DEFAULT_DECODE_ROUTER, DEFAULT_PREFILL_POLICY,
+                                       DEFAULT_ROUTER, Deployment)
 
 #: host memory per GPU behind the default host KV pool: a DGX H100 has 2 TB of host memory for
 #: its 8 GPUs (NVIDIA DGX H100 user guide)
@@ -20,13 +21,15 @@ class ClusterConfig:
     num_prefill: int = 1
     num_decode: int = 1
     num_colocated: int = 1
-    prefill_policy: str = "fcfs"
-    decode_policy: str = "continuous"
-    colocated_policy: str = "colocated"
-    router: str = "round-robin"          # arrivals -> prefill (or colocated) instances
+    #: the policies: every entry point's default pair (runtime.cluster), adaptive prefill and decode
+    prefill_policy: str = DEFAULT_PREFILL_POLICY
+    decode_policy: str = DEFAULT_DECODE_POLICY
+    #: colocated mode's policy; None: the colocated policy of prefill_policy and decode_policy
+    colocated_policy: str | None = None
+    router: str = DEFAULT_ROUTER         # arrivals -> prefill (or colocated) instances
     #: finished prefills -> decode instances; "auto": the decode policy's own
     #: (``preferred_decode_router``: adaptive -> tpot-aware), else least-loaded
-    decode_router: str = "auto"
+    decode_router: str = DEFAULT_DECODE_ROUTER
     #: KV capacity per instance in tokens; None derives it from the cost model's memory
     prefill_kv_tokens: int | None = None
     decode_kv_tokens: int | None = None
