@@ -146,3 +146,25 @@ def test_colocated_runs_laps_with_buckets_and_awd_wakeups():
     laps = sim.front[0].scheduler.prefill
     assert laps.padded_tokens > 0                      # bucketed steps ran
     assert sum(laps.awd.reasons.values()) > 0          # AWD dispatched batches
+
+
+def test_colocated_cp_edf_keeps_its_chunk_inside_the_step_budget(monkeypatch):
+    """Colocated, a CP-EDF prefill side gets the step's budget left after its decodes, but never
+    more tokens than its own chunk: ``cp-edf:chunk=256`` under a 2048-token budget plans chunks of
+    at most 256 tokens (and uses the whole chunk when a prompt is long enough)."""
+    from laneserve.policies.prefill.cp_edf import ChunkedEDFPrefill
+    planned: list[int] = []
+    schedule = ChunkedEDFPrefill.schedule
+
+    def recording(self, now, token_budget=None):
+        plan = schedule(self, now, token_budget)
+        if plan is not None:
+            planned.append(sum(c.num_new_tokens for c in plan.prefills))
+        return plan
+
+    monkeypatch.setattr(ChunkedEDFPrefill, "schedule", recording)
+    specs = mixed_specs(n=60, rate=20, max_prompt=3000, max_out=4)
+    res = Simulator(ClusterConfig(mode="colocated", colocated_policy="colocated:prefill=cp-edf:chunk=256,token_budget=2048"),
+                    COST).run(specs)
+    assert res.unfinished == 0
+    assert planned and max(planned) == 256

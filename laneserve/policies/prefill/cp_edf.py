@@ -52,7 +52,8 @@ class ChunkedEDFPrefill(PrefillScheduler):
         if not self.queue:
             return None
         plan = StepPlan(label=self.name)
-        budget = self.chunk_size if token_budget is None else token_budget
+        # colocated: the step's budget left after its decodes, never more than the chunk
+        budget = self.chunk_size if token_budget is None else min(self.chunk_size, token_budget)
         for req in self.queue:
             if budget <= 0 or len(plan.prefills) >= self.max_batch_size:
                 break
