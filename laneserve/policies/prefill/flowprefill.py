@@ -1,4 +1,4 @@
-"""FlowPrefill (``flowprefill.txt`` §5): S-EDF priorities, event-driven scheduling (Algorithm 2),
+"""FlowPrefill (the paper's §5): S-EDF priorities, event-driven scheduling (Algorithm 2),
 SLO-aware batching under a token budget G (Algorithm 1) and operator-level preemption (§5.1).
 
 Mapping onto the scheduler contract (policies/base.py):
