@@ -344,3 +344,27 @@ def test_engine_adaptive_intake_takes_the_newest_offer_and_loses_nothing():
         newest[decode] = getattr(cluster.decode[0].scheduler, "intake", None)
     assert outs["adaptive"] == outs["continuous"]
     assert newest["continuous"] is None and newest["adaptive"].newest_first > 0
+
+
+def test_adaptive_holds_the_mechanisms_instead_of_deriving_from_the_reproductions():
+    """Editing a reproduction's class cannot change the default: adaptive derives from the generic
+    bases only and holds the same mechanism components as the reproductions."""
+    from laneserve.policies.decode.adaptive import AdaptiveDecode
+    from laneserve.policies.decode.aligned_guard import AlignmentGuard
+    from laneserve.policies.decode.aligner import LengthAligner
+    from laneserve.policies.decode.base import DecodeScheduler
+    from laneserve.policies.prefill.adaptive import AdaptivePrefill
+    from laneserve.policies.prefill.base import PrefillScheduler
+    from laneserve.policies.prefill.sedf_ordering import SEDFOrdering
+    from laneserve.policies.prefill.sedf_tasks import PreemptiveTasks
+    from laneserve.policies.prefill.slo_batching import SLOAwareBatching
+    assert AdaptivePrefill.__bases__ == (PrefillScheduler,)
+    assert AdaptiveDecode.__bases__ == (DecodeScheduler,)
+    for name in ("adaptive", "sedf"):
+        pol = make("prefill", name, KVCacheManager(1000))
+        assert type(pol.ordering) is SEDFOrdering and type(pol.batcher) is SLOAwareBatching
+        assert type(pol.tasks) is PreemptiveTasks
+    for name in ("adaptive", "alignedserve"):
+        pol = make("decode", name, KVCacheManager(1000), host_pool=HostKVPool(4000))
+        assert type(pol.aligner) is LengthAligner and type(pol.aligner.guard) is AlignmentGuard
+    assert make("decode", "alignedserve-literal", KVCacheManager(1000), host_pool=HostKVPool(4000)).aligner.guard is None

@@ -11,7 +11,7 @@ from laneserve.costmodel import make_cost_model
 from laneserve.costmodel.linear import LinearCostModel
 from laneserve.policies import make
 from laneserve.core.kv import blocks_for
-from laneserve.policies.decode.aligned_guard import contexts
+from laneserve.policies.decode.aligned_guard import AlignmentGuard, contexts
 from laneserve.policies.decode.alignedserve import AlignedServeDecode
 from laneserve.policies.decode.quadtree import KVLengthQuadTree
 from laneserve.policies.registry import register
@@ -160,7 +160,8 @@ def test_kv_conserved_and_every_request_finishes(seed, opts, device, host):
         assert not sched.swapped and not sched.waiting
     for kv in (sched.kv, sched.pool):
         assert kv.num_free_blocks == kv.num_blocks and not kv.tables
-    assert not len(sched.tree) and not sched.cand_reqs and not sched.cand_batch and not sched.running
+    al = sched.aligner
+    assert not len(al.tree) and not al.cand_reqs and not al.cand_batch and not sched.running
     assert sched.stager.staged_tokens == 0
 
 
@@ -168,7 +169,8 @@ def test_spec_options_reach_the_policy():
     from laneserve.core.kv import HostKVPool, KVCacheManager
     pol = make("decode", "alignedserve:threshold=0.25,n_min=8,starvation_bound=5,prefetch=false",
                KVCacheManager(1000), host_pool=HostKVPool(4000))
-    assert (pol.threshold_blocks, pol.n_min, pol.starvation_bound, pol.prefetch) == (250, 8, 5, False)
+    al = pol.aligner
+    assert (al.threshold_blocks, al.n_min, al.starvation_bound, al.prefetch) == (250, 8, 5, False)
     with pytest.raises(ValueError, match="host KV pool"):
         make("decode", "alignedserve", KVCacheManager(1000))
 
@@ -276,28 +278,27 @@ class LoggedAlignedServe(PlanLog, CheckedAlignedServe):
     pass
 
 
-@register("decode", "alignedserve-scan-guard")
-class ScanGuardAlignedServe(PlanLog, AlignedServeDecode):
+class ScanGuard(AlignmentGuard):
     """The guard written straightforwardly: each decision scans every request held."""
 
-    def _alignment_pays(self):
-        if self._never_aligns:
+    def pays(self, aligning, requests, kv):
+        if self.never_aligns:
             return False
-        reqs = list(self.requests.values())
-        demand = sum(blocks_for(r.context_len + 1, self.kv.block_size) for r in reqs)
-        limit = self.cb_memory_fraction if self.aligning else self.align_memory_fraction
-        binds = demand > limit * self.kv.num_blocks
+        reqs = list(requests.values())
+        demand = sum(blocks_for(r.context_len + 1, kv.block_size) for r in reqs)
+        limit = self.cb_memory_fraction if aligning else self.align_memory_fraction
+        binds = demand > limit * kv.num_blocks
         targets = [r.slo.tpot for r in reqs if r.slo.tpot is not None]
         if not binds and not targets:
             return False
         ctx = [r.context_len for r in reqs]
-        model = self._cost_model
+        model = self.cost_model
         if not ctx:
             step = 0.0
         elif model is not None:
             step = model.decode_step_time(ctx)
-        elif self._last_step is not None:
-            step = self._last_step[1] * max(1.0, len(ctx) / self._last_step[0])
+        elif self.last_step is not None:
+            step = self.last_step[1] * max(1.0, len(ctx) / self.last_step[0])
         else:
             return binds
         if not binds and step * (1 + self.tpot_margin) <= min(targets):
@@ -306,6 +307,13 @@ class ScanGuardAlignedServe(PlanLog, AlignedServeDecode):
             return True
         uniform = model.decode_step_time(contexts(len(ctx), sum(ctx), -(-sum(ctx) // len(ctx))))
         return step - uniform >= self.tpot_margin * step
+
+
+@register("decode", "alignedserve-scan-guard")
+class ScanGuardAlignedServe(PlanLog, AlignedServeDecode):
+    """AlignedServe holding the scanning guard."""
+
+    guard_class = ScanGuard
 
 
 @pytest.mark.parametrize("seed,predictor,cost", [(0, "oracle", "padded"), (1, "online", "padded"),
@@ -364,7 +372,8 @@ def test_entering_aligned_mode_keeps_the_batch_cap_and_parks_the_rest():
     plan = pol.schedule(0.1)
     assert pol.aligning and len(pol.running) <= 4 and len(plan.decodes) <= 4
     assert not pol.waiting and len(plan.swap_out) >= 6
-    assert len(pol.tree) + len(pol.cand_batch) + len(pol.cand_reqs) + len(pol.running) == 10
+    al = pol.aligner
+    assert len(al.tree) + len(al.cand_batch) + len(al.cand_reqs) + len(pol.running) == 10
 
 
 def test_entering_aligned_mode_fills_only_an_unaligned_batch_and_aligns_at_once():
@@ -372,10 +381,11 @@ def test_entering_aligned_mode_fills_only_an_unaligned_batch_and_aligns_at_once(
     on entering aligned mode at most ``n_min`` of them run, and a length-aligned batch is formed
     and switched to in the same step instead of waiting for that mixed batch to drain."""
     pol = _padded_with_arrivals(12, max_batch_size=64, n_min=4)
-    assert not pol.aligning and pol.current is None
+    assert not pol.aligning and pol.aligner.current is None
     plan = pol.schedule(0.1)
-    assert pol.aligning and pol.current is not None          # an aligned batch runs now
-    members = [r for r in pol.running if r.policy_state.aligned_batch == pol.current.batch_id]
+    current = pol.aligner.current
+    assert pol.aligning and current is not None          # an aligned batch runs now
+    members = [r for r in pol.running if r.policy_state.aligned_batch == current.batch_id]
     assert members and len(plan.swap_out) >= 12 - 4
     lengths = {r.context_len > 1_000 for r in members}
     assert len(lengths) == 1                                  # the batch is one length class

@@ -12,6 +12,8 @@ from laneserve.cli import main
 from laneserve.core.kv import KVCacheManager
 from laneserve.policies import registry
 from laneserve.policies.colocated import ColocatedOptions, ColocatedScheduler
+from laneserve.policies.decode.adaptive import AdaptiveDecodeOptions
+from laneserve.policies.decode.alignedserve import AlignedServeOptions
 from laneserve.policies.decode.base import DecodeOptions
 from laneserve.policies.decode.continuous import ContinuousBatchingDecode
 from laneserve.policies.options import PolicyOptions, parse_option
@@ -38,7 +40,16 @@ def test_options_are_frozen():
 
 
 def test_options_extend_their_parents():
-    assert issubclass(AdaptivePrefillOptions, FlowPrefillOptions)
+    # adaptive composes S-EDF's mechanisms instead of deriving from the reproduction: its options
+    # extend the generic base and declare S-EDF's fields, with S-EDF's defaults, themselves
+    assert issubclass(AdaptivePrefillOptions, PrefillOptions)
+    assert not issubclass(AdaptivePrefillOptions, FlowPrefillOptions)
+    assert not issubclass(AdaptiveDecodeOptions, AlignedServeOptions)
+    assert issubclass(AdaptiveDecodeOptions, DecodeOptions)
+    flow, adaptive = dataclasses.asdict(FlowPrefillOptions()), dataclasses.asdict(AdaptivePrefillOptions())
+    assert flow.items() <= adaptive.items()
+    aligned, adaptive = dataclasses.asdict(AlignedServeOptions()), dataclasses.asdict(AdaptiveDecodeOptions())
+    assert aligned.items() <= adaptive.items()
     assert issubclass(FlowPrefillOptions, PrefillOptions)
     assert issubclass(ChunkedEDFOptions, PrefillOptions)
     # a subclass may change a parent's default: S-EDF's budget G is 4096, a plain prefill's 8192
@@ -103,7 +114,7 @@ def test_keyword_and_options_construction_agree():
 def test_keywords_replace_fields_of_an_options_value():
     sched = FlowPrefillScheduler(kv(), FlowPrefillOptions(ordering="edf", chunk=512), chunk=1024)
     assert sched.options == FlowPrefillOptions(ordering="edf", chunk=1024)
-    assert sched.chunk_size == 1024 and sched.ordering == "edf"
+    assert sched.chunk_size == 1024 and sched.ordering.name == "edf"
 
 
 def test_construction_rejects_unknown_options_and_foreign_values():

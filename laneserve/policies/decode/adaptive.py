@@ -5,7 +5,8 @@ Every step starts from what the instance observes: the requests it holds (their 
 TPOT targets), its KV memory, and step times (the bound cost model, refined online by measured
 steps). Three mechanisms compose:
 
-1. **Length-aligned batches** (AlignedServe §3, :mod:`.alignedserve` with ``guard=True``), on by
+1. **Length-aligned batches** (AlignedServe §3, :class:`~.aligner.LengthAligner` guarded by
+   :class:`~.aligned_guard.AlignmentGuard`, as ``alignedserve`` with ``guard=True``), on by
    default with a host KV pool (``adaptive:align=false`` turns them off): alignment runs only
    where it can pay, i.e. the attention kernel pads a mixed batch to its longest member, the
    padding is at least ``tpot_margin`` of the everyone-decodes step, and continuous batching is in
@@ -45,8 +46,18 @@ steps). Three mechanisms compose:
    requests wait between their first and second tokens (the league's AlignedServe 95%-short mix:
    every TPOT miss there had waited for a batch slot, none for memory or a slow step).
 
-The Kairos selector is a :class:`~.kairos.KairosDecode` used only for its ``select`` rule and its
-table; it holds no requests.
+Composition: the class derives from :class:`~.base.DecodeScheduler` alone (memory admission,
+growth, swap/recompute preemption), so editing a reproduction cannot change it. It holds
+
+- ``self.aligner``: a :class:`~.aligner.LengthAligner` (the component ``alignedserve`` holds)
+  with an :class:`~.aligned_guard.AlignmentGuard` that is always on (1.; the guard's step
+  predictions also size the batches of 6.);
+- ``self.selector``: a :class:`~.kairos.KairosDecode` used only for its ``select`` rule and its
+  table (2.); it holds no requests;
+- ``self.intake``: an :class:`~.intake.OfferIntake` (5.).
+
+Its options declare AlignedServe's fields with AlignedServe's defaults (``guard`` stays, always
+True), plus its own.
 """
 
 from __future__ import annotations
@@ -57,17 +68,38 @@ from typing import Literal
 
 from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.plan import StepPlan, StepResult
+from laneserve.core.request import Request
 from laneserve.policies.base import StepOutcome
-from laneserve.policies.decode.alignedserve import AlignedServeDecode, AlignedServeOptions
+from laneserve.policies.decode.aligned_guard import AlignmentGuard
+from laneserve.policies.decode.aligned_stats import AlignedStats
+from laneserve.policies.decode.aligner import LengthAligner, SwitchEvict, check_alignment_options
+from laneserve.policies.decode.base import DecodeOptions, DecodeScheduler
 from laneserve.policies.decode.intake import OfferIntake
 from laneserve.policies.decode.kairos import KairosDecode, selection_pays
-from laneserve.policies.options import above, at_least, build_options, option_error
+from laneserve.policies.options import above, at_least, option_error
 from laneserve.policies.registry import register
 from laneserve.policies.routing import DecodeSummary
 
 
 @dataclass(frozen=True, slots=True)
-class AdaptiveDecodeOptions(AlignedServeOptions):
+class AdaptiveDecodeOptions(DecodeOptions):
+    # the aligner's and its guard's (.aligner, .aligned_guard), with alignedserve's defaults
+    threshold: float = 0.4
+    n_min: int = 36
+    starvation_bound: float | None = 30.0
+    prefetch: bool = True
+    prefetch_tokens_per_s: float | None = None
+    staging_tokens: int | None = None
+    dynamic: bool = True
+    prefetch_window: int = 32
+    headroom: float = 0.02
+    leaf_width: int = 64
+    switch_evict: SwitchEvict = "all"
+    guard: bool = True             # always on here (kept so that the option reads as alignedserve's)
+    tpot_margin: float = 0.2
+    cb_memory_fraction: float = 0.8
+    align_memory_fraction: float = 0.95
+    # adaptive's own
     slack_guided: bool = True      # Kairos' slack-guided selection when not everyone fits
     align: bool = True             # align batches when a host pool is given and alignment pays
     intake: Literal["slack", "newest", "oldest"] = "slack"   # which offered KV transfer goes first (.intake)
@@ -75,7 +107,8 @@ class AdaptiveDecodeOptions(AlignedServeOptions):
     batch_ceiling: int = 1024      # past max_batch_size, a step may hold up to this many while TPOT allows
 
     def validate(self) -> None:
-        AlignedServeOptions.validate(self)
+        DecodeOptions.validate(self)
+        check_alignment_options(self)
         if not self.guard:
             raise option_error("guard", "is always on in adaptive decode", self.guard)
         above(self, "max_offer_wait", 0)
@@ -83,7 +116,7 @@ class AdaptiveDecodeOptions(AlignedServeOptions):
 
 
 @register("decode", "adaptive")
-class AdaptiveDecode(AlignedServeDecode):
+class AdaptiveDecode(DecodeScheduler):
     name = "adaptive"
     needs_host_pool = False          # aligns only with a host pool the user gives (--host-kv-tokens)
     #: the decode router of ``decode_router="auto"``: placement that keeps long contexts from
@@ -95,15 +128,38 @@ class AdaptiveDecode(AlignedServeDecode):
 
     def __init__(self, kv: KVCacheManager, options: AdaptiveDecodeOptions | None = None, *,
                  host_pool: HostKVPool | None = None, **opts) -> None:
-        o = build_options(AdaptiveDecodeOptions, options, opts)      # needed before the parent's init
-        self.can_align = o.align and host_pool is not None and host_pool.num_blocks > 0
         pool = host_pool if host_pool is not None else HostKVPool(0, kv.block_size)
-        super().__init__(kv, o, host_pool=pool)           # unable to align: the guard keeps no figures
+        super().__init__(kv, options, host_pool=pool, **opts)
+        o = self.options
+        self.can_align = o.align and host_pool is not None and host_pool.num_blocks > 0
+        guard = AlignmentGuard(kv.block_size, can_align=self.can_align, tpot_margin=o.tpot_margin,
+                               cb_memory_fraction=o.cb_memory_fraction,
+                               align_memory_fraction=o.align_memory_fraction)
+        self.aligner = LengthAligner(self, o, pool, guard)  # unable to align: the guard keeps no figures
         self.selector = KairosDecode(KVCacheManager(0, kv.block_size), max_batch_size=o.max_batch_size,
                                      attention="ragged", guard=False) if o.slack_guided else None
         self._kernel_selects = True                  # until a cost model says which kernel
         self.intake = OfferIntake(o.intake, o.max_offer_wait)
 
+    # ---- the aligner's state, as the scheduler's (tests, benchmarks) ------------------------
+    @property
+    def pool(self) -> HostKVPool:
+        return self.aligner.pool
+
+    @property
+    def stats(self) -> AlignedStats:
+        return self.aligner.stats
+
+    @property
+    def aligning(self) -> bool:
+        return self.aligner.aligning
+
+    @property
+    def kv_lands_in_host(self) -> bool:        # type: ignore[override]
+        """Incoming KV goes to the host pool while aligning, to the device otherwise."""
+        return self.aligner.aligning
+
+    # ---- slack-sized batches (6.) ----------------------------------------------------------
     def _batch_limit(self) -> int:
         """Slack-sized batches: past ``max_batch_size`` (vLLM's fixed cap), waiting requests join
         in order while the predicted step of the grown batch, times ``1 + tpot_margin``, stays
@@ -116,13 +172,14 @@ class AdaptiveDecode(AlignedServeDecode):
         batch = DecodeSummary.of(running)
         n, total, longest = batch.count, batch.total, batch.longest
         tight = min((t for t, _ in batch.tpots), default=math.inf)
-        margin, ceiling = 1 + self.tpot_margin, self.options.batch_ceiling
+        guard = self.aligner.guard
+        margin, ceiling = 1 + guard.tpot_margin, self.options.batch_ceiling
         for r in waiting:
             if n >= ceiling:
                 break
             c = r.context_len
             t = min(tight, r.slo.tpot) if r.slo.tpot is not None else tight
-            step = self._step_time(n + 1, total + c, max(longest, c))
+            step = guard.step_time(n + 1, total + c, max(longest, c))
             if step is None or step * margin > t:
                 break
             n, total, longest, tight = n + 1, total + c, max(longest, c), t
@@ -132,11 +189,12 @@ class AdaptiveDecode(AlignedServeDecode):
         return self.intake.end(pending, now)
 
     def bind_cost_model(self, cost_model) -> None:
-        super().bind_cost_model(cost_model)
+        self.aligner.bind_cost_model(cost_model)
         if self.selector is not None:
             self.selector.bind_cost_model(cost_model)
         self._kernel_selects = selection_pays(getattr(cost_model, "attention", None))
 
+    # ---- slack-guided steps (2.) -----------------------------------------------------------
     @property
     def selecting(self) -> bool:
         """Slack-guided selection is on: asked for, and the kernel is not ragged."""
@@ -145,10 +203,10 @@ class AdaptiveDecode(AlignedServeDecode):
     @property
     def stable_decode_batch(self) -> bool:      # type: ignore[override]
         """Neither aligning ever nor selecting: continuous batching, a stable batch."""
-        return self._never_aligns and not self.selecting
+        return self.aligner.never_aligns and not self.selecting
 
     def _continuous_step(self, now: float) -> StepPlan | None:
-        plan = super()._continuous_step(now)
+        plan = self.aligner.continuous_step(now)
         if plan is not None and self.selecting and plan.decodes \
                 and not self.selector.everyone_fits(plan.decodes, now):
             plan.decodes = self.selector.select(plan.decodes, now)
@@ -156,11 +214,70 @@ class AdaptiveDecode(AlignedServeDecode):
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
         sel = self.selector
-        if (self.selecting and not self.aligning and result.completed and plan.decodes
+        if (self.selecting and not self.aligner.aligning and result.completed and plan.decodes
                 and not (plan.prefills or plan.swap_in or plan.swap_out)):
             sel.lut.observe(len(plan.decodes), sel.batch_length(plan.decodes), result.duration)
             sel.stats.lut_updates += 1
+        self.aligner.observe(plan, result)
         outcome = super().update(plan, result, now)
         for req in outcome.finished:
             self.intake.finished(req)
         return outcome
+
+    # ---- the aligner (1.): the figures its guard reads follow every request held ------------
+    def add_request(self, req: Request, now: float) -> None:
+        super().add_request(req, now)
+        self.aligner.hold(req)
+
+    def release(self, request_id: int) -> None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.aligner.forget(req)
+        super().release(request_id)
+
+    def abort(self, request_id: int, now: float, reason: str = "abort") -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.aligner.forget(req)
+        return super().abort(request_id, now, reason)
+
+    def _advance_decode(self, req: Request, sampled: dict[int, int] | None,
+                        stop_hit: set[int] | None, now: float, outcome: StepOutcome) -> None:
+        super()._advance_decode(req, sampled, stop_hit, now, outcome)
+        if req.request_id in self.requests:          # (not aborted mid-step)
+            self.aligner.grew(req)
+
+    # ---- the aligner (1.): arrivals, queues and decisions -----------------------------------
+    def can_reserve(self, req: Request) -> bool:
+        if not self.aligner.aligning:
+            return super().can_reserve(req)
+        return self.aligner.can_reserve(req)
+
+    def reserve(self, req: Request) -> list[int]:
+        if not self.aligner.aligning:
+            return super().reserve(req)
+        return self.aligner.reserve(req)
+
+    def _enqueue(self, req: Request, now: float) -> None:
+        self.aligner.enqueue(req, now)
+
+    def _remove(self, req: Request) -> None:
+        self.aligner.remove(req)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.aligner.num_waiting
+
+    def schedule(self, now: float) -> StepPlan | None:
+        return self.aligner.schedule(now)
+
+    def next_wakeup(self) -> float | None:
+        return self.aligner.next_wakeup()
+
+    def _after_update(self, plan: StepPlan, outcome: StepOutcome, now: float) -> None:
+        super()._after_update(plan, outcome, now)
+        self.aligner.after_step(plan)
+
+    def check_invariants(self) -> None:
+        """Every request's KV lives in exactly one tier (:meth:`.LengthAligner.check_invariants`)."""
+        self.aligner.check_invariants()

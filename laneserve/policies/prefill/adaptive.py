@@ -21,21 +21,44 @@ fixed-size chunking (CP-EDF, LAPS' long chunks) loses throughput on ~2K prompts,
 composed in. Predictions are the TTFT polynomial of FlowPrefill (fitted to the bound cost model,
 else learned online); the choices above use only observed lengths, and the ordering only compares
 slacks, so a predictor ~20% off moves decisions at the margin, not the regime.
+
+Composition (the class derives from :class:`~.base.PrefillScheduler` alone, so editing the ``sedf``
+reproduction cannot change it): it holds the same components as ``sedf`` (:mod:`.flowprefill`) —
+``self.ordering`` (:class:`~.sedf_ordering.SEDFOrdering`: S-EDF priorities, waiting set and TTFT
+predictor), ``self.batcher`` (:class:`~.slo_batching.SLOAwareBatching`: Algorithm 1) and
+``self.tasks`` (:class:`~.sedf_tasks.PreemptiveTasks`: operator preemption, Algorithm 2, the
+suspension bound) — plus its own ``self.lanes`` (:class:`~.bimodal_lanes.BimodalLanes`), handed
+to Algorithm 1. Its options declare the same S-EDF fields and defaults as ``sedf``'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Request
-from laneserve.core.sorted_window import SortedWindow
+from laneserve.policies.base import StepOutcome
 from laneserve.policies.options import at_least, option_error
-from laneserve.policies.prefill.flowprefill import FlowPrefillOptions, FlowPrefillScheduler
+from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
+from laneserve.policies.prefill.bimodal_lanes import BimodalLanes
+from laneserve.policies.prefill.priority import Ordering
+from laneserve.policies.prefill.sedf_ordering import SEDFOrdering
+from laneserve.policies.prefill.sedf_tasks import Granularity, PreemptiveTasks, PrefillTask, check_sedf_options
+from laneserve.policies.prefill.slo_batching import SLOAwareBatching
 from laneserve.policies.registry import register
 
 
 @dataclass(frozen=True, slots=True)
-class AdaptivePrefillOptions(FlowPrefillOptions):
+class AdaptivePrefillOptions(PrefillOptions):
+    # S-EDF's (the components of .sedf_tasks), with sedf's defaults
+    token_budget: int = 4096              # G, FlowPrefill's "moderate" budget (Figure 11)
+    ordering: Ordering = "sedf"
+    batching: bool = True                 # Algorithm 1 (False: one request per step)
+    preemption: Granularity = "operator"
+    chunk: int = 2048                     # step size with preemption="chunk"
+    max_suspension: float = 10.0          # seconds a parked task may wait before it is resumed
+    # the lanes (.bimodal_lanes)
     boundary: int = 256          # L_m, the short/long lane boundary (new tokens)
     window: int = 256            # recent arrivals whose lengths are watched
     min_share: float = 0.05      # bimodal: each lane holds at least this share of them...
@@ -43,7 +66,8 @@ class AdaptivePrefillOptions(FlowPrefillOptions):
     lanes: bool = True           # False: never split lanes (plain S-EDF)
 
     def validate(self) -> None:
-        FlowPrefillOptions.validate(self)
+        PrefillOptions.validate(self)
+        check_sedf_options(self)
         at_least(self, "boundary", 1)
         at_least(self, "window", 1)
         if not 0 < self.min_share < 0.5:
@@ -52,57 +76,84 @@ class AdaptivePrefillOptions(FlowPrefillOptions):
 
 
 @register("prefill", "adaptive")
-class AdaptivePrefill(FlowPrefillScheduler):
+class AdaptivePrefill(PrefillScheduler):
     name = "adaptive"
     Options = AdaptivePrefillOptions
     options: AdaptivePrefillOptions
 
-    def __init__(self, kv, options: AdaptivePrefillOptions | None = None, **opts) -> None:
+    def __init__(self, kv, options: AdaptivePrefillOptions | None = None, *, predictor: Any = None,
+                 cost_model: Any = None, **opts) -> None:
         super().__init__(kv, options, **opts)
         o = self.options
-        self.boundary, self.min_share, self.long_factor = o.boundary, o.min_share, o.long_factor
-        self.lanes_on = o.lanes
-        self.name = "adaptive"
-        self._lengths = SortedWindow(o.window)     # the new-token lengths of the last arrivals
-        self._bimodal = False
+        self.preemption = o.preemption
+        self.chunk_size = o.chunk
+        self.max_suspension = o.max_suspension
+        self.ordering = SEDFOrdering(self, o.ordering, chunk=o.chunk if o.preemption == "chunk" else None,
+                                     predictor=predictor, cost_model=cost_model)
+        self.lanes = BimodalLanes(o.boundary, o.window, o.min_share, o.long_factor, enabled=o.lanes)
+        self.batcher = SLOAwareBatching(self, self.ordering, enabled=o.batching, granularity=o.preemption,
+                                        chunk=o.chunk, lanes=self.lanes)
+        self.tasks = PreemptiveTasks(self, self.ordering, self.batcher, granularity=o.preemption,
+                                     max_suspension=o.max_suspension)
+
+    def bind_cost_model(self, cost_model: Any) -> None:
+        """Fit the TTFT polynomial to the instance's cost model unless a predictor was given."""
+        self.ordering.bind_cost_model(cost_model)
 
     @property
     def bimodal(self) -> bool:
         """Whether the recent prompt lengths are bimodal (lanes in force)."""
-        return self._bimodal
+        return self.lanes.bimodal
 
+    # ---- the components' state, as the scheduler's (tests, benchmarks) ----------------------
+    @property
+    def predict(self):
+        return self.ordering.predict
+
+    @property
+    def waiting(self) -> dict[int, Request]:
+        return self.ordering.waiting
+
+    @property
+    def parked(self) -> dict[int, PrefillTask]:
+        return self.tasks.parked
+
+    @property
+    def running(self) -> PrefillTask | None:
+        return self.tasks.running
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.tasks.num_preemptions
+
+    # ---- queues ----------------------------------------------------------------------------
     def _push(self, req: Request, now: float) -> None:
-        self._lengths.add(req.prompt_len - self.cached_prefix(req))
-        self._bimodal = self.lanes_on and self._lengths_bimodal()
-        super()._push(req, now)
+        self.lanes.observe(req.prompt_len - self.cached_prefix(req))
+        self.ordering.wait(req)
 
-    def _lengths_bimodal(self) -> bool:
-        """Kept as arrivals come (a window of up to ``window`` lengths, sorted), so a decision
-        costs O(1), not a pass and a sort over the window."""
-        lengths = self._lengths
-        size = len(lengths)
-        if size < 16:
-            return False
-        short = lengths.count_below(self.boundary)
-        share = 1 - (size - short) / size
-        if not self.min_share <= share <= 1 - self.min_share:
-            return False
-        return lengths.median(short) >= self.long_factor * self.boundary    # the long lengths' median
+    def _remove(self, req: Request) -> None:
+        self.ordering.unwait(req.request_id)
+        self.tasks.drop(req)
 
-    def _candidates(self, walk, head_key, bound):
-        """Algorithm 1's candidates, only from the head's lane while lanes are in force: the other
-        lane's requests would all be refused by :meth:`_may_join`, and refusing them changes
-        nothing Algorithm 1 decides (its batch and its stopping test move only when a request
-        joins), so they are not walked one by one (a long head behind thousands of short prompts)."""
-        if not self._bimodal:
-            return super()._candidates(walk, head_key, bound)
-        head = self.requests[head_key[3]]
-        boundary = self.boundary
-        if head.remaining_prefill < boundary:
-            return self._queue.ordered_below(head_key, lambda: min(bound(), boundary))
-        return self._queue.ordered_below(head_key, bound, floor=boundary)
+    @property
+    def num_running(self) -> int:
+        return self.tasks.num_running
 
-    def _may_join(self, head: Request, req: Request) -> bool:
-        if not self._bimodal:
-            return True
-        return (head.remaining_prefill < self.boundary) == (req.remaining_prefill < self.boundary)
+    # ---- Algorithm 2 (S-EDF's) -------------------------------------------------------------
+    def next_wakeup(self) -> float | None:
+        return self.tasks.next_wakeup()
+
+    def should_preempt(self, running: StepPlan, now: float) -> bool:
+        return self.tasks.should_preempt(running, now)
+
+    def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
+        return self.tasks.schedule(now, self.token_budget if token_budget is None else token_budget)
+
+    # ---- results ---------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
+        self.tasks.on_step(plan, result, now)
+        return super().update(plan, result, now)
+
+    def _after_update(self, plan: StepPlan, outcome: StepOutcome, now: float) -> None:
+        super()._after_update(plan, outcome, now)
+        self.tasks.after_step(plan)

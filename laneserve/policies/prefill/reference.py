@@ -16,29 +16,36 @@ from laneserve.policies.prefill.kairos import KairosPrefill
 from laneserve.policies.prefill.laps import LapsPrefill
 from laneserve.policies.prefill.laps_lanes import Lane
 from laneserve.policies.prefill.priority import PriorityKey
+from laneserve.policies.prefill.sedf_ordering import SEDFOrdering
+
+
+class ScanSEDFOrdering(SEDFOrdering):
+    """The S-EDF ordering with a full sort of the waiting requests per decision and Algorithm 1
+    walking every candidate."""
+
+    def wait(self, req: Request) -> None:
+        self.waiting[req.request_id] = req
+
+    def unwait(self, request_id: int) -> None:
+        self.waiting.pop(request_id, None)
+
+    def ranked(self, now: float) -> Iterator[tuple[PriorityKey, Request]]:
+        return iter(sorted(((self.req_key(r, now), r) for r in self.waiting.values()), key=lambda kr: kr[0]))
+
+    def best_key(self, now: float) -> PriorityKey | None:
+        return min((self.req_key(r, now) for r in self.waiting.values()), default=None)
+
+    def batch_closed(self, tokens: int, limit: int, t_remain: float) -> bool:
+        return False
+
+    def candidates(self, walk, head_key, bound):
+        return (r for _, r in walk)
 
 
 class FlowPrefillReference(FlowPrefillScheduler):
-    """S-EDF (and its orderings) with a full sort of the waiting requests per decision and
-    Algorithm 1 walking every candidate."""
+    """S-EDF (and its orderings) holding the scanning ordering."""
 
-    def _wait(self, req: Request) -> None:
-        self.waiting[req.request_id] = req
-
-    def _unwait(self, request_id: int) -> None:
-        self.waiting.pop(request_id, None)
-
-    def _waiting_ranked(self, now: float) -> Iterator[tuple[PriorityKey, Request]]:
-        return iter(sorted(((self._req_key(r, now), r) for r in self.waiting.values()), key=lambda kr: kr[0]))
-
-    def _waiting_best_key(self, now: float) -> PriorityKey | None:
-        return min((self._req_key(r, now) for r in self.waiting.values()), default=None)
-
-    def _batch_closed(self, tokens: int, limit: int, t_remain: float) -> bool:
-        return False
-
-    def _candidates(self, walk, head_key, bound):
-        return (r for _, r in walk)
+    ordering_class = ScanSEDFOrdering
 
 
 class KairosPrefillReference(KairosPrefill):

@@ -1,0 +1,186 @@
+"""FlowPrefill's Execution Pool with operator-level preemption (§4, §5.1) and its event-driven
+scheduling (Algorithm 2): the component :class:`PreemptiveTasks`, held as ``self.tasks`` by both
+``sedf`` (:mod:`.flowprefill`) and ``adaptive`` (:mod:`.adaptive`).
+
+- On an *arrival* while a preemptible step runs, the instance loop asks :meth:`should_preempt`:
+  rank ``waiting ∪ preempted ∪ {running}``; True when the top is not the running task. The
+  executor then stops at the next operator (or layer) boundary and the scheduler's ``update``
+  (``completed=False``) parks the task (``Q_p``) with its plan (:meth:`on_step`).
+- On a *completion* (or right after a preemption) :meth:`schedule` ranks ``waiting ∪ preempted``:
+  a parked top is resumed by returning the same :class:`StepPlan` object (the executor continues
+  from ``plan.ops_done``); a waiting top ``H`` is batched by Algorithm 1
+  (:class:`~.slo_batching.SLOAwareBatching`) and submitted.
+- Bound on every suspension (docs/design.md): a task parked for ``max_suspension`` seconds is
+  resumed ahead of any priority; :meth:`next_wakeup` names that moment. A task resumed this way
+  is not preempted for priority again (only for another overdue task).
+- ``granularity="chunk"`` or ``"none"``: nothing is preempted inside a step.
+
+The ranking is the ordering's (:class:`~.sedf_ordering.SEDFOrdering`): a task's key is its
+head's, with the head's token count set to the batch's remaining time (Algorithm 1 line 11).
+Aborting a member of a parked batch discards the batch (:meth:`drop`): its other members go back
+to waiting and the plan is listed in the host's ``dropped_plans``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from laneserve.core.plan import StepPlan, StepResult
+from laneserve.core.request import Phase, Request
+from laneserve.policies.options import above, at_least
+from laneserve.policies.prefill.sedf_ordering import SEDFOrdering
+from laneserve.policies.prefill.slo_batching import SLOAwareBatching
+
+Granularity = Literal["operator", "layer", "chunk", "none"]
+GRANULARITIES = get_args(Granularity)
+
+
+def check_sedf_options(o: Any) -> None:
+    """The checks of the options every S-EDF scheduler declares (``chunk``, ``max_suspension``)."""
+    at_least(o, "chunk", 1)
+    above(o, "max_suspension", 0)
+
+
+@dataclass(slots=True, eq=False)
+class PrefillTask:
+    """One execution task of the Execution Pool (§4): a submitted batch and its progress."""
+
+    plan: StepPlan
+    head: Request
+    tokens: int                      # new tokens of the batch (H.num_tokens after Algorithm 1)
+    predicted: float                 # TTFT̂(tokens) when submitted
+    run_since: float = 0.0           # start of the current run
+    executed: float = 0.0            # seconds run before the current run
+    suspended_at: float | None = None
+    forced: bool = False             # resumed by the suspension bound
+
+    def remaining(self, now: float, running: bool) -> float:
+        done = self.executed + (now - self.run_since if running else 0.0)
+        return self.predicted - done if self.predicted > done else 0.0
+
+
+class PreemptiveTasks:
+    """The running task ``E`` and the parked tasks ``Q_p`` of one prefill instance, with
+    Algorithm 2's two events. ``host`` is the scheduler (KV admission, ``pending``,
+    ``dropped_plans``, its name)."""
+
+    def __init__(self, host: Any, ordering: SEDFOrdering, batcher: SLOAwareBatching, *,
+                 granularity: Granularity, max_suspension: float) -> None:
+        self.host = host
+        self.ordering = ordering
+        self.batcher = batcher
+        self.granularity = granularity
+        self.max_suspension = max_suspension
+        self.parked: dict[int, PrefillTask] = {}       # Q_p: plan_id -> preempted task
+        self.running: PrefillTask | None = None        # E
+        self.num_preemptions = 0
+        self.num_forced_resumes = 0
+        self.suspensions: list[float] = []             # how long each resumed task was parked
+
+    @property
+    def num_running(self) -> int:
+        return 0 if self.running is None else len(self.running.plan.prefills)
+
+    def drop(self, req: Request) -> None:
+        """``req`` left the instance: a parked batch holding it is given up, its other members
+        wait again."""
+        host = self.host
+        for pid, task in list(self.parked.items()):
+            if any(c.request is req for c in task.plan.prefills):
+                del self.parked[pid]
+                host.dropped_plans.append(task.plan)
+                for c in task.plan.prefills:
+                    if c.request is not req and c.request.request_id in host.pending:
+                        c.request.phase = Phase.PREFILLING
+                        self.ordering.wait(c.request)
+
+    def _overdue(self, now: float) -> PrefillTask | None:
+        """The longest-parked task whose suspension bound has expired."""
+        best = None
+        for task in self.parked.values():
+            if now >= task.suspended_at + self.max_suspension and (     # same float as next_wakeup
+                    best is None or task.suspended_at < best.suspended_at):
+                best = task
+        return best
+
+    def next_wakeup(self) -> float | None:
+        if not self.parked:
+            return None
+        return min(t.suspended_at for t in self.parked.values()) + self.max_suspension
+
+    # ---- Algorithm 2: the arrival event while a task runs ----------------------------------
+    def should_preempt(self, running: StepPlan, now: float) -> bool:
+        task = self.running
+        if task is None or task.plan is not running or self.granularity in ("chunk", "none"):
+            return False
+        if self._overdue(now) is not None:
+            return True
+        if task.forced:
+            return False
+        ordering = self.ordering
+        top = ordering.task_key(task, now, True)
+        if any(ordering.task_key(t, now, False) < top for t in self.parked.values()):
+            return True
+        best = ordering.best_key(now)
+        return best is not None and best < top
+
+    # ---- Algorithm 2: the completion event (and after a preemption) ------------------------
+    def schedule(self, now: float, budget: int) -> StepPlan | None:
+        overdue = self._overdue(now)
+        if overdue is not None:
+            self.num_forced_resumes += 1
+            return self._resume(overdue, now, forced=True)
+        ordering = self.ordering
+        parked = min(((ordering.task_key(t, now, False), t) for t in self.parked.values()),
+                     key=lambda item: item[0], default=None)
+        walk = ordering.ranked(now)
+        for key, req in walk:                 # waiting requests merged with the best parked task
+            if parked is not None and parked[0] < key:
+                return self._resume(parked[1], now, forced=False)
+            if self.host.admit(req, now):
+                plan, tokens = self.batcher.submit(req, key, walk, now, budget)
+                self.running = PrefillTask(plan, req, tokens, ordering.predict(tokens), run_since=now)
+                return plan
+        if parked is not None:
+            return self._resume(parked[1], now, forced=False)
+        return None        # nothing fits in KV memory now; a completion will free some
+
+    def _resume(self, task: PrefillTask, now: float, *, forced: bool) -> StepPlan:
+        del self.parked[task.plan.plan_id]
+        self.suspensions.append(now - task.suspended_at)
+        task.suspended_at = None
+        task.run_since = now
+        task.forced = forced
+        for c in task.plan.prefills:
+            c.request.phase = Phase.PREFILLING
+        self.running = task
+        return task.plan
+
+    # ---- results ---------------------------------------------------------------------------
+    def on_step(self, plan: StepPlan, result: StepResult, now: float) -> None:
+        """A step ended (before the host advances its requests): a preempted task is parked; a
+        completed first run teaches an online predictor."""
+        task = self.running
+        if task is not None and task.plan is plan:
+            self.running = None
+        if not result.completed:
+            if task is None or task.plan is not plan:
+                raise RuntimeError(f"{self.host.name}: a plan it is not running was preempted")
+            task.executed += now - task.run_since
+            task.suspended_at = now
+            task.forced = False
+            self.parked[plan.plan_id] = task
+            self.num_preemptions += 1
+            for c in plan.prefills:
+                c.request.num_preemptions += 1
+        elif self.ordering.online and task is not None and task.executed == 0.0:
+            self.ordering.predict.observe(plan.num_prefill_tokens, result.duration)   # type: ignore[attr-defined]
+
+    def after_step(self, plan: StepPlan) -> None:
+        """Chunk granularity: the rest of an unfinished prompt waits again."""
+        pending = self.host.pending
+        for c in plan.prefills:
+            req = c.request
+            if not req.prefill_done and req.request_id in pending:
+                self.ordering.wait(req)
