@@ -217,13 +217,7 @@ def plot_plan(path: Path, result, curve: list[dict] | None, title: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
     from laneserve.bench.parallel import workers
-    from laneserve.bench.progress import progress_bar
-    from laneserve.bench.report import format_console_table
-    from laneserve.bench.results import markdown_table, write_result
-    from laneserve.plan import attainment_curve, layout_of, plan, serve_command
     from laneserve.plan.planner import WorkloadShape
 
     try:
@@ -240,6 +234,23 @@ def run(args: argparse.Namespace) -> int:
           + f"; target {spec.target:g}; {goal}; model {spec.model} on {','.join(spec.gpus)}, engine {spec.engine}",
           file=sys.stderr)
     t0 = time.perf_counter()
+    result, curve = _search(args, spec, jobs)
+    search_s = time.perf_counter() - t0
+    rows = table_rows(result)
+    deploy = _print_result(args, spec, result, rows, search_s)
+    args.output.mkdir(parents=True, exist_ok=True)
+    png = plot_plan(args.output / f"{args.name}.png", result, curve,
+                    f"laneserve plan: {wl.name} ({len(wl)} requests), {spec.model}, {goal}, engine {spec.engine}")
+    path = _write_plan(args, spec, result, rows, curve, deploy, slos, png, search_s)
+    print(f"wrote {path}, {args.output / (args.name + '.md')}, {png} in {search_s:.1f} s", file=sys.stderr)
+    return 0 if result.winner is not None else 1
+
+
+def _search(args: argparse.Namespace, spec, jobs):
+    """(the plan's result, the winner's attainment curve or None), with a progress bar."""
+    from laneserve.bench.progress import progress_bar
+    from laneserve.plan import attainment_curve, layout_of, plan
+
     bar = progress_bar(total=min(spec.max_sims, 1), desc="planning", enabled=False if args.no_progress else None)
     last = [0]
 
@@ -255,8 +266,15 @@ def run(args: argparse.Namespace) -> int:
         base = spec.rate if spec.rate is not None else result.winner["goodput"]
         rates = [round(base * f, 3) for f in (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)]
         curve = attainment_curve(spec, layout_of(result.winner), rates, jobs=jobs)
-    search_s = time.perf_counter() - t0
-    rows = table_rows(result)
+    return result, curve
+
+
+def _print_result(args: argparse.Namespace, spec, result, rows: list[dict], search_s: float) -> dict | None:
+    """Print the ranked table, the search's statistics and the winner's serve command (returned
+    as ``serve_command``'s dict; None without a winner)."""
+    from laneserve.bench.report import format_console_table
+    from laneserve.plan import layout_of, serve_command
+
     print(format_console_table(rows[:args.top], [c for c in COLUMNS]))
     print(f"{result.considered} layouts in the search space, {result.simulated} simulated "
           f"({result.simulations} runs), {result.pruned} ruled out by the analytic bound and the "
@@ -271,9 +289,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("no layout met the targets within the search limits (raise --max-gpus / --max-sims, "
               "or relax the SLOs)")
-    args.output.mkdir(parents=True, exist_ok=True)
-    png = plot_plan(args.output / f"{args.name}.png", result, curve,
-                    f"laneserve plan: {wl.name} ({len(wl)} requests), {spec.model}, {goal}, engine {spec.engine}")
+    return deploy
+
+
+def _write_plan(args: argparse.Namespace, spec, result, rows: list[dict], curve, deploy, slos: dict, png: Path,
+                search_s: float) -> Path:
+    """The result JSON and markdown (ranked layouts, deploy command, winner's curve) into ``--output``."""
+    import json
+    import shlex
+
+    from laneserve.bench.results import markdown_table, write_result
+
+    wl = spec.workload
     headline = {"search_seconds": round(search_s, 2), "layouts_considered": result.considered,
                 "layouts_ruled_out_unsimulated": result.pruned, "layouts_simulated": result.simulated,
                 "simulator_runs": result.simulations}
@@ -293,9 +320,6 @@ def run(args: argparse.Namespace) -> int:
                       "budget": spec.budget, "target": spec.target, "class_targets": spec.class_targets,
                       "workload": wl.name, "requests": len(wl),
                       "slos": {k: {"ttft": s.ttft, "tpot": s.tpot} for k, s in slos.items()}}}
-    import shlex
     command = "laneserve " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["plan"] else None
-    path = write_result(args.name, headline, markdown=md, extra=json.loads(json.dumps(extra, default=str)),
+    return write_result(args.name, headline, markdown=md, extra=json.loads(json.dumps(extra, default=str)),
                         results_dir=args.output, command=command)
-    print(f"wrote {path}, {args.output / (args.name + '.md')}, {png} in {search_s:.1f} s", file=sys.stderr)
-    return 0 if result.winner is not None else 1

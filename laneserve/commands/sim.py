@@ -22,6 +22,14 @@ DEFAULT_POLICIES = "adaptive+adaptive,fcfs+continuous,cp-edf-2k+continuous,cp-ed
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sim", help="simulate a cluster and compare scheduling policies",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_workload_flags(p)
+    _add_cluster_flags(p)
+    _add_cost_model_flags(p)
+    _add_output_flags(p)
+    p.set_defaults(func=run)
+
+
+def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
     src.add_argument("--trace", type=Path, help="Azure-format CSV or Mooncake-format JSONL (.gz ok); its SLOs: "
@@ -40,6 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--ttft-slo", type=float, help="TTFT target in seconds (overrides the workload's)")
     w.add_argument("--tpot-slo", type=float, help="TPOT target in seconds (overrides the workload's)")
     w.add_argument("--slo-scale", type=float, default=1.0, help="multiply every SLO by this factor")
+
+
+def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cluster")
     c.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma-separated policy sets to compare: PREFILL+DECODE, or colocated[:opts] "
@@ -64,6 +75,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "capacity) for policies run with prefix_caching=true; default: idealised "
                         "(a request's prefix counts as cached wherever it lands)")
     c.add_argument("--kv-link", default="nvlink", help="prefill->decode KV link (nvlink, infiniband, pcie)")
+
+
+def _add_cost_model_flags(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("cost model")
     m.add_argument("--cost-model", default="analytic", help="analytic | fitted | linear")
     m.add_argument("--model", default="llama-3-8b", help="model spec (see --list)")
@@ -75,6 +89,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="whose kernels the analytic model charges: legacy (default: the original "
                         "constants) | vllm | sglang | trtllm (fitted on aiconfigurator's measured "
                         "operators: split-KV decode, FlashAttention-3, custom all-reduce) | laneserve")
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--goodput", action="store_true",
                    help="also search each policy's goodput (highest rate with >= 90%% attainment)")
@@ -95,7 +112,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--list", action="store_true", help="list workloads, policies, models and exit")
     o.add_argument("--list-policies", action="store_true",
                    help="list every policy with its options and their defaults, and its presets, and exit")
-    p.set_defaults(func=run)
 
 
 def _list() -> None:
@@ -128,51 +144,84 @@ def run(args: argparse.Namespace) -> int:
     if args.list_policies:
         _list_policies()
         return 0
-    from laneserve.bench.experiment import (policy_config, policy_goodput, policy_slo_scale,
-                                           split_policy_sets, sweep, validate)
-    from laneserve.bench.parallel import map_jobs, workers
+    from laneserve.bench.experiment import sweep
+    from laneserve.bench.parallel import workers
     from laneserve.bench.progress import progress_bar
-    from laneserve.commands.common import load_workload
-    from laneserve.bench.report import format_console_table, write_report
-    from laneserve.costmodel import make_cost_model
-    from laneserve.sim import ClusterConfig
-    from laneserve.sim.config import decode_router_name
-    from laneserve.workloads import IdleLatencySLO
+    from laneserve.bench.report import format_console_table
 
     try:
-        wl = load_workload(args, apply_slo_scale=False)
-        cost = make_cost_model(args.cost_model, model=args.model, hardware=args.hardware, tp=args.tp,
-                               attention=args.attention,
-                               profile=str(args.profile) if args.profile else None,
-                               engine=args.engine)
-        base = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.prefill,
-                             router=args.router, decode_router=args.decode_router,
-                             host_kv_tokens=args.host_kv_tokens, kv_link=args.kv_link,
-                             prefix_cache_tokens=args.prefix_cache_tokens, predictor=args.predictor,
-                             max_model_len=args.max_model_len)
-        slo_rule = None
-        if args.trace is not None:       # one rule for any trace file, on the run's cost model
-            wl = IdleLatencySLO().apply(wl, cost, ttft=args.ttft_slo, tpot=args.tpot_slo)
-            slo_rule = wl.meta["slo_rule"]
-        policies = {spec: policy_config(spec, base) for spec in split_policy_sets(args.policies)}
-        if not policies:
-            raise ValueError("--policies names no policy set")
-        for config in policies.values():
-            validate(config, cost)
-        if args.rate is not None:
-            rates = [args.rate]
-        elif args.rates:
-            rates = [float(x) for x in args.rates.split(",")]
-        else:
-            r0 = wl.mean_rate * max(1, args.prefill)
-            rates = [round(r0 * f, 2) for f in (1, 2, 4, 6)]
-        if not rates or min(rates) <= 0:
-            raise ValueError("request rates must be > 0")
+        wl, cost, base, policies, slo_rule = _setup(args)
+        rates = _rates(args, wl)
         jobs = workers(args.jobs, args.ray_address)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
+    _print_setup(args, wl, cost, base, policies)
+    t0 = time.perf_counter()
+    bar = progress_bar(total=len(policies) * len(rates), desc=f"simulating ({jobs if args.ray_address else f'{jobs} jobs'})",
+                       enabled=False if args.no_progress else None)
+    rows = sweep(wl, policies, rates, cost, slo_scale=args.slo_scale, on_point=lambda *_: bar.update(1), jobs=jobs)
+    bar.close()
+    goodputs, scales = _searches(args, wl, policies, cost, rates, jobs)
+    cols = ["policy", "rate", "attainment_ttft", "attainment_tpot", "attainment_both", "p90_ttft_ms",
+            "p99_ttft_ms", "p90_tpot_ms", "output_throughput", "rejected"]
+    print(format_console_table(rows, cols))
+    if slo_rule is not None:
+        print(f"SLO rule (--trace): {slo_rule}")
+    paths = _write_report(args, rows, wl, cost, slo_rule, goodputs, scales, rates)
+    print(f"wrote {', '.join(str(p) for p in paths.values())} in {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr)
+    return 0
+
+
+def _setup(args: argparse.Namespace):
+    """(workload, cost model, base cluster config, {spec: config} of the policy sets, the trace's
+    SLO rule or None) from the flags; ValueError on bad input."""
+    from laneserve.bench.experiment import policy_config, split_policy_sets, validate
+    from laneserve.commands.common import load_workload
+    from laneserve.costmodel import make_cost_model
+    from laneserve.sim import ClusterConfig
+    from laneserve.workloads import IdleLatencySLO
+
+    wl = load_workload(args, apply_slo_scale=False)
+    cost = make_cost_model(args.cost_model, model=args.model, hardware=args.hardware, tp=args.tp,
+                           attention=args.attention,
+                           profile=str(args.profile) if args.profile else None,
+                           engine=args.engine)
+    base = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.prefill,
+                         router=args.router, decode_router=args.decode_router,
+                         host_kv_tokens=args.host_kv_tokens, kv_link=args.kv_link,
+                         prefix_cache_tokens=args.prefix_cache_tokens, predictor=args.predictor,
+                         max_model_len=args.max_model_len)
+    slo_rule = None
+    if args.trace is not None:       # one rule for any trace file, on the run's cost model
+        wl = IdleLatencySLO().apply(wl, cost, ttft=args.ttft_slo, tpot=args.tpot_slo)
+        slo_rule = wl.meta["slo_rule"]
+    policies = {spec: policy_config(spec, base) for spec in split_policy_sets(args.policies)}
+    if not policies:
+        raise ValueError("--policies names no policy set")
+    for config in policies.values():
+        validate(config, cost)
+    return wl, cost, base, policies, slo_rule
+
+
+def _rates(args: argparse.Namespace, wl) -> list[float]:
+    """The request rates to sweep: the flags', else 1, 2, 4 and 6 x the workload's own rate (x prefill instances)."""
+    if args.rate is not None:
+        rates = [args.rate]
+    elif args.rates:
+        rates = [float(x) for x in args.rates.split(",")]
+    else:
+        r0 = wl.mean_rate * max(1, args.prefill)
+        rates = [round(r0 * f, 2) for f in (1, 2, 4, 6)]
+    if not rates or min(rates) <= 0:
+        raise ValueError("request rates must be > 0")
+    return rates
+
+
+def _print_setup(args: argparse.Namespace, wl, cost, base, policies: dict) -> None:
+    from laneserve.sim.config import decode_router_name
     print(f"workload: {wl.name}, {len(wl)} requests, native rate {wl.mean_rate:.2f} req/s; "
           f"cost model: {cost!r}; predictor: {args.predictor}", file=sys.stderr)
     if args.decode_router == "auto" and base.mode == "disaggregated":
@@ -180,11 +229,12 @@ def run(args: argparse.Namespace) -> int:
                    if config.mode == "disaggregated"}
         print("decode router (auto): " + ", ".join(f"{spec} -> {name}" for spec, name in routers.items()),
               file=sys.stderr)
-    t0 = time.perf_counter()
-    bar = progress_bar(total=len(policies) * len(rates), desc=f"simulating ({jobs if args.ray_address else f'{jobs} jobs'})",
-                       enabled=False if args.no_progress else None)
-    rows = sweep(wl, policies, rates, cost, slo_scale=args.slo_scale, on_point=lambda *_: bar.update(1), jobs=jobs)
-    bar.close()
+
+
+def _searches(args: argparse.Namespace, wl, policies: dict, cost, rates: list[float], jobs) -> tuple[dict, dict]:
+    """({policy: goodput}, {policy: tightest SLO scale}) for the searches the flags ask for ({} otherwise)."""
+    from laneserve.bench.experiment import policy_goodput, policy_slo_scale
+    from laneserve.bench.parallel import map_jobs
     goodputs = {}
     if args.goodput:
         found = map_jobs(policy_goodput, [(wl, config, cost, min(rates) / 4, max(rates) * 4, args.target,
@@ -201,11 +251,14 @@ def run(args: argparse.Namespace) -> int:
             scales[name] = res.value
             print(f"tightest SLO scale[{name}] at {rates[0]} req/s = "
                   f"{res.value if res.value is not None else 'not met'} ({res.evals} runs)", file=sys.stderr)
-    cols = ["policy", "rate", "attainment_ttft", "attainment_tpot", "attainment_both", "p90_ttft_ms",
-            "p99_ttft_ms", "p90_tpot_ms", "output_throughput", "rejected"]
-    print(format_console_table(rows, cols))
-    if slo_rule is not None:
-        print(f"SLO rule (--trace): {slo_rule}")
+    return goodputs, scales
+
+
+def _write_report(args: argparse.Namespace, rows, wl, cost, slo_rule, goodputs: dict, scales: dict,
+                  rates: list[float]) -> dict:
+    """JSON, markdown and PNG into ``--output``; the JSON's metrics carry the predictor, the SLO
+    rule and the searches' results."""
+    from laneserve.bench.report import write_report
     paths = write_report(args.output, args.name, rows, y_keys=("attainment_ttft", "attainment_both"),
                          title=f"{wl.name} on {cost!r}")
     data = json.loads(paths["json"].read_text())
@@ -217,6 +270,4 @@ def run(args: argparse.Namespace) -> int:
     if scales:
         data["metrics"]["tightest_slo_scale"] = {"rate": rates[0], **scales}
     paths["json"].write_text(json.dumps(data, indent=2) + "\n")
-    print(f"wrote {', '.join(str(p) for p in paths.values())} in {time.perf_counter() - t0:.1f} s",
-          file=sys.stderr)
-    return 0
+    return paths
