@@ -59,6 +59,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from laneserve.commands.flag_names import add_slo_target_flags
+
 
 COMPARE_KEYS = ("completed", "request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
                 "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "attainment_ttft",
@@ -119,8 +121,7 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--burstiness", type=float, default=1.0,
                    help="dataset arrivals: gamma shape (1 = Poisson, < 1 burstier, > 1 more even)")
     w.add_argument("--max-concurrency", type=int, default=None)
-    w.add_argument("--ttft-slo", type=float, help="TTFT target (s) for every request")
-    w.add_argument("--tpot-slo", type=float, help="TPOT target (s) for every request")
+    add_slo_target_flags(w, "every request")
     w.add_argument("--slo-scale", type=float, default=1.0)
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--vocab-size", type=int, default=None, help="prompt token ids below this (default: server's)")
@@ -173,7 +174,7 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     o.add_argument("--target", type=float, default=0.9, help="attainment target for goodput")
     o.add_argument("--goodput", nargs="+", metavar="METRIC:MS", default=None,
                    help="vLLM's goodput SLOs, e.g. ttft:500 tpot:50 e2el:4000 (also the requests' SLOs "
-                        "unless --ttft-slo / --tpot-slo)")
+                        "unless --ttft-slo-ms / --tpot-slo-ms)")
     o.add_argument("--percentile-metrics", default=None,
                    help=f"metrics shown with percentiles, comma-separated ({','.join(PERCENTILE_METRICS)}; "
                         "default: all)")

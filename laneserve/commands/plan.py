@@ -1,10 +1,10 @@
 """``laneserve plan``: the cheapest deployment that serves a workload within its SLOs.
 
 Give a workload (``--trace``, or a bundled ``--workload`` with ``--workload-opt``; ``--arrival``
-replaces its arrival process), its SLOs (the workload's own, ``--ttft-slo``/``--tpot-slo`` for
+replaces its arrival process), its SLOs (the workload's own, ``--ttft-slo-ms``/``--tpot-slo-ms`` for
 every request, or ``--slo-class NAME:ttft_ms=X,tpot_ms=Y[,target=F]`` per class; ``--target``: the
 fraction of each class's requests that must meet both), a model and GPU types, and either a
-target rate (``--rate``: the fewest GPUs) or a GPU budget (``--budget``: the most goodput).
+target rate (``--request-rate``: the fewest GPUs) or a GPU budget (``--budget``: the most goodput).
 
 The search covers colocated and disaggregated layouts, prefill:decode instance counts, the TP
 degree of each role, decode batch caps, prefill chunk sizes and policy presets (adaptive and the
@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from laneserve.commands.flag_names import add_slo_target_flags, renamed
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="find the cheapest deployment meeting a workload's SLOs",
@@ -32,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w = p.add_argument_group("workload and SLOs")
     src = w.add_mutually_exclusive_group()
     src.add_argument("--trace", type=Path, help="Azure-format CSV or Mooncake-format JSONL (.gz ok); SLOs "
-                     "by laneserve sim's rule for traces unless --ttft-slo/--tpot-slo/--slo-class")
+                     "by laneserve sim's rule for traces unless --ttft-slo-ms/--tpot-slo-ms/--slo-class")
     src.add_argument("--workload", default="azure_conv", help="bundled workload (laneserve sim --list)")
     w.add_argument("--workload-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="option of the bundled workload (repeatable)")
@@ -41,16 +43,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="replace the arrival process (default: the workload's own arrivals, rescaled)")
     w.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma arrivals (> 1: bursty)")
     w.add_argument("--seed", type=int, default=0, help="seed of --arrival")
-    w.add_argument("--ttft-slo", type=float, help="TTFT target (s) of every request")
-    w.add_argument("--tpot-slo", type=float, help="TPOT target (s) of every request")
+    add_slo_target_flags(w, "every request")
     w.add_argument("--slo-class", action="append", default=[], metavar="NAME:ttft_ms=X,tpot_ms=Y[,target=F]",
                    help="SLO (and attainment target) of one request class (repeatable)")
     w.add_argument("--target", type=float, default=0.9,
                    help="fraction of each class's requests that must meet TTFT and TPOT (default 0.9)")
     g = p.add_argument_group("objective")
     obj = g.add_mutually_exclusive_group()
-    obj.add_argument("--rate", type=float, help="target request rate (req/s): minimise GPUs "
-                     "(default: the workload's own mean rate)")
+    obj.add_argument("--request-rate", dest="rate", type=float, metavar="RATE",
+                     help="target request rate (req/s): minimise GPUs (default: the workload's own mean rate)")
+    renamed(obj, "--rate", canonical="--request-rate", dest="rate", type=float)
     obj.add_argument("--budget", type=int, help="GPU budget: maximise goodput within it")
     s = p.add_argument_group("search space")
     s.add_argument("--model", default="llama-3.1-8b", help="model spec (laneserve sim --list)")
@@ -62,9 +64,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="policy presets: adaptive, fcfs, cp-edf (disaggregated), colocated")
     s.add_argument("--max-batch", default="64,256", help="decode batch caps to try (default 64,256)")
     s.add_argument("--chunks", default="2048", help="prefill chunk sizes / token budgets to try (default 2048)")
-    s.add_argument("--max-gpus", type=int, default=64, help="largest layout considered with --rate")
+    s.add_argument("--max-gpus", type=int, default=64, help="largest layout considered with --request-rate")
     s.add_argument("--max-sims", type=int, default=150, help="at most this many layouts simulated")
-    s.add_argument("--router", default="round-robin", help="prefill router of every layout")
+    s.add_argument("--router-policy", dest="router", default="round-robin", help="prefill router of every layout")
+    renamed(s, "--router", canonical="--router-policy", dest="router")
     s.add_argument("--prune-slack", type=float, default=1.0,
                    help="prune a layout when its bound x this is below the rate needed (> 1: prune less)")
     o = p.add_argument_group("output")

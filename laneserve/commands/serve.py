@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from laneserve.commands.argtypes import at_least, fraction
+from laneserve.commands.flag_names import renamed
 
 from laneserve.commands.vllm_flags import add_vllm_flags, apply_vllm_flags
 
@@ -94,10 +95,12 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     c.add_argument("--prefill-policy", default="adaptive",
                    help="prefill policy spec (default adaptive; laneserve sim --list)")
     c.add_argument("--decode-policy", default="adaptive", help="decode policy spec (default adaptive)")
-    c.add_argument("--router-policy", "--router", dest="router", default="round-robin", help="prefill router")
-    c.add_argument("--decode-router-policy", "--decode-router", dest="decode_router", default="auto",
+    c.add_argument("--router-policy", dest="router", default="round-robin", help="prefill router")
+    renamed(c, "--router", canonical="--router-policy", dest="router")
+    c.add_argument("--decode-router-policy", dest="decode_router", default="auto",
                    help="decode router (default auto: the decode policy's own, tpot-aware for adaptive, "
                         "else least-loaded)")
+    renamed(c, "--decode-router", canonical="--decode-router-policy", dest="decode_router")
     c.add_argument("--devices", default="cpu", help="comma-separated devices, assigned to instances in turn")
     c.add_argument("--kv-tokens", type=at_least(16), default=65536, help="KV-cache tokens per instance")
     c.add_argument("--kv-transport", default=None,
@@ -116,7 +119,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     e.add_argument("--threads", type=at_least(1), default=1, help="torch threads per instance (CPU)")
     e.add_argument("--max-num-batched-tokens", type=at_least(1), default=2048,
                    help="tokens one prefill step may take")
-    e.add_argument("--host-kv-blocks", type=at_least(0), default=0, help="host KV pool blocks per decode instance")
+    e.add_argument("--host-kv-tokens", type=at_least(0), default=0,
+                   help="host KV pool per decode instance, in tokens (whole --block-size blocks: rounded down)")
+    renamed(e, "--host-kv-blocks", canonical="--host-kv-tokens (tokens: blocks x --block-size)",
+            dest="host_kv_blocks", type=at_least(0))
     e.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler")
     e.add_argument("--no-prefix-caching", action="store_true",
                    help="keep no prompt KV across requests (default: prefill and colocated instances reuse "
@@ -280,10 +286,21 @@ def _check_deployment(args: argparse.Namespace) -> str:
     return transport
 
 
+def host_kv_blocks(args: argparse.Namespace) -> int:
+    """Host KV pool blocks per decode instance: ``--host-kv-tokens`` in whole ``--block-size``
+    blocks, or the old ``--host-kv-blocks`` as given (not both)."""
+    blocks = getattr(args, "host_kv_blocks", None)
+    if blocks is None:
+        return args.host_kv_tokens // args.block_size
+    if args.host_kv_tokens:
+        raise ValueError("--host-kv-blocks (deprecated) and --host-kv-tokens exclude each other")
+    return blocks
+
+
 def _engine_options(args: argparse.Namespace) -> dict:
     """Every instance's engine options, checked here for each device (not in each instance process)."""
     engine = {"dtype": args.dtype, "attention": args.attention, "num_threads": args.threads,
-              "max_num_batched_tokens": args.max_num_batched_tokens, "num_host_blocks": args.host_kv_blocks,
+              "max_num_batched_tokens": args.max_num_batched_tokens, "num_host_blocks": host_kv_blocks(args),
               "seed": args.seed, "cuda_graphs": True if args.cuda_graphs else False if args.enforce_eager else None, "prefix_caching": not args.no_prefix_caching,
               "block_size": args.block_size}
     if not args.stub:                       # engine options checked here, not in each instance process

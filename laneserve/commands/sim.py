@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from laneserve.commands.flag_names import add_slo_target_flags, renamed
+
 
 DEFAULT_POLICIES = "adaptive+adaptive,fcfs+continuous,cp-edf-2k+continuous,cp-edf-8k+continuous"
 
@@ -34,19 +36,19 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     src = w.add_mutually_exclusive_group()
     src.add_argument("--trace", type=Path, help="Azure-format CSV or Mooncake-format JSONL (.gz ok); its SLOs: "
                      "TTFT = max(0.4 s, 4 x the request's idle prefill time), TPOT = max(50 ms, 4 x its "
-                     "idle decode step), on the run's cost model (--ttft-slo/--tpot-slo replace a rule)")
+                     "idle decode step), on the run's cost model (--ttft-slo-ms/--tpot-slo-ms replace a rule)")
     src.add_argument("--workload", default="azure_conv",
                      help="named workload (default azure_conv); see --list")
     w.add_argument("--workload-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="option of a named workload, e.g. long_share=0.2 (repeatable)")
     w.add_argument("--num-requests", type=int, default=3000,
                    help="use the first N requests (default 3000; 0 = all)")
-    w.add_argument("--rates", "--request-rate", dest="rates", default=None,
+    w.add_argument("--request-rate", dest="rates", default=None, metavar="RATE[,RATE...]",
                    help="comma-separated request rates (req/s) to sweep; default: 4 rates around "
                         "the workload's own")
-    w.add_argument("--rate", type=float, help="a single request rate")
-    w.add_argument("--ttft-slo", type=float, help="TTFT target in seconds (overrides the workload's)")
-    w.add_argument("--tpot-slo", type=float, help="TPOT target in seconds (overrides the workload's)")
+    renamed(w, "--rates", canonical="--request-rate", dest="rates")
+    renamed(w, "--rate", canonical="--request-rate", dest="rate", type=float)
+    add_slo_target_flags(w, "every request (overrides the workload's)")
     w.add_argument("--slo-scale", type=float, default=1.0, help="multiply every SLO by this factor")
 
 
@@ -57,12 +59,14 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_POLICIES})")
     c.add_argument("--prefill", type=int, default=1, help="prefill instances (or colocated instances)")
     c.add_argument("--decode", type=int, default=1, help="decode instances")
-    c.add_argument("--router", "--router-policy", dest="router", default="round-robin", help="prefill router")
-    c.add_argument("--decode-router", "--decode-router-policy", dest="decode_router", default="auto",
+    c.add_argument("--router-policy", dest="router", default="round-robin", help="prefill router")
+    renamed(c, "--router", canonical="--router-policy", dest="router")
+    c.add_argument("--decode-router-policy", dest="decode_router", default="auto",
                    help="decode router (auto: the decode policy's own, adaptive -> tpot-aware; else least-loaded)")
+    renamed(c, "--decode-router", canonical="--decode-router-policy", dest="decode_router")
     c.add_argument("--host-kv-tokens", type=int, default=0,
-                   help="host KV pool per decode instance (default 0: none, except AlignedServe, which "
-                        "gets 250 GB of host memory per GPU: 2 TB / 8 GPUs of a DGX H100)")
+                   help="host KV pool per decode instance, in tokens (default 0: none, except AlignedServe, "
+                        "which gets 250 GB of host memory per GPU: 2 TB / 8 GPUs of a DGX H100)")
     c.add_argument("--predictor", choices=("online", "oracle", "profile"), default="online",
                    help="where SLO-aware policies get their latency predictions: online (default: "
                         "learned from each instance's own step times), oracle (the cost model that "
@@ -82,7 +86,9 @@ def _add_cost_model_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--cost-model", default="analytic", help="analytic | fitted | linear")
     m.add_argument("--model", default="llama-3-8b", help="model spec (see --list)")
     m.add_argument("--hardware", default="h100", help="h100 | h200 | a100")
-    m.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per instance")
+    m.add_argument("--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
+                   help="tensor-parallel degree per instance")
+    renamed(m, "--tp", canonical="--tensor-parallel-size", dest="tp", type=int)
     m.add_argument("--attention", default="ragged", help="decode attention kernel: ragged | padded")
     m.add_argument("--profile", type=Path, help="engine profile JSON for --cost-model fitted")
     m.add_argument("--engine", default="legacy",
@@ -93,8 +99,9 @@ def _add_cost_model_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
-    o.add_argument("--goodput", action="store_true",
+    o.add_argument("--goodput-search", dest="goodput", action="store_true",
                    help="also search each policy's goodput (highest rate with >= 90%% attainment)")
+    renamed(o, "--goodput", canonical="--goodput-search", dest="goodput", flag=True)
     o.add_argument("--slo-scale-search", action="store_true",
                    help="also search each policy's tightest SLO scale reaching the target at the "
                         "first rate")
