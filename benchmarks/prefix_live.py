@@ -89,7 +89,7 @@ def main() -> None:
     cost = profile_cost_model()
     rows = []
     for router, caching in SETUPS:
-        flags = ["--prefill", "2", "--decode", "1", "--router", router, "--kv-tokens", str(KV_TOKENS)]
+        flags = ["--prefill", "2", "--decode", "1", "--router-policy", router, "--kv-tokens", str(KV_TOKENS)]
         if not caching:
             flags.append("--no-prefix-caching")
         print(f"live: {router}, caching {'on' if caching else 'off'} ...", file=sys.stderr)

@@ -40,7 +40,7 @@ from laneserve.sim import ClusterConfig  # noqa: E402
 from laneserve.workloads import make_workload  # noqa: E402
 
 N, RATES, SEED, TARGET = 50, (0.5, 1.0, 2.0, 4.0), 0, 0.9
-KV_TOKENS, HOST_BLOCKS = 65536, 4096
+KV_TOKENS, HOST_KV_TOKENS = 65536, 4096 * 16     # host pool: 4096 blocks of 16 tokens
 SLOS = {"short": SLO(0.3, 0.1), "long": SLO(2.0, 0.1)}
 PROFILE = Path("out/serve_live/profile.json")
 
@@ -59,7 +59,7 @@ def policy_sets() -> tuple[list[tuple[str, str, list[str]]], list[str]]:
         notes.append("no paper decode policy registered: fell back to continuous")
         best_d = ["continuous"]
     for p, d in zip(best_p, best_d):
-        sets.append((p, d, ["--host-kv-blocks", str(HOST_BLOCKS)] if d == "alignedserve" else []))
+        sets.append((p, d, ["--host-kv-tokens", str(HOST_KV_TOKENS)] if d == "alignedserve" else []))
     return sets, notes
 
 

@@ -5,7 +5,7 @@ from laneserve.cli import main
 
 def test_sim_cli_writes_report(tmp_path, capsys):
     out = tmp_path / "o"
-    rc = main(["sim", "--num-requests", "300", "--rates", "5,40", "--no-progress", "--jobs", "1",
+    rc = main(["sim", "--num-requests", "300", "--request-rate", "5,40", "--no-progress", "--jobs", "1",
                "--policies", "fcfs+continuous,cp-edf-2k+continuous", "--output", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
@@ -22,13 +22,13 @@ def test_sim_cli_writes_report(tmp_path, capsys):
 
 
 def test_sim_cli_says_which_decode_router_auto_chose(tmp_path, capsys):
-    rc = main(["sim", "--num-requests", "100", "--rates", "5", "--no-progress", "--jobs", "1", "--decode", "2",
+    rc = main(["sim", "--num-requests", "100", "--request-rate", "5", "--no-progress", "--jobs", "1", "--decode", "2",
                "--policies", "adaptive+adaptive,fcfs+continuous", "--output", str(tmp_path / "o")])
     assert rc == 0
     err = capsys.readouterr().err
     assert "decode router (auto): adaptive+adaptive -> tpot-aware, fcfs+continuous -> least-loaded" in err
-    rc = main(["sim", "--num-requests", "100", "--rates", "5", "--no-progress", "--jobs", "1", "--decode", "2",
-               "--policies", "adaptive+adaptive", "--decode-router", "least-loaded", "--output", str(tmp_path / "p")])
+    rc = main(["sim", "--num-requests", "100", "--request-rate", "5", "--no-progress", "--jobs", "1", "--decode", "2",
+               "--policies", "adaptive+adaptive", "--decode-router-policy", "least-loaded", "--output", str(tmp_path / "p")])
     assert rc == 0 and "decode router (auto)" not in capsys.readouterr().err
 
 
@@ -36,7 +36,7 @@ def test_sim_cli_trace_and_colocated(tmp_path):
     trace = tmp_path / "t.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
                      + "".join(f"2023-11-16 18:15:{i:02d}.0000000,{100 + 50 * i},{5 + i}\n" for i in range(40)))
-    rc = main(["sim", "--trace", str(trace), "--rate", "2", "--no-progress", "--jobs", "1", "--policies",
+    rc = main(["sim", "--trace", str(trace), "--request-rate", "2", "--no-progress", "--jobs", "1", "--policies",
                "colocated:prefill=fcfs,token_budget=1024", "--output", str(tmp_path / "o")])
     assert rc == 0
     rows = json.loads((tmp_path / "o" / "sim.json").read_text())["rows"]
@@ -47,7 +47,7 @@ def test_sim_cli_bad_input_is_a_clear_error(tmp_path, capsys):
     assert main(["sim", "--policies", "nope+continuous", "--output", str(tmp_path)]) == 2
     assert "unknown prefill policy 'nope'" in capsys.readouterr().err
     assert main(["sim", "--workload", "nope", "--output", str(tmp_path)]) == 2
-    assert main(["sim", "--rates", "0", "--output", str(tmp_path)]) == 2
+    assert main(["sim", "--request-rate", "0", "--output", str(tmp_path)]) == 2
 
 
 def test_sim_cli_list(capsys):
@@ -58,7 +58,7 @@ def test_sim_cli_list(capsys):
 
 def test_sim_cli_goodput_and_slo_scale_search(tmp_path):
     out = tmp_path / "o"
-    rc = main(["sim", "--num-requests", "200", "--rates", "10", "--no-progress", "--jobs", "1", "--goodput",
+    rc = main(["sim", "--num-requests", "200", "--request-rate", "10", "--no-progress", "--jobs", "1", "--goodput-search",
                "--slo-scale-search", "--policies", "fcfs+continuous", "--output", str(out)])
     assert rc == 0
     metrics = json.loads((out / "sim.json").read_text())["metrics"]
@@ -71,7 +71,7 @@ def test_sim_cli_goodput_and_slo_scale_search(tmp_path):
 def test_sim_cli_jobs_give_identical_results(tmp_path):
     """The (policy x rate) grid and the goodput searches over two worker processes write exactly
     what one process writes."""
-    args = ["sim", "--num-requests", "200", "--rates", "5,20", "--no-progress", "--goodput",
+    args = ["sim", "--num-requests", "200", "--request-rate", "5,20", "--no-progress", "--goodput-search",
             "--policies", "fcfs+continuous,cp-edf-2k+continuous"]
     got = {}
     for jobs in ("1", "2"):

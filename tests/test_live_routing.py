@@ -70,7 +70,7 @@ def test_summary_events_order_and_restart():
 
 @pytest.fixture(scope="module")
 def cache_aware_server():
-    with serving("--prefill", "2", "--decode", "1", "--router", "cache-aware", "--kv-tokens", str(KV_TOKENS)) as server:
+    with serving("--prefill", "2", "--decode", "1", "--router-policy", "cache-aware", "--kv-tokens", str(KV_TOKENS)) as server:
         yield server
 
 

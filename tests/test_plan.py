@@ -95,7 +95,7 @@ def test_role_cost_model_charges_each_role_with_its_own_model():
 
 
 def test_plan_cli_writes_json_markdown_and_png(tmp_path, capsys):
-    rc = main(["plan", "--num-requests", "60", "--rate", "10", "--gpus", "h100", "--tp", "1",
+    rc = main(["plan", "--num-requests", "60", "--request-rate", "10", "--gpus", "h100", "--tp", "1",
                "--presets", "colocated", "--max-batch", "256", "--max-sims", "4", "--jobs", "1",
                "--no-progress", "--no-curve", "--output", str(tmp_path), "--name", "p"])
     assert rc == 0
@@ -105,5 +105,5 @@ def test_plan_cli_writes_json_markdown_and_png(tmp_path, capsys):
     assert data["winner"]["meets"] and data["deploy"]["argv"][:2] == ["laneserve", "serve"]
     assert (tmp_path / "p.md").exists() and (tmp_path / "p.png").stat().st_size > 0
     with pytest.raises(SystemExit):
-        main(["plan", "--rate", "1", "--budget", "2"])        # one objective at a time
+        main(["plan", "--request-rate", "1", "--budget", "2"])        # one objective at a time
     assert main(["plan", "--slo-class", "nope:ttft_ms=1", "--no-progress"]) == 2

@@ -166,7 +166,7 @@ def test_sim_sweep_as_ray_tasks_is_identical_to_one_process(env, tmp_path):
     """``laneserve sim --ray-address``: the (policy x rate) grid and the goodput searches as Ray tasks
     on the cluster write the same table, byte for byte, and the same rows and metrics as one process."""
     from laneserve.cli import main
-    args = ["sim", "--num-requests", "200", "--rates", "5,20", "--no-progress", "--goodput",
+    args = ["sim", "--num-requests", "200", "--request-rate", "5,20", "--no-progress", "--goodput-search",
             "--policies", "fcfs+continuous,cp-edf-2k+continuous"]
     out = {}
     for name, extra in (("one", ["--jobs", "1"]), ("ray", ["--ray-address", env["cluster"].address])):

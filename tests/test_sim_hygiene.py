@@ -55,7 +55,7 @@ def test_trace_rule_does_not_depend_on_the_file_format(tmp_path):
 
 def test_sim_cli_prints_and_records_the_trace_rule(trace, tmp_path, capsys):
     out = tmp_path / "report"
-    assert main(["sim", "--trace", str(trace), "--rate", "1", "--policies", "fcfs+continuous",
+    assert main(["sim", "--trace", str(trace), "--request-rate", "1", "--policies", "fcfs+continuous",
                  "--output", str(out), "--no-progress", "--jobs", "1"]) == 0
     printed = capsys.readouterr().out
     assert "SLO rule (--trace): TTFT = max(0.4 s, 4 x" in printed

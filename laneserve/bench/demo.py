@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from laneserve.cli import main as cli
     sim_args = ["sim", "--policies", ",".join(demo_policies()), "--num-requests", str(args.num_requests),
-                "--rates", RATES, "--host-kv-tokens", str(HOST_KV_TOKENS), "--goodput", "--no-progress",
+                "--request-rate", RATES, "--host-kv-tokens", str(HOST_KV_TOKENS), "--goodput-search", "--no-progress",
                 "--output", str(args.output)]
     if args.jobs is not None:
         sim_args += ["--jobs", str(args.jobs)]

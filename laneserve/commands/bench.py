@@ -54,9 +54,12 @@ import asyncio
 import json
 import math
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
+from typing import Any
+
+from laneserve.commands.flag_names import add_slo_target_flags
 
 
 COMPARE_KEYS = ("completed", "request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
@@ -69,9 +72,20 @@ _PROFILE_FLAG = object()            # --profile given without a value
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from laneserve.workloads.bench_datasets import DATASETS
     p = sub.add_parser("bench", help="load-test a live OpenAI-compatible server", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_server_flags(p)
+    _add_workload_flags(p)
+    _add_dataset_flags(p)
+    _add_request_flags(p)
+    _add_session_flags(p)
+    _add_output_flags(p)
+    _add_sim_flags(p)
+    p.set_defaults(func=run)
+
+
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    """The server, its model and tokenizer, and the request format."""
     p.add_argument("--base-url", default=None, help="server URL (default http://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -85,6 +99,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="tokenizer name or path for text prompts (local files only; default: --model, else "
                         "the server's model folder, else an estimate)")
     p.add_argument("--trust-remote-code", action="store_true", help="passed on when loading --tokenizer")
+
+
+def _add_workload_flags(p: argparse.ArgumentParser) -> None:
+    from laneserve.workloads.bench_datasets import DATASETS
     w = p.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
     src.add_argument("--trace", type=Path, help="Azure CSV or Mooncake JSONL trace")
@@ -103,13 +121,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--burstiness", type=float, default=1.0,
                    help="dataset arrivals: gamma shape (1 = Poisson, < 1 burstier, > 1 more even)")
     w.add_argument("--max-concurrency", type=int, default=None)
-    w.add_argument("--ttft-slo", type=float, help="TTFT target (s) for every request")
-    w.add_argument("--tpot-slo", type=float, help="TPOT target (s) for every request")
+    add_slo_target_flags(w, "every request")
     w.add_argument("--slo-scale", type=float, default=1.0)
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--vocab-size", type=int, default=None, help="prompt token ids below this (default: server's)")
     w.add_argument("--no-laneserve-extensions", action="store_true",
                    help="plain OpenAI requests (no slo/slo_class/return_token_ids fields)")
+
+
+def _add_dataset_flags(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("dataset lengths (vllm bench serve's)")
     d.add_argument("--input-len", type=int, default=None, help="sets --random-input-len")
     d.add_argument("--output-len", type=int, default=None, help="sets every dataset's output length")
@@ -123,12 +143,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--sonnet-prefix-len", type=int, default=200)
     d.add_argument("--sharegpt-output-len", type=int, default=None, help="default: each reply's own length")
     d.add_argument("--custom-output-len", type=int, default=256)
+    d.add_argument("--skip-chat-template", action="store_true",
+                   help="prompts are sent as they are (laneserve bench never applies a chat template itself)")
+
+
+def _add_request_flags(p: argparse.ArgumentParser) -> None:
     q = p.add_argument_group("request fields")
     q.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos (always on for --workload, --trace and --dataset-name random)")
     q.add_argument("--temperature", type=float, default=None, help="default 0 (greedy)")
     q.add_argument("--top-p", type=float, default=None)
     q.add_argument("--top-k", type=int, default=None)
+
+
+def _add_session_flags(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("multi-turn sessions (with --sessions; --request-rate is then sessions/s)")
     m.add_argument("--num-sessions", type=int, default=10)
     m.add_argument("--max-turns", type=int, default=4, help="turns per session at most")
@@ -139,11 +167,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="end a conversation before the turn whose estimated context exceeds this")
     m.add_argument("--quicktok-encoding", default="llama3",
                    help="quicktok encoding for token estimates where no --tokenizer is given")
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--target", type=float, default=0.9, help="attainment target for goodput")
     o.add_argument("--goodput", nargs="+", metavar="METRIC:MS", default=None,
                    help="vLLM's goodput SLOs, e.g. ttft:500 tpot:50 e2el:4000 (also the requests' SLOs "
-                        "unless --ttft-slo / --tpot-slo)")
+                        "unless --ttft-slo-ms / --tpot-slo-ms)")
     o.add_argument("--percentile-metrics", default=None,
                    help=f"metrics shown with percentiles, comma-separated ({','.join(PERCENTILE_METRICS)}; "
                         "default: all)")
@@ -157,10 +188,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--metadata", nargs="*", metavar="KEY=VALUE", default=None, help="extra result-file keys")
     o.add_argument("--save-detailed", action="store_true",
                    help="per-request lists in the result file (always there: ttfts, itls, errors ...)")
-    d.add_argument("--skip-chat-template", action="store_true",
-                   help="prompts are sent as they are (laneserve bench never applies a chat template itself)")
     o.add_argument("--no-progress", "--disable-tqdm", dest="no_progress", action="store_true")
     o.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+
+
+def _add_sim_flags(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("simulator side-by-side")
     s.add_argument("--compare-sim", action="store_true")
     s.add_argument("--sim-profile", type=Path, default=None,
@@ -172,7 +204,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--sim-prefill", type=int, default=None)
     s.add_argument("--sim-decode", type=int, default=None)
     s.add_argument("--sim-kv-tokens", type=int, default=None)
-    p.set_defaults(func=run)
 
 
 def _rates(text: str) -> list[float]:
@@ -439,11 +470,30 @@ def _metadata(args: argparse.Namespace) -> dict:
     return out
 
 
+@dataclass
+class _Prepared:
+    """What a bench run needs before its first request: the checked flags, what the server says
+    about itself, and the requests (or sessions) with their prompts."""
+    rates: list[float]
+    goodput: dict[str, float]
+    percentiles: list[float]
+    shown_metrics: list[str] | None
+    shown_pcts: list[float] | None
+    metadata: dict
+    info: dict
+    state: dict | None
+    name: str = ""
+    wl: Any = None                          # the workload (not with --sessions)
+    prompts: dict | None = None
+    tok: TextTokenizer | None = None
+    convs: list = field(default_factory=list)          # --sessions: the conversations ...
+    plans: dict = field(default_factory=dict)          # ... and their plan at each rate
+    cost: Any = None                        # --compare-sim: the fitted cost model ...
+    config: Any = None                      # ... and the simulator's cluster
+
+
 def run(args: argparse.Namespace) -> int:
-    from laneserve.commands.common import load_workload
-    from laneserve.bench.loadgen import LoadConfig, bench_summary, clamp_to_context, filler_text, is_chat, run_load
-    from laneserve.bench.report import best_x_meeting, format_serving_block
-    from laneserve.workloads import Workload
+    from laneserve.bench.loadgen import LoadConfig
 
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     chat_default = args.sessions or args.backend == "openai-chat"
@@ -453,85 +503,8 @@ def run(args: argparse.Namespace) -> int:
         log("--profile (vLLM's server profiler) is not available in laneserve: running without it")
     elif args.profile is not None:
         args.sim_profile = args.sim_profile or Path(args.profile)
-    prompts = None
-    tok = None
     try:
-        rates = _rates(args.request_rate)
-        if not args.burstiness > 0:
-            raise ValueError("--burstiness must be > 0")
-        if args.max_concurrency is not None and args.max_concurrency < 1:
-            raise ValueError("--max-concurrency must be >= 1")
-        goodput = parse_goodput(args.goodput)
-        percentiles, shown_metrics, shown_pcts = _percentiles(args)
-        metadata = _metadata(args)
-        info = {} if args.sessions else _server_models(base_url)
-        state = _server_state(base_url)
-        if args.sessions:
-            from laneserve.bench.sessions import default_token_counter, load_conversations, plan_sessions
-            counter = default_token_counter(args.quicktok_encoding)
-            if args.tokenizer:
-                tok = TextTokenizer.resolve([args.tokenizer], args.quicktok_encoding, args.trust_remote_code)
-                if not tok.exact:
-                    log(f"--tokenizer {args.tokenizer} not found locally: counting tokens with {tok.name}")
-                counter = tok.count
-            convs = load_conversations(args.sessions, args.num_sessions, max_turns=args.max_turns,
-                                       max_tokens=args.session_max_tokens, max_context=args.max_context,
-                                       count_tokens=counter)
-            plans = {rate: plan_sessions(convs, rate=rate, think_time=args.think_time,
-                                         think_dist=args.think_time_dist, seed=args.seed) for rate in rates}
-            name = f"sessions:{args.sessions}"
-        elif args.dataset_name:
-            from laneserve.core.request import RequestSpec
-            needs_text = args.dataset_name != "random" or is_chat(endpoint)
-            if needs_text:
-                tok = TextTokenizer.resolve([args.tokenizer, args.model, info.get("root")], args.quicktok_encoding,
-                                            args.trust_remote_code)
-                if not tok.exact:
-                    log(f"no local tokenizer found (--tokenizer): counting text tokens with {tok.name}")
-            vocab = args.vocab_size or info.get("vocab_size") or 1000
-            samples = dataset_samples(args, vocab, tok)
-            slo = _slo(args, goodput)
-            specs = [RequestSpec(i, 0.0, s.prompt_len, s.output_len, **({"slo": slo} if slo else {}),
-                                 prompt_token_ids=None if isinstance(s.prompt, str) else s.prompt)
-                     for i, s in enumerate(samples)]
-            prompts = {i: s.prompt for i, s in enumerate(samples)}
-            wl = Workload.from_specs(f"dataset:{args.dataset_name}", specs)
-            name = wl.name
-        else:
-            if args.ttft_slo is None and args.tpot_slo is None:
-                args.ttft_slo, args.tpot_slo = goodput.get("ttft"), goodput.get("tpot")
-            wl = load_workload(args, apply_slo_scale=True)
-            name = wl.name
-        if not args.sessions and is_chat(endpoint):
-            # chat takes text: token-id prompts become filler words cut to their token count
-            tok = tok or TextTokenizer.resolve([args.tokenizer, args.model, info.get("root")],
-                                               args.quicktok_encoding, args.trust_remote_code)
-            texts = {}
-            for spec in wl.specs:
-                given = (prompts or {}).get(spec.request_id)
-                texts[spec.request_id] = given if isinstance(given, str) else tok.truncate(
-                    filler_text(spec.prompt_len, args.seed * 1_000_003 + spec.request_id), spec.prompt_len)
-            prompts = texts
-        limit = None
-        if not args.sessions:
-            limits = [v for v in (info.get("max_model_len"), (state or {}).get("kv_tokens")) if v]
-            limit = min(limits) if limits else None
-        if limit is not None:
-            margin = 0 if tok is None else (8 if tok.exact else max(16, limit // 10))
-            margin += 32 if is_chat(endpoint) else 0
-            specs, prompts, cut = clamp_to_context(list(wl.specs), prompts, limit,
-                                                   truncate_text=tok.truncate if tok else None, text_margin=margin)
-            if cut:
-                log(f"WARNING: {cut} of {len(specs)} requests cut to fit the server's context of {limit} tokens "
-                    "(prompt + max_tokens)")
-                wl = Workload(wl.name, tuple(specs), dict(wl.meta))
-        cost = config = None
-        if args.compare_sim:
-            if args.sim_profile is None:
-                raise ValueError("--compare-sim needs --sim-profile FILE (written by `laneserve profile`)")
-            from laneserve.costmodel import make_cost_model
-            cost = make_cost_model("fitted", profile=str(args.sim_profile))
-            config = sim_config(args, state)
+        prep = _prepare(args, base_url, endpoint, log)
     except (ValueError, OSError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -542,51 +515,183 @@ def run(args: argparse.Namespace) -> int:
                      vocab_size=args.vocab_size, seed=args.seed, timeout=args.timeout,
                      progress=False if args.no_progress else None,
                      temperature=args.temperature if args.temperature is not None else 0.0,
-                     ignore_eos=ignore_eos, sampling=sampling, prompts=prompts)
+                     ignore_eos=ignore_eos, sampling=sampling, prompts=prep.prompts)
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
     header = {"date": date, "endpoint_type": args.backend, "backend": args.backend, "label": args.label,
-              "tokenizer_id": tok.name if tok is not None else args.tokenizer, **metadata}
+              "tokenizer_id": prep.tok.name if prep.tok is not None else args.tokenizer, **prep.metadata}
     runs = []
-    for rate in rates:
-        if args.sessions:
-            log(f"{name}, {len(convs)} sessions at {rate:g} sessions/s -> {base_url}")
-            summary, specs = _run_sessions(args, cfg, plans[rate])
-        else:
-            if math.isinf(rate):
-                specs = wl.specs
-            elif args.dataset_name:
-                process = "poisson" if args.burstiness == 1.0 else "gamma"
-                specs = wl.with_arrivals(process, rate, cv=1.0 / math.sqrt(args.burstiness), seed=args.seed).specs
-            else:
-                specs = wl.with_rate(rate).specs
-            log(f"{name}, {len(specs)} requests at {rate:g} req/s -> {base_url}")
-            result = asyncio.run(run_load(cfg, specs, rate=rate))
-            summary = bench_summary(result, percentiles=percentiles)
-            if goodput:
-                summary["request_goodput"] = vllm_goodput(result, goodput)
-            print(format_serving_block(_display(summary, shown_metrics, shown_pcts)), end="")
-            print(_format_failures(summary))
+    for rate in prep.rates:
+        summary, specs = _run_rate(args, prep, cfg, rate, base_url, log)
         summary.update({**header, "endpoint": endpoint, "request_rate": rate if not math.isinf(rate) else "inf",
-                        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "workload": name})
-        if cost is not None:
-            sim = simulate_run(list(specs), config, cost)
+                        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+                        "workload": prep.name})
+        if prep.cost is not None:
+            sim = simulate_run(list(specs), prep.config, prep.cost)
             summary["simulator"] = {k: sim.get(k) for k in (*COMPARE_KEYS, "per_class")}
-            print(f"simulator ({config.describe()}, fitted cost model from {args.sim_profile}):")
+            print(f"simulator ({prep.config.describe()}, fitted cost model from {args.sim_profile}):")
             print(side_by_side(summary, sim))
         runs.append(summary)
         if args.save_result:
-            path = _result_filename(args, summary.get("model_id") or cfg.model or "model", rate, date)
-            if len(rates) > 1 and args.result_filename:
-                path = path.with_name(f"{path.stem}-{rate:g}qps{path.suffix}")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(summary, indent=1, default=str) + "\n")
-            log(f"wrote {path}")
-    out: dict = {"runs": runs, "server": state}
+            _save_result(args, summary, cfg, rate, len(prep.rates), date, log)
+    _write_goodput_and_json(args, prep, runs, log)
+    return 0
+
+
+def _prepare(args: argparse.Namespace, base_url: str, endpoint: str, log) -> _Prepared:
+    """Check the flags, ask the server about itself, and build the requests; ValueError,
+    OSError or ImportError on bad input."""
+    from laneserve.bench.loadgen import is_chat
+    rates = _rates(args.request_rate)
+    if not args.burstiness > 0:
+        raise ValueError("--burstiness must be > 0")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1")
+    goodput = parse_goodput(args.goodput)
+    percentiles, shown_metrics, shown_pcts = _percentiles(args)
+    metadata = _metadata(args)
+    info = {} if args.sessions else _server_models(base_url)
+    state = _server_state(base_url)
+    prep = _Prepared(rates, goodput, percentiles, shown_metrics, shown_pcts, metadata, info, state)
+    if args.sessions:
+        _load_sessions(args, prep, log)
+    elif args.dataset_name:
+        _load_dataset(args, prep, endpoint, log)
+    else:
+        from laneserve.commands.common import load_workload
+        if args.ttft_slo is None and args.tpot_slo is None:
+            args.ttft_slo, args.tpot_slo = goodput.get("ttft"), goodput.get("tpot")
+        prep.wl = load_workload(args, apply_slo_scale=True)
+        prep.name = prep.wl.name
+    if not args.sessions and is_chat(endpoint):
+        _chat_prompts(args, prep)
+    if not args.sessions:
+        _fit_to_context(args, prep, endpoint, log)
+    if args.compare_sim:
+        if args.sim_profile is None:
+            raise ValueError("--compare-sim needs --sim-profile FILE (written by `laneserve profile`)")
+        from laneserve.costmodel import make_cost_model
+        prep.cost = make_cost_model("fitted", profile=str(args.sim_profile))
+        prep.config = sim_config(args, state)
+    return prep
+
+
+def _load_sessions(args: argparse.Namespace, prep: _Prepared, log) -> None:
+    """--sessions: the conversations, and their plan at each rate."""
+    from laneserve.bench.sessions import default_token_counter, load_conversations, plan_sessions
+    counter = default_token_counter(args.quicktok_encoding)
+    if args.tokenizer:
+        prep.tok = TextTokenizer.resolve([args.tokenizer], args.quicktok_encoding, args.trust_remote_code)
+        if not prep.tok.exact:
+            log(f"--tokenizer {args.tokenizer} not found locally: counting tokens with {prep.tok.name}")
+        counter = prep.tok.count
+    prep.convs = load_conversations(args.sessions, args.num_sessions, max_turns=args.max_turns,
+                                    max_tokens=args.session_max_tokens, max_context=args.max_context,
+                                    count_tokens=counter)
+    prep.plans = {rate: plan_sessions(prep.convs, rate=rate, think_time=args.think_time,
+                                      think_dist=args.think_time_dist, seed=args.seed) for rate in prep.rates}
+    prep.name = f"sessions:{args.sessions}"
+
+
+def _load_dataset(args: argparse.Namespace, prep: _Prepared, endpoint: str, log) -> None:
+    """--dataset-name: vLLM's dataset as a workload, with its prompts (text or token ids)."""
+    from laneserve.bench.loadgen import is_chat
+    from laneserve.core.request import RequestSpec
+    from laneserve.workloads import Workload
+    needs_text = args.dataset_name != "random" or is_chat(endpoint)
+    if needs_text:
+        prep.tok = TextTokenizer.resolve([args.tokenizer, args.model, prep.info.get("root")],
+                                         args.quicktok_encoding, args.trust_remote_code)
+        if not prep.tok.exact:
+            log(f"no local tokenizer found (--tokenizer): counting text tokens with {prep.tok.name}")
+    vocab = args.vocab_size or prep.info.get("vocab_size") or 1000
+    samples = dataset_samples(args, vocab, prep.tok)
+    slo = _slo(args, prep.goodput)
+    specs = [RequestSpec(i, 0.0, s.prompt_len, s.output_len, **({"slo": slo} if slo else {}),
+                         prompt_token_ids=None if isinstance(s.prompt, str) else s.prompt)
+             for i, s in enumerate(samples)]
+    prep.prompts = {i: s.prompt for i, s in enumerate(samples)}
+    prep.wl = Workload.from_specs(f"dataset:{args.dataset_name}", specs)
+    prep.name = prep.wl.name
+
+
+def _chat_prompts(args: argparse.Namespace, prep: _Prepared) -> None:
+    """Chat takes text: token-id prompts become filler words cut to their token count."""
+    from laneserve.bench.loadgen import filler_text
+    tok = prep.tok = prep.tok or TextTokenizer.resolve([args.tokenizer, args.model, prep.info.get("root")],
+                                                       args.quicktok_encoding, args.trust_remote_code)
+    texts = {}
+    for spec in prep.wl.specs:
+        given = (prep.prompts or {}).get(spec.request_id)
+        texts[spec.request_id] = given if isinstance(given, str) else tok.truncate(
+            filler_text(spec.prompt_len, args.seed * 1_000_003 + spec.request_id), spec.prompt_len)
+    prep.prompts = texts
+
+
+def _fit_to_context(args: argparse.Namespace, prep: _Prepared, endpoint: str, log) -> None:
+    """Cut prompts to the server's context (its max_model_len, and an instance's KV capacity)."""
+    from laneserve.bench.loadgen import clamp_to_context, is_chat
+    from laneserve.workloads import Workload
+    limits = [v for v in (prep.info.get("max_model_len"), (prep.state or {}).get("kv_tokens")) if v]
+    limit = min(limits) if limits else None
+    if limit is None:
+        return
+    tok = prep.tok
+    margin = 0 if tok is None else (8 if tok.exact else max(16, limit // 10))
+    margin += 32 if is_chat(endpoint) else 0
+    specs, prep.prompts, cut = clamp_to_context(list(prep.wl.specs), prep.prompts, limit,
+                                                truncate_text=tok.truncate if tok else None, text_margin=margin)
+    if cut:
+        log(f"WARNING: {cut} of {len(specs)} requests cut to fit the server's context of {limit} tokens "
+            "(prompt + max_tokens)")
+        prep.wl = Workload(prep.wl.name, tuple(specs), dict(prep.wl.meta))
+
+
+def _run_rate(args: argparse.Namespace, prep: _Prepared, cfg, rate: float, base_url: str,
+              log) -> tuple[dict, list]:
+    """One run at ``rate``: its summary (printed) and the requests as sent."""
+    from laneserve.bench.loadgen import bench_summary, run_load
+    from laneserve.bench.report import format_serving_block
+    if args.sessions:
+        log(f"{prep.name}, {len(prep.convs)} sessions at {rate:g} sessions/s -> {base_url}")
+        return _run_sessions(args, cfg, prep.plans[rate])
+    wl = prep.wl
+    if math.isinf(rate):
+        specs = wl.specs
+    elif args.dataset_name:
+        process = "poisson" if args.burstiness == 1.0 else "gamma"
+        specs = wl.with_arrivals(process, rate, cv=1.0 / math.sqrt(args.burstiness), seed=args.seed).specs
+    else:
+        specs = wl.with_rate(rate).specs
+    log(f"{prep.name}, {len(specs)} requests at {rate:g} req/s -> {base_url}")
+    result = asyncio.run(run_load(cfg, specs, rate=rate))
+    summary = bench_summary(result, percentiles=prep.percentiles)
+    if prep.goodput:
+        summary["request_goodput"] = vllm_goodput(result, prep.goodput)
+    print(format_serving_block(_display(summary, prep.shown_metrics, prep.shown_pcts)), end="")
+    print(_format_failures(summary))
+    return summary, specs
+
+
+def _save_result(args: argparse.Namespace, summary: dict, cfg, rate: float, n_rates: int, date: str, log) -> None:
+    """--save-result: vLLM's result file of one rate."""
+    path = _result_filename(args, summary.get("model_id") or cfg.model or "model", rate, date)
+    if n_rates > 1 and args.result_filename:
+        path = path.with_name(f"{path.stem}-{rate:g}qps{path.suffix}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    log(f"wrote {path}")
+
+
+def _write_goodput_and_json(args: argparse.Namespace, prep: _Prepared, runs: list[dict], log) -> None:
+    """The goodput over the rates (printed; live and simulated) and --output-json."""
+    from laneserve.bench.report import best_x_meeting
+    rates = prep.rates
+    out: dict = {"runs": runs, "server": prep.state}
     if len(rates) > 1 or not math.isinf(rates[0]):
         rows = [{"rate": r, "attainment_both": s["attainment_both"]} for r, s in zip(rates, runs)]
         out["goodput"] = best_x_meeting(rows, "rate", "attainment_both", args.target)
         msg = f"goodput (highest rate with both-SLO attainment >= {args.target:g}): {out['goodput'] or 'not met'}"
-        if cost is not None:
+        if prep.cost is not None:
             sim_rows = [{"rate": r, "attainment_both": s["simulator"]["attainment_both"]} for r, s in zip(rates, runs)]
             out["goodput_simulator"] = best_x_meeting(sim_rows, "rate", "attainment_both", args.target)
             msg += f"; simulator: {out['goodput_simulator'] or 'not met'}"
@@ -596,4 +701,3 @@ def run(args: argparse.Namespace) -> int:
         payload = {**out, **runs[0]} if len(runs) == 1 else out    # one run: vLLM's flat keys at the top
         args.output_json.write_text(json.dumps(payload, indent=1, default=str) + "\n")
         log(f"wrote {args.output_json}")
-    return 0

@@ -9,8 +9,9 @@ from laneserve.core import SLO
 
 def load_workload(args: argparse.Namespace, *, apply_slo_scale: bool):
     """The workload the ``--trace`` / ``--workload`` / ``--workload-opt`` / ``--num-requests`` /
-    ``--ttft-slo`` / ``--tpot-slo`` flags name (``--slo-scale`` too when ``apply_slo_scale``; the
-    simulator applies it per run instead). Raises ValueError with a user-facing message."""
+    ``--ttft-slo-ms`` / ``--tpot-slo-ms`` flags name (``--slo-scale`` too when ``apply_slo_scale``;
+    the simulator applies it per run instead). The SLO targets arrive in seconds
+    (``args.ttft_slo`` / ``args.tpot_slo``). Raises ValueError with a user-facing message."""
     from laneserve.policies.registry import parse_spec
     from laneserve.workloads import load_trace, make_workload
     if args.trace is not None:

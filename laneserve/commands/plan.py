@@ -1,10 +1,10 @@
 """``laneserve plan``: the cheapest deployment that serves a workload within its SLOs.
 
 Give a workload (``--trace``, or a bundled ``--workload`` with ``--workload-opt``; ``--arrival``
-replaces its arrival process), its SLOs (the workload's own, ``--ttft-slo``/``--tpot-slo`` for
+replaces its arrival process), its SLOs (the workload's own, ``--ttft-slo-ms``/``--tpot-slo-ms`` for
 every request, or ``--slo-class NAME:ttft_ms=X,tpot_ms=Y[,target=F]`` per class; ``--target``: the
 fraction of each class's requests that must meet both), a model and GPU types, and either a
-target rate (``--rate``: the fewest GPUs) or a GPU budget (``--budget``: the most goodput).
+target rate (``--request-rate``: the fewest GPUs) or a GPU budget (``--budget``: the most goodput).
 
 The search covers colocated and disaggregated layouts, prefill:decode instance counts, the TP
 degree of each role, decode batch caps, prefill chunk sizes and policy presets (adaptive and the
@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from laneserve.commands.flag_names import add_slo_target_flags, renamed
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="find the cheapest deployment meeting a workload's SLOs",
@@ -32,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w = p.add_argument_group("workload and SLOs")
     src = w.add_mutually_exclusive_group()
     src.add_argument("--trace", type=Path, help="Azure-format CSV or Mooncake-format JSONL (.gz ok); SLOs "
-                     "by laneserve sim's rule for traces unless --ttft-slo/--tpot-slo/--slo-class")
+                     "by laneserve sim's rule for traces unless --ttft-slo-ms/--tpot-slo-ms/--slo-class")
     src.add_argument("--workload", default="azure_conv", help="bundled workload (laneserve sim --list)")
     w.add_argument("--workload-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="option of the bundled workload (repeatable)")
@@ -41,16 +43,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="replace the arrival process (default: the workload's own arrivals, rescaled)")
     w.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma arrivals (> 1: bursty)")
     w.add_argument("--seed", type=int, default=0, help="seed of --arrival")
-    w.add_argument("--ttft-slo", type=float, help="TTFT target (s) of every request")
-    w.add_argument("--tpot-slo", type=float, help="TPOT target (s) of every request")
+    add_slo_target_flags(w, "every request")
     w.add_argument("--slo-class", action="append", default=[], metavar="NAME:ttft_ms=X,tpot_ms=Y[,target=F]",
                    help="SLO (and attainment target) of one request class (repeatable)")
     w.add_argument("--target", type=float, default=0.9,
                    help="fraction of each class's requests that must meet TTFT and TPOT (default 0.9)")
     g = p.add_argument_group("objective")
     obj = g.add_mutually_exclusive_group()
-    obj.add_argument("--rate", type=float, help="target request rate (req/s): minimise GPUs "
-                     "(default: the workload's own mean rate)")
+    obj.add_argument("--request-rate", dest="rate", type=float, metavar="RATE",
+                     help="target request rate (req/s): minimise GPUs (default: the workload's own mean rate)")
+    renamed(obj, "--rate", canonical="--request-rate", dest="rate", type=float)
     obj.add_argument("--budget", type=int, help="GPU budget: maximise goodput within it")
     s = p.add_argument_group("search space")
     s.add_argument("--model", default="llama-3.1-8b", help="model spec (laneserve sim --list)")
@@ -62,9 +64,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="policy presets: adaptive, fcfs, cp-edf (disaggregated), colocated")
     s.add_argument("--max-batch", default="64,256", help="decode batch caps to try (default 64,256)")
     s.add_argument("--chunks", default="2048", help="prefill chunk sizes / token budgets to try (default 2048)")
-    s.add_argument("--max-gpus", type=int, default=64, help="largest layout considered with --rate")
+    s.add_argument("--max-gpus", type=int, default=64, help="largest layout considered with --request-rate")
     s.add_argument("--max-sims", type=int, default=150, help="at most this many layouts simulated")
-    s.add_argument("--router", default="round-robin", help="prefill router of every layout")
+    s.add_argument("--router-policy", dest="router", default="round-robin", help="prefill router of every layout")
+    renamed(s, "--router", canonical="--router-policy", dest="router")
     s.add_argument("--prune-slack", type=float, default=1.0,
                    help="prune a layout when its bound x this is below the rate needed (> 1: prune less)")
     o = p.add_argument_group("output")
@@ -217,13 +220,7 @@ def plot_plan(path: Path, result, curve: list[dict] | None, title: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
     from laneserve.bench.parallel import workers
-    from laneserve.bench.progress import progress_bar
-    from laneserve.bench.report import format_console_table
-    from laneserve.bench.results import markdown_table, write_result
-    from laneserve.plan import attainment_curve, layout_of, plan, serve_command
     from laneserve.plan.planner import WorkloadShape
 
     try:
@@ -240,6 +237,23 @@ def run(args: argparse.Namespace) -> int:
           + f"; target {spec.target:g}; {goal}; model {spec.model} on {','.join(spec.gpus)}, engine {spec.engine}",
           file=sys.stderr)
     t0 = time.perf_counter()
+    result, curve = _search(args, spec, jobs)
+    search_s = time.perf_counter() - t0
+    rows = table_rows(result)
+    deploy = _print_result(args, spec, result, rows, search_s)
+    args.output.mkdir(parents=True, exist_ok=True)
+    png = plot_plan(args.output / f"{args.name}.png", result, curve,
+                    f"laneserve plan: {wl.name} ({len(wl)} requests), {spec.model}, {goal}, engine {spec.engine}")
+    path = _write_plan(args, spec, result, rows, curve, deploy, slos, png, search_s)
+    print(f"wrote {path}, {args.output / (args.name + '.md')}, {png} in {search_s:.1f} s", file=sys.stderr)
+    return 0 if result.winner is not None else 1
+
+
+def _search(args: argparse.Namespace, spec, jobs):
+    """(the plan's result, the winner's attainment curve or None), with a progress bar."""
+    from laneserve.bench.progress import progress_bar
+    from laneserve.plan import attainment_curve, layout_of, plan
+
     bar = progress_bar(total=min(spec.max_sims, 1), desc="planning", enabled=False if args.no_progress else None)
     last = [0]
 
@@ -255,8 +269,15 @@ def run(args: argparse.Namespace) -> int:
         base = spec.rate if spec.rate is not None else result.winner["goodput"]
         rates = [round(base * f, 3) for f in (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)]
         curve = attainment_curve(spec, layout_of(result.winner), rates, jobs=jobs)
-    search_s = time.perf_counter() - t0
-    rows = table_rows(result)
+    return result, curve
+
+
+def _print_result(args: argparse.Namespace, spec, result, rows: list[dict], search_s: float) -> dict | None:
+    """Print the ranked table, the search's statistics and the winner's serve command (returned
+    as ``serve_command``'s dict; None without a winner)."""
+    from laneserve.bench.report import format_console_table
+    from laneserve.plan import layout_of, serve_command
+
     print(format_console_table(rows[:args.top], [c for c in COLUMNS]))
     print(f"{result.considered} layouts in the search space, {result.simulated} simulated "
           f"({result.simulations} runs), {result.pruned} ruled out by the analytic bound and the "
@@ -271,9 +292,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("no layout met the targets within the search limits (raise --max-gpus / --max-sims, "
               "or relax the SLOs)")
-    args.output.mkdir(parents=True, exist_ok=True)
-    png = plot_plan(args.output / f"{args.name}.png", result, curve,
-                    f"laneserve plan: {wl.name} ({len(wl)} requests), {spec.model}, {goal}, engine {spec.engine}")
+    return deploy
+
+
+def _write_plan(args: argparse.Namespace, spec, result, rows: list[dict], curve, deploy, slos: dict, png: Path,
+                search_s: float) -> Path:
+    """The result JSON and markdown (ranked layouts, deploy command, winner's curve) into ``--output``."""
+    import json
+    import shlex
+
+    from laneserve.bench.results import markdown_table, write_result
+
+    wl = spec.workload
     headline = {"search_seconds": round(search_s, 2), "layouts_considered": result.considered,
                 "layouts_ruled_out_unsimulated": result.pruned, "layouts_simulated": result.simulated,
                 "simulator_runs": result.simulations}
@@ -293,9 +323,6 @@ def run(args: argparse.Namespace) -> int:
                       "budget": spec.budget, "target": spec.target, "class_targets": spec.class_targets,
                       "workload": wl.name, "requests": len(wl),
                       "slos": {k: {"ttft": s.ttft, "tpot": s.tpot} for k, s in slos.items()}}}
-    import shlex
     command = "laneserve " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["plan"] else None
-    path = write_result(args.name, headline, markdown=md, extra=json.loads(json.dumps(extra, default=str)),
+    return write_result(args.name, headline, markdown=md, extra=json.loads(json.dumps(extra, default=str)),
                         results_dir=args.output, command=command)
-    print(f"wrote {path}, {args.output / (args.name + '.md')}, {png} in {search_s:.1f} s", file=sys.stderr)
-    return 0 if result.winner is not None else 1

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from laneserve.commands.argtypes import at_least, fraction
+from laneserve.commands.flag_names import renamed
 
 from laneserve.commands.vllm_flags import add_vllm_flags, apply_vllm_flags
 
@@ -58,6 +59,19 @@ def _dtype(text: str) -> str:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible server", description=__doc__,
                        formatter_class=_HelpFormatter)
+    _add_model_flags(p)
+    _add_deployment_flags(p)
+    _add_engine_flags(p)
+    _add_admission_flags(p)
+    _add_robustness_flags(p)
+    h = p.add_argument_group("measurement harness")
+    h.add_argument("--stub", action="store_true", help="STUB instances that echo immediately (no model)")
+    h.add_argument("--stub-token-delay", type=float, default=0.0, help="seconds per token of a stub instance")
+    add_vllm_flags(p)
+    p.set_defaults(func=run)
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, help="checkpoint folder, or a Hugging Face id in the local Hugging Face "
                                               "cache (never downloaded) (default: the embedded smoke model)")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
@@ -66,6 +80,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the model folder)")
     p.add_argument("--host", default="127.0.0.1", help="address the API listens on")
     p.add_argument("--port", type=int, default=8000, help="port the API listens on")
+
+
+def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("deployment")
     c.add_argument("--prefill", type=at_least(1), default=1,
                    help="prefill instances (colocated instances with --colocated)")
@@ -78,10 +95,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--prefill-policy", default="adaptive",
                    help="prefill policy spec (default adaptive; laneserve sim --list)")
     c.add_argument("--decode-policy", default="adaptive", help="decode policy spec (default adaptive)")
-    c.add_argument("--router-policy", "--router", dest="router", default="round-robin", help="prefill router")
-    c.add_argument("--decode-router-policy", "--decode-router", dest="decode_router", default="auto",
+    c.add_argument("--router-policy", dest="router", default="round-robin", help="prefill router")
+    renamed(c, "--router", canonical="--router-policy", dest="router")
+    c.add_argument("--decode-router-policy", dest="decode_router", default="auto",
                    help="decode router (default auto: the decode policy's own, tpot-aware for adaptive, "
                         "else least-loaded)")
+    renamed(c, "--decode-router", canonical="--decode-router-policy", dest="decode_router")
     c.add_argument("--devices", default="cpu", help="comma-separated devices, assigned to instances in turn")
     c.add_argument("--kv-tokens", type=at_least(16), default=65536, help="KV-cache tokens per instance")
     c.add_argument("--kv-transport", default=None,
@@ -89,6 +108,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--ray-address", default=None, metavar="ADDRESS|auto",
                    help="join this Ray cluster and run each instance as an actor on a node offering "
                         "laneserve_prefill / laneserve_decode / laneserve_colocated (README: Across machines)")
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", type=_dtype, default="auto",
                    help="auto (the checkpoint's dtype on CUDA, float32 on CPU), float32, bfloat16 or float16")
@@ -97,7 +119,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--threads", type=at_least(1), default=1, help="torch threads per instance (CPU)")
     e.add_argument("--max-num-batched-tokens", type=at_least(1), default=2048,
                    help="tokens one prefill step may take")
-    e.add_argument("--host-kv-blocks", type=at_least(0), default=0, help="host KV pool blocks per decode instance")
+    e.add_argument("--host-kv-tokens", type=at_least(0), default=0,
+                   help="host KV pool per decode instance, in tokens (whole --block-size blocks: rounded down)")
+    renamed(e, "--host-kv-blocks", canonical="--host-kv-tokens (tokens: blocks x --block-size)",
+            dest="host_kv_blocks", type=at_least(0))
     e.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler")
     e.add_argument("--no-prefix-caching", action="store_true",
                    help="keep no prompt KV across requests (default: prefill and colocated instances reuse "
@@ -106,6 +131,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run decode and LAPS short-prefill steps in static shape buckets: CUDA graphs on "
                         "CUDA, the same static path eagerly on CPU (default: on for CUDA devices, off on CPU; "
                         "--enforce-eager turns them off)")
+
+
+def _add_admission_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("admission and SLOs")
     a.add_argument("--max-inflight", type=at_least(1), default=256,
                    help="sequences in the system before new requests get 429")
@@ -123,6 +151,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a named SLO class with its defaults (repeatable)")
     a.add_argument("--default-max-tokens", type=at_least(1), default=256,
                    help="chat completions: max_tokens when the request sets none (capped by the context)")
+
+
+def _add_robustness_flags(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("robustness and security")
     r.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* and /debug/* (default: the "
@@ -147,11 +178,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="restarts of a crashed or hung instance (with backoff) before it stays down")
     r.add_argument("--shutdown-timeout", type=at_least(0, float), default=30.0,
                    help="on SIGTERM/SIGINT: seconds running requests get to finish")
-    h = p.add_argument_group("measurement harness")
-    h.add_argument("--stub", action="store_true", help="STUB instances that echo immediately (no model)")
-    h.add_argument("--stub-token-delay", type=float, default=0.0, help="seconds per token of a stub instance")
-    add_vllm_flags(p)
-    p.set_defaults(func=run)
 
 
 def _slo_opts(text: str, what: str) -> dict:
@@ -196,16 +222,33 @@ def _load_tokenizer(path: Path | None):
 
 def build_server(args: argparse.Namespace, log=None):
     """(app, cluster) for ``args``; the cluster starts in the app's lifespan."""
-    import asyncio
-    import contextlib
-
-    from laneserve.cluster.process import ClusterSpec, ProcessCluster
-    from laneserve.cluster.transport import available_transports
-    from laneserve.server.api import ServerState, build_app
-    from laneserve.server.metrics import ServerMetrics
+    from laneserve.server.api import build_app
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     apply_vllm_flags(args, log)
+    model = _model_folder(args, log)
+    transport = _check_deployment(args)
+    name = args.served_model_name or (Path(model).name if model is not None else "laneserve-stub")
+    args.served_model_name = name              # make_defaults: the name a request without 'model' gets
+    engine = _engine_options(args)
+    spec = _cluster_spec(args, model, engine, transport)
+    if args.ray_address:
+        from laneserve.cluster.ray_cluster import RayCluster
+        cluster = RayCluster(spec, args.ray_address, log=log)
+    else:
+        from laneserve.cluster.process import ProcessCluster
+        cluster = ProcessCluster(spec, log=log)
+    if args.stub:
+        log("laneserve: --stub: instances are a MEASUREMENT HARNESS that echo the prompt at once (no model)")
+    state = _server_state(args, cluster, name, model)
+    lifecycle, lifespan = _lifecycle(args, state, cluster, spec, model, name, log)
+    app = build_app(state, lifespan=lifespan)
+    app.lifecycle = lifecycle
+    return app, cluster
+
+
+def _model_folder(args: argparse.Namespace, log):
+    """The checkpoint folder to serve: ``--model``, else the embedded smoke model (none with --stub)."""
     model = args.model
     if model is None and not args.stub:
         from laneserve.engine.smoke import smoke_model_path
@@ -214,6 +257,13 @@ def build_server(args: argparse.Namespace, log=None):
             "(random weights: its text is noise)")
     if model is not None and not Path(model).exists():
         raise ValueError(f"model folder not found: {model}")
+    return model
+
+
+def _check_deployment(args: argparse.Namespace) -> str:
+    """Check the deployment flags (process model, KV transport, instance counts, policy names);
+    the KV transport to use. ValueError naming the flag at fault."""
+    from laneserve.cluster.transport import available_transports
     if args.in_process and not args.colocated:
         raise ValueError("--in-process needs --colocated")
     if args.in_process and args.ray_address:
@@ -233,17 +283,36 @@ def build_server(args: argparse.Namespace, log=None):
     for kind, spec in (("prefill", args.prefill_policy), ("decode", args.decode_policy), ("router", args.router),
                        ("router", registry.decode_router_for(args.decode_policy, args.decode_router))):
         registry.resolve(kind, spec)        # unknown names fail here, listing the valid ones
-    name = args.served_model_name or (Path(model).name if model is not None else "laneserve-stub")
-    args.served_model_name = name              # make_defaults: the name a request without 'model' gets
+    return transport
+
+
+def host_kv_blocks(args: argparse.Namespace) -> int:
+    """Host KV pool blocks per decode instance: ``--host-kv-tokens`` in whole ``--block-size``
+    blocks, or the old ``--host-kv-blocks`` as given (not both)."""
+    blocks = getattr(args, "host_kv_blocks", None)
+    if blocks is None:
+        return args.host_kv_tokens // args.block_size
+    if args.host_kv_tokens:
+        raise ValueError("--host-kv-blocks (deprecated) and --host-kv-tokens exclude each other")
+    return blocks
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    """Every instance's engine options, checked here for each device (not in each instance process)."""
     engine = {"dtype": args.dtype, "attention": args.attention, "num_threads": args.threads,
-              "max_num_batched_tokens": args.max_num_batched_tokens, "num_host_blocks": args.host_kv_blocks,
+              "max_num_batched_tokens": args.max_num_batched_tokens, "num_host_blocks": host_kv_blocks(args),
               "seed": args.seed, "cuda_graphs": True if args.cuda_graphs else False if args.enforce_eager else None, "prefix_caching": not args.no_prefix_caching,
               "block_size": args.block_size}
     if not args.stub:                       # engine options checked here, not in each instance process
         from laneserve.engine.config import EngineConfig
         for device in {d.strip() for d in args.devices.split(",") if d.strip()} or {"cpu"}:
             EngineConfig(device=device, **engine)
-    spec = ClusterSpec(model=str(model) if model is not None else "", num_prefill=args.prefill,
+    return engine
+
+
+def _cluster_spec(args: argparse.Namespace, model, engine: dict, transport: str):
+    from laneserve.cluster.process import ClusterSpec
+    return ClusterSpec(model=str(model) if model is not None else "", num_prefill=args.prefill,
                        num_decode=args.decode, colocated=args.colocated,
                        in_process=args.colocated and args.in_process,
                        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, router=args.router,
@@ -253,21 +322,27 @@ def build_server(args: argparse.Namespace, log=None):
                        stub_token_delay=args.stub_token_delay, max_inflight=args.max_inflight,
                        max_queued_tokens=args.max_queued_tokens, heartbeat_timeout=args.heartbeat_timeout,
                        max_restarts=args.max_restarts)
-    if args.ray_address:
-        from laneserve.cluster.ray_cluster import RayCluster
-        cluster = RayCluster(spec, args.ray_address, log=log)
-    else:
-        cluster = ProcessCluster(spec, log=log)
-    if args.stub:
-        log("laneserve: --stub: instances are a MEASUREMENT HARNESS that echo the prompt at once (no model)")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("LANESERVE_API_KEY") or None
+
+
+def _server_state(args: argparse.Namespace, cluster, name: str, model):
+    from laneserve.server.api import ServerState
     from laneserve.server.budget import RequestBudget
+    from laneserve.server.metrics import ServerMetrics
+    api_key = args.api_key if args.api_key is not None else os.environ.get("LANESERVE_API_KEY") or None
+    return ServerState(cluster, name, str(model or ""), None, make_defaults(args),
+                       ServerMetrics(name, getattr(args, "metrics_prefix", "laneserve")),
+                       api_key=api_key, protect_all=args.api_key_all_paths,
+                       max_request_bytes=args.max_request_bytes, body_timeout=args.body_timeout,
+                       request_budget=RequestBudget(args.max_request_share, args.max_response_bytes))
+
+
+def _lifecycle(args: argparse.Namespace, state, cluster, spec, model, name: str, log):
+    """(Lifecycle, the app's lifespan): start the instances and load the tokenizer once the port
+    answers; on the way out drain, close the cluster and the render and parse pools."""
+    import asyncio
+    import contextlib
+
     from laneserve.server.lifecycle import Lifecycle
-    state = ServerState(cluster, name, str(model or ""), None, make_defaults(args),
-                        ServerMetrics(name, getattr(args, "metrics_prefix", "laneserve")),
-                        api_key=api_key, protect_all=args.api_key_all_paths,
-                        max_request_bytes=args.max_request_bytes, body_timeout=args.body_timeout,
-                        request_budget=RequestBudget(args.max_request_share, args.max_response_bytes))
 
     async def start() -> None:
         tok_path = Path(args.tokenizer or model) if (args.tokenizer or model) else None
@@ -299,9 +374,7 @@ def build_server(args: argparse.Namespace, log=None):
             state.parse_pool.shutdown(wait=False, cancel_futures=True)
             state.render_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = build_app(state, lifespan=lifespan)
-    app.lifecycle = lifecycle
-    return app, cluster
+    return lifecycle, lifespan
 
 
 def run(args: argparse.Namespace) -> int:

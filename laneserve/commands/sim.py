@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from laneserve.commands.flag_names import add_slo_target_flags, renamed
+
 
 DEFAULT_POLICIES = "adaptive+adaptive,fcfs+continuous,cp-edf-2k+continuous,cp-edf-8k+continuous"
 
@@ -22,36 +24,49 @@ DEFAULT_POLICIES = "adaptive+adaptive,fcfs+continuous,cp-edf-2k+continuous,cp-ed
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sim", help="simulate a cluster and compare scheduling policies",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_workload_flags(p)
+    _add_cluster_flags(p)
+    _add_cost_model_flags(p)
+    _add_output_flags(p)
+    p.set_defaults(func=run)
+
+
+def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
     src.add_argument("--trace", type=Path, help="Azure-format CSV or Mooncake-format JSONL (.gz ok); its SLOs: "
                      "TTFT = max(0.4 s, 4 x the request's idle prefill time), TPOT = max(50 ms, 4 x its "
-                     "idle decode step), on the run's cost model (--ttft-slo/--tpot-slo replace a rule)")
+                     "idle decode step), on the run's cost model (--ttft-slo-ms/--tpot-slo-ms replace a rule)")
     src.add_argument("--workload", default="azure_conv",
                      help="named workload (default azure_conv); see --list")
     w.add_argument("--workload-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="option of a named workload, e.g. long_share=0.2 (repeatable)")
     w.add_argument("--num-requests", type=int, default=3000,
                    help="use the first N requests (default 3000; 0 = all)")
-    w.add_argument("--rates", "--request-rate", dest="rates", default=None,
+    w.add_argument("--request-rate", dest="rates", default=None, metavar="RATE[,RATE...]",
                    help="comma-separated request rates (req/s) to sweep; default: 4 rates around "
                         "the workload's own")
-    w.add_argument("--rate", type=float, help="a single request rate")
-    w.add_argument("--ttft-slo", type=float, help="TTFT target in seconds (overrides the workload's)")
-    w.add_argument("--tpot-slo", type=float, help="TPOT target in seconds (overrides the workload's)")
+    renamed(w, "--rates", canonical="--request-rate", dest="rates")
+    renamed(w, "--rate", canonical="--request-rate", dest="rate", type=float)
+    add_slo_target_flags(w, "every request (overrides the workload's)")
     w.add_argument("--slo-scale", type=float, default=1.0, help="multiply every SLO by this factor")
+
+
+def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cluster")
     c.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma-separated policy sets to compare: PREFILL+DECODE, or colocated[:opts] "
                         f"(default {DEFAULT_POLICIES})")
     c.add_argument("--prefill", type=int, default=1, help="prefill instances (or colocated instances)")
     c.add_argument("--decode", type=int, default=1, help="decode instances")
-    c.add_argument("--router", "--router-policy", dest="router", default="round-robin", help="prefill router")
-    c.add_argument("--decode-router", "--decode-router-policy", dest="decode_router", default="auto",
+    c.add_argument("--router-policy", dest="router", default="round-robin", help="prefill router")
+    renamed(c, "--router", canonical="--router-policy", dest="router")
+    c.add_argument("--decode-router-policy", dest="decode_router", default="auto",
                    help="decode router (auto: the decode policy's own, adaptive -> tpot-aware; else least-loaded)")
+    renamed(c, "--decode-router", canonical="--decode-router-policy", dest="decode_router")
     c.add_argument("--host-kv-tokens", type=int, default=0,
-                   help="host KV pool per decode instance (default 0: none, except AlignedServe, which "
-                        "gets 250 GB of host memory per GPU: 2 TB / 8 GPUs of a DGX H100)")
+                   help="host KV pool per decode instance, in tokens (default 0: none, except AlignedServe, "
+                        "which gets 250 GB of host memory per GPU: 2 TB / 8 GPUs of a DGX H100)")
     c.add_argument("--predictor", choices=("online", "oracle", "profile"), default="online",
                    help="where SLO-aware policies get their latency predictions: online (default: "
                         "learned from each instance's own step times), oracle (the cost model that "
@@ -64,20 +79,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "capacity) for policies run with prefix_caching=true; default: idealised "
                         "(a request's prefix counts as cached wherever it lands)")
     c.add_argument("--kv-link", default="nvlink", help="prefill->decode KV link (nvlink, infiniband, pcie)")
+
+
+def _add_cost_model_flags(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("cost model")
     m.add_argument("--cost-model", default="analytic", help="analytic | fitted | linear")
     m.add_argument("--model", default="llama-3-8b", help="model spec (see --list)")
     m.add_argument("--hardware", default="h100", help="h100 | h200 | a100")
-    m.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per instance")
+    m.add_argument("--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
+                   help="tensor-parallel degree per instance")
+    renamed(m, "--tp", canonical="--tensor-parallel-size", dest="tp", type=int)
     m.add_argument("--attention", default="ragged", help="decode attention kernel: ragged | padded")
     m.add_argument("--profile", type=Path, help="engine profile JSON for --cost-model fitted")
     m.add_argument("--engine", default="legacy",
                    help="whose kernels the analytic model charges: legacy (default: the original "
                         "constants) | vllm | sglang | trtllm (fitted on aiconfigurator's measured "
                         "operators: split-KV decode, FlashAttention-3, custom all-reduce) | laneserve")
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
-    o.add_argument("--goodput", action="store_true",
+    o.add_argument("--goodput-search", dest="goodput", action="store_true",
                    help="also search each policy's goodput (highest rate with >= 90%% attainment)")
+    renamed(o, "--goodput", canonical="--goodput-search", dest="goodput", flag=True)
     o.add_argument("--slo-scale-search", action="store_true",
                    help="also search each policy's tightest SLO scale reaching the target at the "
                         "first rate")
@@ -95,7 +119,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--list", action="store_true", help="list workloads, policies, models and exit")
     o.add_argument("--list-policies", action="store_true",
                    help="list every policy with its options and their defaults, and its presets, and exit")
-    p.set_defaults(func=run)
 
 
 def _list() -> None:
@@ -128,51 +151,84 @@ def run(args: argparse.Namespace) -> int:
     if args.list_policies:
         _list_policies()
         return 0
-    from laneserve.bench.experiment import (policy_config, policy_goodput, policy_slo_scale,
-                                           split_policy_sets, sweep, validate)
-    from laneserve.bench.parallel import map_jobs, workers
+    from laneserve.bench.experiment import sweep
+    from laneserve.bench.parallel import workers
     from laneserve.bench.progress import progress_bar
-    from laneserve.commands.common import load_workload
-    from laneserve.bench.report import format_console_table, write_report
-    from laneserve.costmodel import make_cost_model
-    from laneserve.sim import ClusterConfig
-    from laneserve.sim.config import decode_router_name
-    from laneserve.workloads import IdleLatencySLO
+    from laneserve.bench.report import format_console_table
 
     try:
-        wl = load_workload(args, apply_slo_scale=False)
-        cost = make_cost_model(args.cost_model, model=args.model, hardware=args.hardware, tp=args.tp,
-                               attention=args.attention,
-                               profile=str(args.profile) if args.profile else None,
-                               engine=args.engine)
-        base = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.prefill,
-                             router=args.router, decode_router=args.decode_router,
-                             host_kv_tokens=args.host_kv_tokens, kv_link=args.kv_link,
-                             prefix_cache_tokens=args.prefix_cache_tokens, predictor=args.predictor,
-                             max_model_len=args.max_model_len)
-        slo_rule = None
-        if args.trace is not None:       # one rule for any trace file, on the run's cost model
-            wl = IdleLatencySLO().apply(wl, cost, ttft=args.ttft_slo, tpot=args.tpot_slo)
-            slo_rule = wl.meta["slo_rule"]
-        policies = {spec: policy_config(spec, base) for spec in split_policy_sets(args.policies)}
-        if not policies:
-            raise ValueError("--policies names no policy set")
-        for config in policies.values():
-            validate(config, cost)
-        if args.rate is not None:
-            rates = [args.rate]
-        elif args.rates:
-            rates = [float(x) for x in args.rates.split(",")]
-        else:
-            r0 = wl.mean_rate * max(1, args.prefill)
-            rates = [round(r0 * f, 2) for f in (1, 2, 4, 6)]
-        if not rates or min(rates) <= 0:
-            raise ValueError("request rates must be > 0")
+        wl, cost, base, policies, slo_rule = _setup(args)
+        rates = _rates(args, wl)
         jobs = workers(args.jobs, args.ray_address)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
+    _print_setup(args, wl, cost, base, policies)
+    t0 = time.perf_counter()
+    bar = progress_bar(total=len(policies) * len(rates), desc=f"simulating ({jobs if args.ray_address else f'{jobs} jobs'})",
+                       enabled=False if args.no_progress else None)
+    rows = sweep(wl, policies, rates, cost, slo_scale=args.slo_scale, on_point=lambda *_: bar.update(1), jobs=jobs)
+    bar.close()
+    goodputs, scales = _searches(args, wl, policies, cost, rates, jobs)
+    cols = ["policy", "rate", "attainment_ttft", "attainment_tpot", "attainment_both", "p90_ttft_ms",
+            "p99_ttft_ms", "p90_tpot_ms", "output_throughput", "rejected"]
+    print(format_console_table(rows, cols))
+    if slo_rule is not None:
+        print(f"SLO rule (--trace): {slo_rule}")
+    paths = _write_report(args, rows, wl, cost, slo_rule, goodputs, scales, rates)
+    print(f"wrote {', '.join(str(p) for p in paths.values())} in {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr)
+    return 0
+
+
+def _setup(args: argparse.Namespace):
+    """(workload, cost model, base cluster config, {spec: config} of the policy sets, the trace's
+    SLO rule or None) from the flags; ValueError on bad input."""
+    from laneserve.bench.experiment import policy_config, split_policy_sets, validate
+    from laneserve.commands.common import load_workload
+    from laneserve.costmodel import make_cost_model
+    from laneserve.sim import ClusterConfig
+    from laneserve.workloads import IdleLatencySLO
+
+    wl = load_workload(args, apply_slo_scale=False)
+    cost = make_cost_model(args.cost_model, model=args.model, hardware=args.hardware, tp=args.tp,
+                           attention=args.attention,
+                           profile=str(args.profile) if args.profile else None,
+                           engine=args.engine)
+    base = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.prefill,
+                         router=args.router, decode_router=args.decode_router,
+                         host_kv_tokens=args.host_kv_tokens, kv_link=args.kv_link,
+                         prefix_cache_tokens=args.prefix_cache_tokens, predictor=args.predictor,
+                         max_model_len=args.max_model_len)
+    slo_rule = None
+    if args.trace is not None:       # one rule for any trace file, on the run's cost model
+        wl = IdleLatencySLO().apply(wl, cost, ttft=args.ttft_slo, tpot=args.tpot_slo)
+        slo_rule = wl.meta["slo_rule"]
+    policies = {spec: policy_config(spec, base) for spec in split_policy_sets(args.policies)}
+    if not policies:
+        raise ValueError("--policies names no policy set")
+    for config in policies.values():
+        validate(config, cost)
+    return wl, cost, base, policies, slo_rule
+
+
+def _rates(args: argparse.Namespace, wl) -> list[float]:
+    """The request rates to sweep: the flags', else 1, 2, 4 and 6 x the workload's own rate (x prefill instances)."""
+    if args.rate is not None:
+        rates = [args.rate]
+    elif args.rates:
+        rates = [float(x) for x in args.rates.split(",")]
+    else:
+        r0 = wl.mean_rate * max(1, args.prefill)
+        rates = [round(r0 * f, 2) for f in (1, 2, 4, 6)]
+    if not rates or min(rates) <= 0:
+        raise ValueError("request rates must be > 0")
+    return rates
+
+
+def _print_setup(args: argparse.Namespace, wl, cost, base, policies: dict) -> None:
+    from laneserve.sim.config import decode_router_name
     print(f"workload: {wl.name}, {len(wl)} requests, native rate {wl.mean_rate:.2f} req/s; "
           f"cost model: {cost!r}; predictor: {args.predictor}", file=sys.stderr)
     if args.decode_router == "auto" and base.mode == "disaggregated":
@@ -180,11 +236,12 @@ def run(args: argparse.Namespace) -> int:
                    if config.mode == "disaggregated"}
         print("decode router (auto): " + ", ".join(f"{spec} -> {name}" for spec, name in routers.items()),
               file=sys.stderr)
-    t0 = time.perf_counter()
-    bar = progress_bar(total=len(policies) * len(rates), desc=f"simulating ({jobs if args.ray_address else f'{jobs} jobs'})",
-                       enabled=False if args.no_progress else None)
-    rows = sweep(wl, policies, rates, cost, slo_scale=args.slo_scale, on_point=lambda *_: bar.update(1), jobs=jobs)
-    bar.close()
+
+
+def _searches(args: argparse.Namespace, wl, policies: dict, cost, rates: list[float], jobs) -> tuple[dict, dict]:
+    """({policy: goodput}, {policy: tightest SLO scale}) for the searches the flags ask for ({} otherwise)."""
+    from laneserve.bench.experiment import policy_goodput, policy_slo_scale
+    from laneserve.bench.parallel import map_jobs
     goodputs = {}
     if args.goodput:
         found = map_jobs(policy_goodput, [(wl, config, cost, min(rates) / 4, max(rates) * 4, args.target,
@@ -201,11 +258,14 @@ def run(args: argparse.Namespace) -> int:
             scales[name] = res.value
             print(f"tightest SLO scale[{name}] at {rates[0]} req/s = "
                   f"{res.value if res.value is not None else 'not met'} ({res.evals} runs)", file=sys.stderr)
-    cols = ["policy", "rate", "attainment_ttft", "attainment_tpot", "attainment_both", "p90_ttft_ms",
-            "p99_ttft_ms", "p90_tpot_ms", "output_throughput", "rejected"]
-    print(format_console_table(rows, cols))
-    if slo_rule is not None:
-        print(f"SLO rule (--trace): {slo_rule}")
+    return goodputs, scales
+
+
+def _write_report(args: argparse.Namespace, rows, wl, cost, slo_rule, goodputs: dict, scales: dict,
+                  rates: list[float]) -> dict:
+    """JSON, markdown and PNG into ``--output``; the JSON's metrics carry the predictor, the SLO
+    rule and the searches' results."""
+    from laneserve.bench.report import write_report
     paths = write_report(args.output, args.name, rows, y_keys=("attainment_ttft", "attainment_both"),
                          title=f"{wl.name} on {cost!r}")
     data = json.loads(paths["json"].read_text())
@@ -217,6 +277,4 @@ def run(args: argparse.Namespace) -> int:
     if scales:
         data["metrics"]["tightest_slo_scale"] = {"rate": rates[0], **scales}
     paths["json"].write_text(json.dumps(data, indent=2) + "\n")
-    print(f"wrote {', '.join(str(p) for p in paths.values())} in {time.perf_counter() - t0:.1f} s",
-          file=sys.stderr)
-    return 0
+    return paths

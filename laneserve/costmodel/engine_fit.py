@@ -61,12 +61,25 @@ def _nm(loss, names: Sequence[str], c: dict[str, float], iters: int = 600) -> di
 def fit_one(engine: str, system: str, rows: Sequence[dict]) -> dict[str, Any]:
     """Fitted constants (and per-stage MAPE) of ``engine`` on ``system``."""
     hw = HARDWARE[HW_OF[system]]
-    peak, bw = hw.peak_flops, hw.hbm_bandwidth
     data = _rows(engine, system, rows)
     c: dict[str, Any] = dict(START)
     report: dict[str, Any] = {}
+    # each stage fits its constants into c (later stages see the earlier fits) and adds its MAPE
+    _fit_gemms(c, report, engine, system, hw, data)
+    _fit_elementwise(c, report, hw, data)
+    _fit_decode_attention(c, report, engine, system, hw, data)
+    _fit_prefill_attention(c, report, hw, data)
+    out = {"engine": engine, "system": system, "version": data[0]["version"]}
+    for k in START:
+        v = c[k]
+        out[k] = int(v) if k == "decode_attn_max_splits" else float(f"{v:.5g}")
+    out["fit_mape"] = {k: round(v, 4) for k, v in report.items()}
+    return out
 
-    # 1. GEMMs: per-layer sum of the 4 layer GEMMs, and the LM head
+
+def _fit_gemms(c: dict[str, Any], report: dict[str, Any], engine: str, system: str, hw, data) -> None:
+    """1. GEMMs: per-layer sum of the 4 layer GEMMs, and the LM head."""
+    peak, bw = hw.peak_flops, hw.hbm_bandwidth
     tok, targets, shapes, lm = [], [], [], []
     for r in data:
         m, tp = MODELS[r["model"]], r["tp"]
@@ -95,7 +108,10 @@ def fit_one(engine: str, system: str, rows: Sequence[dict]) -> dict[str, Any]:
     layer, head = gemm_pred({})
     report["gemm_mape"], report["lm_head_mape"] = mape(tgt, layer), mape(lm_a[:, 3], head)
 
-    # 2. element-wise kernels: norm (2 a layer) over tokens x hidden, act over tokens x inter/tp
+
+def _fit_elementwise(c: dict[str, Any], report: dict[str, Any], hw, data) -> None:
+    """2. element-wise kernels: norm (2 a layer) over tokens x hidden, act over tokens x inter/tp."""
+    bw = hw.hbm_bandwidth
     for kind, col, per_layer in (("norm", "norm", 2), ("act", "act", 1)):
         elems, tgt_e = [], []
         for r in data:
@@ -111,7 +127,11 @@ def fit_one(engine: str, system: str, rows: Sequence[dict]) -> dict[str, Any]:
         c.update(_nm(loss, (f"{kind}_floor_s", f"{kind}_bytes_per_element"), c))
         report[f"{kind}_mape"] = loss(c)
 
-    # 3. split-KV decode attention
+
+def _fit_decode_attention(c: dict[str, Any], report: dict[str, Any], engine: str, system: str, hw,
+                          data) -> None:
+    """3. split-KV decode attention (the split cap chosen among SPLIT_CAPS)."""
+    bw = hw.hbm_bandwidth
     dec = [r for r in data if r["phase"] == "decode"]
     b = np.array([r["batch"] for r in dec], float)
     ctx = np.array([r["length"] + 1 for r in dec], float)
@@ -135,7 +155,10 @@ def fit_one(engine: str, system: str, rows: Sequence[dict]) -> dict[str, Any]:
     c.update(best[2])
     c["decode_attn_max_splits"] = best[1]
 
-    # 4. FlashAttention-3 prefill
+
+def _fit_prefill_attention(c: dict[str, Any], report: dict[str, Any], hw, data) -> None:
+    """4. FlashAttention-3 prefill."""
+    peak, bw = hw.peak_flops, hw.hbm_bandwidth
     pre = [r for r in data if r["phase"] == "prefill"]
     n = np.array([r["length"] for r in pre], float)
     bb = np.array([r["batch"] for r in pre], float)
@@ -153,13 +176,6 @@ def fit_one(engine: str, system: str, rows: Sequence[dict]) -> dict[str, Any]:
     names = ("prefill_attn_floor_s", "prefill_attn_efficiency", "prefill_attn_half_tokens")
     c.update(_nm(lambda p: mape(tgt_p, pre_pred(p)), names, c))
     report["prefill_attention_mape"] = mape(tgt_p, pre_pred(c))
-
-    out = {"engine": engine, "system": system, "version": data[0]["version"]}
-    for k in START:
-        v = c[k]
-        out[k] = int(v) if k == "decode_attn_max_splits" else float(f"{v:.5g}")
-    out["fit_mape"] = {k: round(v, 4) for k, v in report.items()}
-    return out
 
 
 def predict_row(cm, r: dict) -> float:

@@ -531,85 +531,102 @@ def plan(spec: PlanSpec, *, jobs: Any = 1, progress: Callable[[int, int], None] 
     :class:`~laneserve.bench.parallel.RayWorkers`; ``progress(done, total)`` after each batch."""
     import time
 
-    from laneserve.bench.parallel import RayWorkers, map_jobs
+    from laneserve.bench.parallel import RayWorkers
     t0 = time.perf_counter()
     shape = WorkloadShape.of(spec.workload)
     targets = {name: spec.target_of(name) for name in shape.classes}
     width = jobs.num_cpus if isinstance(jobs, RayWorkers) and hasattr(jobs, "num_cpus") else (
         jobs if isinstance(jobs, int) else 4)
     batch = max(2, 2 * width)
-    rows: list[dict[str, Any]] = []
-    sims = 0
-    if spec.rate is not None:
-        cands, _ = candidates_for_rate(spec, shape)
-        considered = _layouts_within(spec, spec.max_gpus)
-        bounds = {lay: b for lay, b in cands}
-        pending = sorted(bounds, key=lambda lay: (lay.gpus, -bounds[lay]))
-        seen = set(pending)
-        best_gpus = None
-        done = 0
-        while pending and done < spec.max_sims:
-            if best_gpus is not None:
-                pending = [lay for lay in pending if lay.gpus <= best_gpus]
-                if not pending:
-                    break                   # every layout as cheap as the best has been simulated
-            take, pending = pending[:min(batch, spec.max_sims - done)], pending[min(batch, spec.max_sims - done):]
-            tasks = [(spec.workload, lay, spec.model, spec.engine, spec.rate, targets, spec.target,
-                      spec.router, spec.kv_link) for lay in take]
-            results = map_jobs(evaluate, tasks, jobs)
-            sims += len(tasks)
-            done += len(tasks)
-            grown = []
-            for lay, res in zip(take, results):
-                rows.append(_row(lay, bounds[lay], res, spec))
-                if res["meets"]:
-                    if best_gpus is None or lay.gpus < best_gpus:
-                        best_gpus = lay.gpus
-                    # the bound is a steady-state estimate: a layout that meets may still have
-                    # room, so its one-instance-smaller neighbours are tried too
-                    for smaller in _shrunk(lay):
-                        if smaller not in seen:
-                            seen.add(smaller)
-                            bounds[smaller] = bounds[lay] * (smaller.gpus / lay.gpus)
-                            grown.append(smaller)
-            pending = sorted(pending + grown, key=lambda lay: (lay.gpus, -bounds[lay]))
-            if progress is not None:
-                progress(done, min(spec.max_sims, done + len(pending)))
-        pruned = considered - done
-        rows.sort(key=lambda r: rank_key(r, spec))
-    else:
-        cands, pruned = candidates_for_budget(spec, shape)
-        considered = len(cands) + pruned
-        best_good = 0.0
-        i, done = 0, 0
-        budget = min(len(cands), spec.max_sims)
-        # the bound is a steady-state estimate; on a finite workload a layout can beat it: prune by
-        # the bound scaled by the largest goodput / bound ratio simulated so far (x 1.1)
-        ratio = 1.0
-        while i < len(cands) and done < spec.max_sims:
-            scale = ratio * 1.1 * spec.prune_slack
-            if cands[i][1] * scale <= best_good:
-                pruned += len(cands) - i     # sorted by bound: nothing later can beat it
-                break
-            window = cands[i:i + min(batch, spec.max_sims - done)]
-            chunk = [c for c in window if c[1] * scale > best_good]
-            pruned += len(window) - len(chunk)
-            tasks = [(spec.workload, lay, spec.model, spec.engine, b * ratio, targets, spec.target,
-                      spec.router, spec.kv_link) for lay, b in chunk]
-            results = map_jobs(goodput_of, tasks, jobs)
-            for (lay, b), res in zip(chunk, results):
-                sims += res["sims"]
-                rows.append(_row(lay, b, res, spec))
-                best_good = max(best_good, res["goodput"])
-                if b > 0:
-                    ratio = max(ratio, res["goodput"] / b)
-            i += len(window)
-            done += len(chunk)
-            if progress is not None:
-                progress(min(done, budget), budget)
-        rows.sort(key=lambda r: rank_key(r, spec))
+    search = _search_for_rate if spec.rate is not None else _search_for_budget
+    rows, considered, pruned, sims = search(spec, shape, targets, batch, jobs, progress)
+    rows.sort(key=lambda r: rank_key(r, spec))
     winner = rows[0] if rows and (rows[0]["meets"] or spec.budget is not None and rows[0]["goodput"] > 0) else None
     return PlanResult(spec, rows, winner, considered, pruned, len(rows), sims, time.perf_counter() - t0)
+
+
+def _search_for_rate(spec: PlanSpec, shape: WorkloadShape, targets: dict[str, float], batch: int, jobs: Any,
+                     progress: Callable[[int, int], None] | None) -> tuple[list[dict[str, Any]], int, int, int]:
+    """A target rate: simulate the layouts cheapest first (fewest GPUs, then the highest bound),
+    trying the smaller neighbours of each that meets, until nothing as cheap as the best is left.
+    (rows, layouts considered, pruned, simulator runs)."""
+    from laneserve.bench.parallel import map_jobs
+    rows: list[dict[str, Any]] = []
+    sims = 0
+    cands, _ = candidates_for_rate(spec, shape)
+    considered = _layouts_within(spec, spec.max_gpus)
+    bounds = {lay: b for lay, b in cands}
+    pending = sorted(bounds, key=lambda lay: (lay.gpus, -bounds[lay]))
+    seen = set(pending)
+    best_gpus = None
+    done = 0
+    while pending and done < spec.max_sims:
+        if best_gpus is not None:
+            pending = [lay for lay in pending if lay.gpus <= best_gpus]
+            if not pending:
+                break                   # every layout as cheap as the best has been simulated
+        take, pending = pending[:min(batch, spec.max_sims - done)], pending[min(batch, spec.max_sims - done):]
+        tasks = [(spec.workload, lay, spec.model, spec.engine, spec.rate, targets, spec.target,
+                  spec.router, spec.kv_link) for lay in take]
+        results = map_jobs(evaluate, tasks, jobs)
+        sims += len(tasks)
+        done += len(tasks)
+        grown = []
+        for lay, res in zip(take, results):
+            rows.append(_row(lay, bounds[lay], res, spec))
+            if res["meets"]:
+                if best_gpus is None or lay.gpus < best_gpus:
+                    best_gpus = lay.gpus
+                # the bound is a steady-state estimate: a layout that meets may still have
+                # room, so its one-instance-smaller neighbours are tried too
+                for smaller in _shrunk(lay):
+                    if smaller not in seen:
+                        seen.add(smaller)
+                        bounds[smaller] = bounds[lay] * (smaller.gpus / lay.gpus)
+                        grown.append(smaller)
+        pending = sorted(pending + grown, key=lambda lay: (lay.gpus, -bounds[lay]))
+        if progress is not None:
+            progress(done, min(spec.max_sims, done + len(pending)))
+    return rows, considered, considered - done, sims
+
+
+def _search_for_budget(spec: PlanSpec, shape: WorkloadShape, targets: dict[str, float], batch: int, jobs: Any,
+                       progress: Callable[[int, int], None] | None) -> tuple[list[dict[str, Any]], int, int, int]:
+    """A GPU budget: search each layout's goodput in the order of its bound, pruning those whose
+    (scaled) bound cannot beat the best goodput found. (rows, layouts considered, pruned, simulator runs)."""
+    from laneserve.bench.parallel import map_jobs
+    rows: list[dict[str, Any]] = []
+    sims = 0
+    cands, pruned = candidates_for_budget(spec, shape)
+    considered = len(cands) + pruned
+    best_good = 0.0
+    i, done = 0, 0
+    budget = min(len(cands), spec.max_sims)
+    # the bound is a steady-state estimate; on a finite workload a layout can beat it: prune by
+    # the bound scaled by the largest goodput / bound ratio simulated so far (x 1.1)
+    ratio = 1.0
+    while i < len(cands) and done < spec.max_sims:
+        scale = ratio * 1.1 * spec.prune_slack
+        if cands[i][1] * scale <= best_good:
+            pruned += len(cands) - i     # sorted by bound: nothing later can beat it
+            break
+        window = cands[i:i + min(batch, spec.max_sims - done)]
+        chunk = [c for c in window if c[1] * scale > best_good]
+        pruned += len(window) - len(chunk)
+        tasks = [(spec.workload, lay, spec.model, spec.engine, b * ratio, targets, spec.target,
+                  spec.router, spec.kv_link) for lay, b in chunk]
+        results = map_jobs(goodput_of, tasks, jobs)
+        for (lay, b), res in zip(chunk, results):
+            sims += res["sims"]
+            rows.append(_row(lay, b, res, spec))
+            best_good = max(best_good, res["goodput"])
+            if b > 0:
+                ratio = max(ratio, res["goodput"] / b)
+        i += len(window)
+        done += len(chunk)
+        if progress is not None:
+            progress(min(done, budget), budget)
+    return rows, considered, pruned, sims
 
 
 def layout_of(row: dict[str, Any]) -> Layout:

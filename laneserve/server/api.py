@@ -401,256 +401,31 @@ def _install_openapi(app: FastAPI) -> None:
 
 
 def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
+    """The ASGI app over ``state``: the OpenAI routes, the info routes (models, health, metrics,
+    debug state), OpenAI-shaped HTTP errors and the extra endpoints, behind the edge guard."""
     app = FastAPI(title="laneserve", lifespan=lifespan)
     app.state.ls = state
     _install_openapi(app)
+    _add_generate_routes(app, state)
+    _add_info_routes(app, state)
+    _add_error_handlers(app)
+    install_extras(app, state)
+    return EdgeGuard(app, state)
 
-    async def _generate(request: Request, kind: str) -> Response:
-        st = state
-        if st.phase != "ready":
-            return _starting()
-        try:
-            try:
-                raw = await request.body()
-            except BodyTooLarge:
-                st.metrics.reject("too_large")
-                return error_response(413, f"request body larger than {st.max_request_bytes} bytes "
-                                           "(--max-request-bytes)", "RequestTooLargeError")
-            except BodyTimeout:
-                st.metrics.reject("bad_request")
-                return error_response(408, f"the request body did not arrive within {st.body_timeout:g} s",
-                                      "RequestTimeoutError", headers={"Connection": "close"})
-            except ClientDisconnect:            # the client closed mid-body: nobody to answer
-                return Response(status_code=499)
-            limits = st.cluster.limits
-            headers = {k.lower(): v for k, v in request.headers.items() if k.lower().startswith("x-slo-")}
-            parse = partial(parse_request, kind, raw, tokenizer=st.tokenizer,
-                            max_model_len=limits["max_model_len"], vocab_size=limits["vocab_size"],
-                            kv_tokens=limits["kv_tokens"], headers=headers, defaults=st.defaults)
-            gi = await asyncio.get_running_loop().run_in_executor(st.parse_pool, parse)
-        except BadRequest as exc:
-            st.metrics.reject("bad_request")
-            return error_response(400, str(exc), "BadRequestError", exc.param)
-        if gi.model not in (st.model_name, st.model_path):
-            return error_response(404, f"The model `{gi.model}` does not exist. Served: `{st.model_name}`.",
-                                  "NotFoundError", "model")
-        try:
-            _check_budget(gi)
-        except budget.OverBudget as exc:
-            st.metrics.reject("bad_request")
-            return error_response(400, str(exc), "BadRequestError", exc.param)
-        runs: list[_Run] = []
-        try:
-            for prompt in gi.prompts:             # a batch: each prompt is a request of its own
-                tracks = st.cluster.submit(prompt.ids, gi.sampling, slo=gi.slo, slo_class=gi.slo_class,
-                                           priority=gi.priority)
-                runs += [_Run(st, gi, t, prompt, len(runs) + k) for k, t in enumerate(tracks)]
-        except (Overloaded, Unavailable) as exc:
-            for run in runs:
-                st.cluster.abort(run.track.rid)
-            if isinstance(exc, Overloaded):
-                st.metrics.reject("overloaded")
-                return error_response(429, str(exc), "RateLimitError", headers={"Retry-After": str(exc.retry_after)})
-            st.metrics.reject("unavailable")
-            return error_response(503, str(exc), "ServiceUnavailableError")
 
-        def release() -> None:                 # the slots' one owner: a no-op once finished
-            for run in runs:
-                st.cluster.abort(run.track.rid)
-        handed_over = False
-        try:
-            st.metrics.prompt_tokens.inc(sum(len(p.ids) for p in gi.prompts))
-            if gi.stream:
-                resp = _OwnedStream(_stream(gi, runs), release, media_type="text/event-stream",
-                                    headers={"Cache-Control": "no-cache"})
-                handed_over = True
-                return resp
-            return await _complete(request, gi, runs)
-        finally:
-            if not handed_over:
-                release()
-
-    def _check_budget(gi: GenerateInput) -> None:
-        lim = state.cluster.limits
-        budget.check(state.request_budget, prompt_lens=[len(p.ids) for p in gi.prompts], samples=gi.sampling.n,
-                     returned=gi.n, max_tokens=gi.sampling.max_tokens, logprobs=gi.logprobs,
-                     prompt_logprobs=gi.prompt_logprobs, echo=gi.echo, max_inflight=state.cluster.spec.max_inflight,
-                     decode_kv_tokens=lim.get("decode_kv_tokens", lim["kv_tokens"]),
-                     instance_kv_tokens=lim["kv_tokens"])
-
-    def _prompt_text(prompt: PromptInput) -> str:
-        if prompt.text is not None:
-            return prompt.text
-        return state.tokenizer.decode(prompt.ids) if state.tokenizer is not None else ""
-
-    def _head(gi: GenerateInput, runs: list[_Run], chunk: bool) -> dict[str, Any]:
-        chat = gi.kind == "chat"
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
-        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
-                "created": int(time.time()), "model": state.model_name}
-
-    async def _complete(request: Request, gi: GenerateInput, runs: list[_Run]) -> Response:
-        async def collect(run: _Run) -> None:
-            while not run.done:
-                toks, lp = await run.next_event()
-                run.toks += toks
-                if lp:
-                    run.lps += lp
-
-        async def disconnected() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        work = asyncio.ensure_future(asyncio.gather(*(collect(r) for r in runs)))
-        watch = asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():          # the client went away: cancel everywhere, free the KV
-                work.cancel()
-                for run in runs:
-                    if not run.done:
-                        state.cluster.abort(run.track.rid)
-                        state.metrics.aborted.inc()
-        if not work.done() or work.cancelled():
-            return Response(status_code=499)
-        failed = next((r for r in runs if r.error is not None), None)
-        if failed is not None:
-            return error_response(failed.error_status, failed.error,
-                                  _ERROR_TYPES.get(failed.error_status, "InternalServerError"))
-        def render() -> bytes:              # off the event loop: echo and logprobs make this large
-            chosen = _best(gi, runs)
-            choices = [_choice(gi, run, index) for index, run in enumerate(chosen)]
-            body = {**_head(gi, runs, False), "choices": choices, "usage": _usage(gi, chosen)}
-            if gi.kind == "chat" and gi.prompt_logprobs is not None:     # vLLM: one prompt, beside the choices
-                body["prompt_logprobs"] = chosen[0].vllm_prompt_logprobs()
-            return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-
-        content = await asyncio.get_running_loop().run_in_executor(state.render_pool, render)
-        return Response(content, media_type="application/json")
-
-    def _choice(gi: GenerateInput, run: _Run, index: int) -> dict[str, Any]:
-        """One choice of a complete (not streamed) answer."""
-        text = run.detok.delta(final=True)
-        head = _prompt_text(run.prompt) if gi.echo else ""
-        lpb = run.logprobs_block(run.toks, run.lps or None, len(head))
-        choice: dict[str, Any] = {"index": index, "logprobs": run.echo_logprobs(lpb) if gi.echo else lpb,
-                                  "finish_reason": run.finish,
-                                  "stop_reason": stop_reason(run.detok, run.finish, gi.sampling.stop_token_ids)}
-        if gi.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": gi.chat_echo + text}
-            spec = gi.sampling.structured
-            if spec is not None and spec.kind in ("tool", "tools_required") and run.finish == "stop":
-                try:
-                    choice["message"] = {"role": "assistant", "content": None,
-                                         "tool_calls": openai_tool_calls(spec, text)}
-                    choice["finish_reason"] = tool_finish_reason(spec)
-                except ValueError:          # not a complete call (cannot happen under the constraint)
-                    pass
-            elif gi.tool_parser is not None:      # auto tool choice: the model's own tool-call text
-                parsed = get_parser(gi.tool_parser).extract(text)
-                if parsed.calls:
-                    choice["message"] = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
-                    choice["finish_reason"] = "tool_calls"
-        else:
-            choice["text"] = head + text
-            if gi.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = run.vllm_prompt_logprobs()
-        if gi.return_token_ids:
-            choice["token_ids"] = run.toks
-            choice["prompt_token_ids"] = run.prompt.ids
-        return choice
-
-    async def _stream(gi: GenerateInput, runs: list[_Run]):
-        chat = gi.kind == "chat"
-        head = _head(gi, runs, True)
-        spec = gi.sampling.structured
-        tool = chat and spec is not None and spec.kind in ("tool", "tools_required")
-        streams = {run.index: ToolCallStream(spec) if tool else None for run in runs}
-        autos = ({run.index: AutoToolStream(get_parser(gi.tool_parser)) for run in runs}
-                 if chat and gi.tool_parser else {})
-        offsets = dict.fromkeys(streams, 0)
-        done = False
-        try:
-            for run in runs:
-                if chat:
-                    yield _sse({**head, "choices": [{"index": run.index,
-                                                     "delta": {"role": "assistant", "content": gi.chat_echo},
-                                                     "logprobs": None, "finish_reason": None}]})
-                elif gi.echo and gi.logprobs is None:
-                    text = _prompt_text(run.prompt)
-                    offsets[run.index] = len(text)
-                    yield _sse({**head, "choices": [{"index": run.index, "text": text, "logprobs": None,
-                                                     "finish_reason": None}]})
-            # echo with logprobs: the prompt (and its logprobs) goes with each choice's first tokens
-            echo_due = {run.index for run in runs} if gi.echo and gi.logprobs is not None and not chat else set()
-            plp_due = {run.index for run in runs} if gi.prompt_logprobs is not None and not chat else set()
-            def chunk_text(run: _Run, toks: list[int], lp: list | None) -> str:
-                text = run.detok.delta(final=run.finish is not None)
-                if run.index in echo_due:
-                    echo_due.discard(run.index)
-                    prompt_text = _prompt_text(run.prompt)
-                    lpb = run.echo_logprobs(run.logprobs_block(toks, lp, len(prompt_text)))
-                    text = prompt_text + text
-                    offsets[run.index] = 0
-                else:
-                    lpb = run.logprobs_block(toks, lp, offsets[run.index])
-                offsets[run.index] += len(text)
-                choice: dict[str, Any] = {"index": run.index, "logprobs": lpb, "finish_reason": run.finish,
-                                          "stop_reason": stop_reason(run.detok, run.finish, gi.sampling.stop_token_ids)}
-                if tool:
-                    choice["delta"] = streams[run.index].delta(text)
-                    if run.finish == "stop":
-                        choice["finish_reason"] = tool_finish_reason(spec)
-                elif autos:
-                    choice["delta"] = autos[run.index].delta(text, run.finish is not None)
-                    if autos[run.index].called:
-                        choice["finish_reason"] = "tool_calls"
-                elif chat:
-                    choice["delta"] = {"content": text} if text or run.finish is None else {}
-                else:
-                    choice["text"] = text
-                    if run.index in plp_due and run.prompt_lps is not None:
-                        plp_due.discard(run.index)
-                        choice["prompt_logprobs"] = run.vllm_prompt_logprobs()
-                if gi.return_token_ids:
-                    choice["token_ids"] = toks
-                chunk = {**head, "choices": [choice]}
-                if gi.continuous_usage:
-                    chunk["usage"] = _usage(gi, runs)
-                return _sse(chunk)
-
-            loop = asyncio.get_running_loop()
-            async for run, toks, lp in _merged_events(runs):
-                if run.error is not None:
-                    yield _sse({"error": {"message": run.error, "code": run.error_status,
-                                          "type": _ERROR_TYPES.get(run.error_status, "InternalServerError")}})
-                    break
-                heavy = (run.index in echo_due or run.index in plp_due
-                         or len(toks) * (1 + (gi.logprobs or 0)) > _HEAVY_CHUNK_ENTRIES)
-                yield (await loop.run_in_executor(state.render_pool, chunk_text, run, toks, lp) if heavy
-                       else chunk_text(run, toks, lp))
-            else:
-                if gi.include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(gi, runs)})
-            yield "data: [DONE]\n\n"
-            done = True
-        finally:
-            if not done:                 # client disconnected (or the server is stopping)
-                for run in runs:
-                    state.cluster.abort(run.track.rid)
-                    if not run.done:
-                        state.metrics.aborted.inc()
-
+def _add_generate_routes(app: FastAPI, state: ServerState) -> None:
+    """``/v1/completions`` and ``/v1/chat/completions``."""
     @app.post("/v1/completions", **_documented(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
-        return await _generate(request, "completion")
+        return await _generate(state, request, "completion")
 
     @app.post("/v1/chat/completions", **_documented(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
-        return await _generate(request, "chat")
+        return await _generate(state, request, "chat")
 
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    """``/v1/models``, ``/health``, ``/metrics`` and ``/debug/state``."""
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> JSONResponse:
         if state.phase != "ready":
@@ -689,6 +464,8 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
     async def debug_state() -> JSONResponse:
         return JSONResponse({"model": state.model_name, **state.cluster.state()})
 
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         """Unknown paths and methods in OpenAI's error shape (404 / 405)."""
@@ -700,5 +477,292 @@ def build_app(state: ServerState, lifespan=None) -> EdgeGuard:
         return error_response(exc.status_code, detail, _HTTP_ERROR_TYPES.get(exc.status_code, "APIError"),
                               headers=getattr(exc, "headers", None))
 
-    install_extras(app, state)
-    return EdgeGuard(app, state)
+
+async def _generate(state: ServerState, request: Request, kind: str) -> Response:
+    """One completions / chat completions request: read and check it, submit its prompts, answer
+    (streamed or whole); the requests' slots are released however it ends."""
+    if state.phase != "ready":
+        return _starting()
+    gi = await _read_input(state, request, kind)
+    if isinstance(gi, Response):
+        return gi
+    runs = _submit(state, gi)
+    if isinstance(runs, Response):
+        return runs
+
+    def release() -> None:                 # the slots' one owner: a no-op once finished
+        for run in runs:
+            state.cluster.abort(run.track.rid)
+    handed_over = False
+    try:
+        state.metrics.prompt_tokens.inc(sum(len(p.ids) for p in gi.prompts))
+        if gi.stream:
+            resp = _OwnedStream(_stream(state, gi, runs), release, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache"})
+            handed_over = True
+            return resp
+        return await _complete(state, request, gi, runs)
+    finally:
+        if not handed_over:
+            release()
+
+
+async def _read_input(state: ServerState, request: Request, kind: str) -> GenerateInput | Response:
+    """The request's parsed input, or the error response (413, 408, 499, 400, 404) that ends it."""
+    st = state
+    try:
+        try:
+            raw = await request.body()
+        except BodyTooLarge:
+            st.metrics.reject("too_large")
+            return error_response(413, f"request body larger than {st.max_request_bytes} bytes "
+                                       "(--max-request-bytes)", "RequestTooLargeError")
+        except BodyTimeout:
+            st.metrics.reject("bad_request")
+            return error_response(408, f"the request body did not arrive within {st.body_timeout:g} s",
+                                  "RequestTimeoutError", headers={"Connection": "close"})
+        except ClientDisconnect:            # the client closed mid-body: nobody to answer
+            return Response(status_code=499)
+        limits = st.cluster.limits
+        headers = {k.lower(): v for k, v in request.headers.items() if k.lower().startswith("x-slo-")}
+        parse = partial(parse_request, kind, raw, tokenizer=st.tokenizer,
+                        max_model_len=limits["max_model_len"], vocab_size=limits["vocab_size"],
+                        kv_tokens=limits["kv_tokens"], headers=headers, defaults=st.defaults)
+        gi = await asyncio.get_running_loop().run_in_executor(st.parse_pool, parse)
+    except BadRequest as exc:
+        st.metrics.reject("bad_request")
+        return error_response(400, str(exc), "BadRequestError", exc.param)
+    if gi.model not in (st.model_name, st.model_path):
+        return error_response(404, f"The model `{gi.model}` does not exist. Served: `{st.model_name}`.",
+                              "NotFoundError", "model")
+    try:
+        _check_budget(state, gi)
+    except budget.OverBudget as exc:
+        st.metrics.reject("bad_request")
+        return error_response(400, str(exc), "BadRequestError", exc.param)
+    return gi
+
+
+def _submit(state: ServerState, gi: GenerateInput) -> list[_Run] | Response:
+    """Each prompt of ``gi`` submitted to the cluster (a batch: each prompt is a request of its
+    own), or the 429 / 503 answer, with whatever was submitted aborted."""
+    runs: list[_Run] = []
+    try:
+        for prompt in gi.prompts:
+            tracks = state.cluster.submit(prompt.ids, gi.sampling, slo=gi.slo, slo_class=gi.slo_class,
+                                          priority=gi.priority)
+            runs += [_Run(state, gi, t, prompt, len(runs) + k) for k, t in enumerate(tracks)]
+    except (Overloaded, Unavailable) as exc:
+        for run in runs:
+            state.cluster.abort(run.track.rid)
+        if isinstance(exc, Overloaded):
+            state.metrics.reject("overloaded")
+            return error_response(429, str(exc), "RateLimitError", headers={"Retry-After": str(exc.retry_after)})
+        state.metrics.reject("unavailable")
+        return error_response(503, str(exc), "ServiceUnavailableError")
+    return runs
+
+
+def _check_budget(state: ServerState, gi: GenerateInput) -> None:
+    lim = state.cluster.limits
+    budget.check(state.request_budget, prompt_lens=[len(p.ids) for p in gi.prompts], samples=gi.sampling.n,
+                 returned=gi.n, max_tokens=gi.sampling.max_tokens, logprobs=gi.logprobs,
+                 prompt_logprobs=gi.prompt_logprobs, echo=gi.echo, max_inflight=state.cluster.spec.max_inflight,
+                 decode_kv_tokens=lim.get("decode_kv_tokens", lim["kv_tokens"]),
+                 instance_kv_tokens=lim["kv_tokens"])
+
+
+def _prompt_text(state: ServerState, prompt: PromptInput) -> str:
+    if prompt.text is not None:
+        return prompt.text
+    return state.tokenizer.decode(prompt.ids) if state.tokenizer is not None else ""
+
+
+def _head(state: ServerState, gi: GenerateInput, chunk: bool) -> dict[str, Any]:
+    chat = gi.kind == "chat"
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
+            "created": int(time.time()), "model": state.model_name}
+
+
+async def _complete(state: ServerState, request: Request, gi: GenerateInput, runs: list[_Run]) -> Response:
+    """The whole answer once every run has finished; 499 (everything aborted) if the client left first."""
+    async def collect(run: _Run) -> None:
+        while not run.done:
+            toks, lp = await run.next_event()
+            run.toks += toks
+            if lp:
+                run.lps += lp
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(asyncio.gather(*(collect(r) for r in runs)))
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():          # the client went away: cancel everywhere, free the KV
+            work.cancel()
+            for run in runs:
+                if not run.done:
+                    state.cluster.abort(run.track.rid)
+                    state.metrics.aborted.inc()
+    if not work.done() or work.cancelled():
+        return Response(status_code=499)
+    failed = next((r for r in runs if r.error is not None), None)
+    if failed is not None:
+        return error_response(failed.error_status, failed.error,
+                              _ERROR_TYPES.get(failed.error_status, "InternalServerError"))
+    def render() -> bytes:              # off the event loop: echo and logprobs make this large
+        chosen = _best(gi, runs)
+        choices = [_choice(state, gi, run, index) for index, run in enumerate(chosen)]
+        body = {**_head(state, gi, False), "choices": choices, "usage": _usage(gi, chosen)}
+        if gi.kind == "chat" and gi.prompt_logprobs is not None:     # vLLM: one prompt, beside the choices
+            body["prompt_logprobs"] = chosen[0].vllm_prompt_logprobs()
+        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+    content = await asyncio.get_running_loop().run_in_executor(state.render_pool, render)
+    return Response(content, media_type="application/json")
+
+
+def _choice(state: ServerState, gi: GenerateInput, run: _Run, index: int) -> dict[str, Any]:
+    """One choice of a complete (not streamed) answer."""
+    text = run.detok.delta(final=True)
+    head = _prompt_text(state, run.prompt) if gi.echo else ""
+    lpb = run.logprobs_block(run.toks, run.lps or None, len(head))
+    choice: dict[str, Any] = {"index": index, "logprobs": run.echo_logprobs(lpb) if gi.echo else lpb,
+                              "finish_reason": run.finish,
+                              "stop_reason": stop_reason(run.detok, run.finish, gi.sampling.stop_token_ids)}
+    if gi.kind == "chat":
+        choice["message"] = {"role": "assistant", "content": gi.chat_echo + text}
+        spec = gi.sampling.structured
+        if spec is not None and spec.kind in ("tool", "tools_required") and run.finish == "stop":
+            try:
+                choice["message"] = {"role": "assistant", "content": None,
+                                     "tool_calls": openai_tool_calls(spec, text)}
+                choice["finish_reason"] = tool_finish_reason(spec)
+            except ValueError:          # not a complete call (cannot happen under the constraint)
+                pass
+        elif gi.tool_parser is not None:      # auto tool choice: the model's own tool-call text
+            parsed = get_parser(gi.tool_parser).extract(text)
+            if parsed.calls:
+                choice["message"] = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
+                choice["finish_reason"] = "tool_calls"
+    else:
+        choice["text"] = head + text
+        if gi.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = run.vllm_prompt_logprobs()
+    if gi.return_token_ids:
+        choice["token_ids"] = run.toks
+        choice["prompt_token_ids"] = run.prompt.ids
+    return choice
+
+
+class _StreamChunks:
+    """The SSE chunks of one streamed answer: the opening chunk of each choice, then one chunk per
+    batch of tokens (text or chat delta, tool-call deltas, logprobs; the echoed prompt and its
+    prompt logprobs ride on a choice's first tokens)."""
+
+    def __init__(self, state: ServerState, gi: GenerateInput, runs: list[_Run]) -> None:
+        self.state, self.gi, self.runs = state, gi, runs
+        self.chat = chat = gi.kind == "chat"
+        self.head = _head(state, gi, True)
+        self.spec = spec = gi.sampling.structured
+        self.tool = chat and spec is not None and spec.kind in ("tool", "tools_required")
+        self.streams = {run.index: ToolCallStream(spec) if self.tool else None for run in runs}
+        self.autos = ({run.index: AutoToolStream(get_parser(gi.tool_parser)) for run in runs}
+                      if chat and gi.tool_parser else {})
+        self.offsets = dict.fromkeys(self.streams, 0)
+        # echo with logprobs: the prompt (and its logprobs) goes with each choice's first tokens
+        self.echo_due = ({run.index for run in runs} if gi.echo and gi.logprobs is not None and not chat
+                         else set())
+        self.plp_due = {run.index for run in runs} if gi.prompt_logprobs is not None and not chat else set()
+
+    def opening(self, run: _Run) -> str | None:
+        """The first chunk of a choice: the assistant role (chat), the echoed prompt (completions
+        with echo and no logprobs), else none."""
+        gi = self.gi
+        if self.chat:
+            return _sse({**self.head, "choices": [{"index": run.index,
+                                                   "delta": {"role": "assistant", "content": gi.chat_echo},
+                                                   "logprobs": None, "finish_reason": None}]})
+        if gi.echo and gi.logprobs is None:
+            text = _prompt_text(self.state, run.prompt)
+            self.offsets[run.index] = len(text)
+            return _sse({**self.head, "choices": [{"index": run.index, "text": text, "logprobs": None,
+                                                   "finish_reason": None}]})
+        return None
+
+    def heavy(self, run: _Run, toks: list[int]) -> bool:
+        """Whether rendering this chunk is worth a worker thread."""
+        gi = self.gi
+        return (run.index in self.echo_due or run.index in self.plp_due
+                or len(toks) * (1 + (gi.logprobs or 0)) > _HEAVY_CHUNK_ENTRIES)
+
+    def chunk(self, run: _Run, toks: list[int], lp: list | None) -> str:
+        gi = self.gi
+        text = run.detok.delta(final=run.finish is not None)
+        if run.index in self.echo_due:
+            self.echo_due.discard(run.index)
+            prompt_text = _prompt_text(self.state, run.prompt)
+            lpb = run.echo_logprobs(run.logprobs_block(toks, lp, len(prompt_text)))
+            text = prompt_text + text
+            self.offsets[run.index] = 0
+        else:
+            lpb = run.logprobs_block(toks, lp, self.offsets[run.index])
+        self.offsets[run.index] += len(text)
+        choice: dict[str, Any] = {"index": run.index, "logprobs": lpb, "finish_reason": run.finish,
+                                  "stop_reason": stop_reason(run.detok, run.finish, gi.sampling.stop_token_ids)}
+        if self.tool:
+            choice["delta"] = self.streams[run.index].delta(text)
+            if run.finish == "stop":
+                choice["finish_reason"] = tool_finish_reason(self.spec)
+        elif self.autos:
+            choice["delta"] = self.autos[run.index].delta(text, run.finish is not None)
+            if self.autos[run.index].called:
+                choice["finish_reason"] = "tool_calls"
+        elif self.chat:
+            choice["delta"] = {"content": text} if text or run.finish is None else {}
+        else:
+            choice["text"] = text
+            if run.index in self.plp_due and run.prompt_lps is not None:
+                self.plp_due.discard(run.index)
+                choice["prompt_logprobs"] = run.vllm_prompt_logprobs()
+        if gi.return_token_ids:
+            choice["token_ids"] = toks
+        chunk = {**self.head, "choices": [choice]}
+        if gi.continuous_usage:
+            chunk["usage"] = _usage(gi, self.runs)
+        return _sse(chunk)
+
+
+async def _stream(state: ServerState, gi: GenerateInput, runs: list[_Run]):
+    chunks = _StreamChunks(state, gi, runs)
+    done = False
+    try:
+        for run in runs:
+            first = chunks.opening(run)
+            if first is not None:
+                yield first
+        loop = asyncio.get_running_loop()
+        async for run, toks, lp in _merged_events(runs):
+            if run.error is not None:
+                yield _sse({"error": {"message": run.error, "code": run.error_status,
+                                      "type": _ERROR_TYPES.get(run.error_status, "InternalServerError")}})
+                break
+            yield (await loop.run_in_executor(state.render_pool, chunks.chunk, run, toks, lp)
+                   if chunks.heavy(run, toks) else chunks.chunk(run, toks, lp))
+        else:
+            if gi.include_usage:
+                yield _sse({**chunks.head, "choices": [], "usage": _usage(gi, runs)})
+        yield "data: [DONE]\n\n"
+        done = True
+    finally:
+        if not done:                 # client disconnected (or the server is stopping)
+            for run in runs:
+                state.cluster.abort(run.track.rid)
+                if not run.done:
+                    state.metrics.aborted.inc()
