@@ -29,7 +29,7 @@ from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
 from laneserve.policies.prefill.kairos import KairosPrefill
 from laneserve.policies.prefill.laps import LapsPrefill
 from laneserve.policies.prefill.fcfs import FCFSPrefill
-from laneserve.policies.prefill.reference import (FCFSPrefillReference, FlowPrefillReference, KairosPrefillReference,
+from policy_references import (FCFSPrefillReference, FlowPrefillReference, KairosPrefillReference,
                                                 LapsPrefillReference)
 from laneserve.sim.executor import SimExecutor
 

@@ -84,7 +84,7 @@ class FlowPrefillScheduler(PrefillScheduler):
     name = "sedf"
     Options = FlowPrefillOptions
     options: FlowPrefillOptions
-    #: the ordering component (the reference form, reference.py, re-sorts every decision)
+    #: the ordering component (the reference form in tests/policy_references.py re-sorts every decision)
     ordering_class: type[SEDFOrdering] = SEDFOrdering
 
     def __init__(self, kv, options: FlowPrefillOptions | None = None, *, predictor: Any = None,

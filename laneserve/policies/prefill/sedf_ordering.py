@@ -14,8 +14,8 @@ other two mechanisms ask of an ordering:
   (:mod:`.slo_batching`) walks, and when it may stop walking.
 
 The step tokens a request is predicted by are its remaining new tokens, capped at ``chunk`` when
-prompts run in chunk steps. ``reference.py`` holds a form that re-sorts every decision
-(:class:`~.reference.ScanSEDFOrdering`), checked against this one step for step.
+prompts run in chunk steps. A form that re-sorts every decision (``ScanSEDFOrdering`` in
+``tests/policy_references.py``) is checked against this one step for step.
 """
 
 from __future__ import annotations

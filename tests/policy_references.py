@@ -1,6 +1,6 @@
 """Straightforward reference forms of the incremental prefill policies: every
 decision re-ranks the whole waiting queue, as the policies did before their queues became
-incremental. Not registered; ``tests/test_policy_incremental.py`` runs each beside its optimised
+incremental. Test code: ``tests/test_policy_incremental.py`` runs each beside its optimised
 twin and asserts identical plans step for step."""
 
 from __future__ import annotations
