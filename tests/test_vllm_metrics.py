@@ -34,12 +34,13 @@ VLLM_DOCUMENTED = {
     "vllm:request_time_per_output_token_seconds": ("histogram", ()),
     "vllm:e2e_request_latency_seconds": ("histogram", ()),
     "vllm:request_queue_time_seconds": ("histogram", ()),
+    "vllm:request_prefill_time_seconds": ("histogram", ()),
+    "vllm:request_decode_time_seconds": ("histogram", ()),
+    "vllm:request_inference_time_seconds": ("histogram", ()),
 }
-#: documented vLLM series laneserve does not expose (yet): per-request phase splits the API does not
-#: record, engine-step histograms, request-parameter histograms, config/LoRA info
+#: documented vLLM series laneserve does not expose (yet): engine-step histograms, request-parameter histograms, config/LoRA info
 VLLM_NOT_EXPOSED = {
-    "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
-    "vllm:request_inference_time_seconds", "vllm:time_per_prefill_token_request_seconds",
+    "vllm:time_per_prefill_token_request_seconds",
     "vllm:iteration_tokens_total", "vllm:request_max_num_generation_tokens", "vllm:request_params_n",
     "vllm:request_params_max_tokens", "vllm:cache_config_info", "vllm:lora_requests_info",
 }
@@ -74,6 +75,8 @@ def _exercised(prefix: str) -> ServerMetrics:
     m.tpot.observe(0.015)
     m.e2e.observe(0.5)
     m.queue.observe(0.002)
+    for phase, seconds in (("prefill", 0.03), ("decode", 0.45), ("inference", 0.48)):
+        m.phase[phase].observe(seconds)
     m.prompt_tokens.inc(100)
     m.generation_tokens.inc(3)
     m.success.labels("m", "length").inc()
@@ -183,3 +186,8 @@ def test_live_server_with_vllm_prefix():
         assert got[("vllm:generation_tokens_total", (("engine", "api"), ("model_name", "laneserve-stub")))] == 4
         assert not any(name.startswith("laneserve:time_to_first") for name, _ in got)
         assert not any("instance" in dict(labels) for _, labels in got)
+        api = (("engine", "api"), ("model_name", "laneserve-stub"))
+        phase = {p: got[(f"vllm:request_{p}_time_seconds_sum", api)] for p in ("prefill", "decode", "inference")}
+        assert all(got[(f"vllm:request_{p}_time_seconds_count", api)] == 1 for p in phase)
+        assert phase["decode"] > 0 and phase["inference"] >= phase["decode"]
+        assert phase["prefill"] + phase["decode"] == pytest.approx(phase["inference"], abs=1e-6)

@@ -265,6 +265,11 @@ class _Run:
         tpot = (e2e - ttft) / (self.n_tokens - 1) if self.n_tokens > 1 else None
         if tpot is not None:
             m.tpot.observe(tpot)
+        if self.queue_time is not None and self.t_first is not None:
+            start = req.arrival_time + self.queue_time
+            m.phase["prefill"].observe(max(0.0, self.t_first - start))
+            m.phase["decode"].observe(now - self.t_first)
+            m.phase["inference"].observe(max(0.0, now - start))
         if req.slo.ttft is not None or req.slo.tpot is not None:
             ok_ttft = req.slo.ttft is None or ttft <= req.slo.ttft
             ok_tpot = req.slo.tpot is None or tpot is None or tpot <= req.slo.tpot

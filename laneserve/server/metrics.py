@@ -198,6 +198,14 @@ class ServerMetrics:
         queue_help = "Time from arrival to the start of prefill (s)."
         self.queue = _Fan(own_hist("request_queue_time_seconds", queue_help, LATENCY_BUCKETS)
                           + vllm_hist("request_queue_time_seconds", queue_help, LATENCY_BUCKETS))
+        # the phases of a finished request, as vLLM splits them: prefill (its start to the first
+        # token), decode (first token to the last) and inference (prefill start to the last token)
+        phase_help = {"prefill": "Time from the start of a finished request's prefill to its first token (s).",
+                      "decode": "Time from a finished request's first token to its last (s).",
+                      "inference": "Time from the start of a finished request's prefill to its last token (s)."}
+        self.phase = {phase: _Fan(own_hist(f"request_{phase}_time_seconds", text, LATENCY_BUCKETS)
+                                  + vllm_hist(f"request_{phase}_time_seconds", text, LATENCY_BUCKETS))
+                      for phase, text in phase_help.items()}
         self.prompt_tokens = _Fan(
             incs=own_counter("prompt_tokens", "Prompt tokens of admitted requests.")
             + vllm_counter("prompt_tokens", "Prompt tokens of admitted requests."),
