@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from laneserve.core.plan import StepPlan
 from laneserve.core.request import Request
-from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
+from laneserve.policies.prefill.sedf import SEDFPrefill
 from laneserve.policies.prefill.base import PrefillScheduler
 from laneserve.policies.prefill.fcfs import FCFSPrefill
 from laneserve.policies.prefill.kairos import KairosPrefill
@@ -42,7 +42,7 @@ class ScanSEDFOrdering(SEDFOrdering):
         return (r for _, r in walk)
 
 
-class FlowPrefillReference(FlowPrefillScheduler):
+class SEDFPrefillReference(SEDFPrefill):
     """S-EDF (and its orderings) holding the scanning ordering."""
 
     ordering_class = ScanSEDFOrdering

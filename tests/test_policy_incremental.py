@@ -25,11 +25,11 @@ from laneserve.core.request import Phase
 from laneserve.policies.decode.quadtree import KVLengthQuadTree
 from laneserve.policies.routing_laps import LapsPoolRouter, _Stats
 from laneserve.policies import registry
-from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
+from laneserve.policies.prefill.sedf import SEDFPrefill
 from laneserve.policies.prefill.kairos import KairosPrefill
 from laneserve.policies.prefill.laps import LapsPrefill
 from laneserve.policies.prefill.fcfs import FCFSPrefill
-from policy_references import (FCFSPrefillReference, FlowPrefillReference, KairosPrefillReference,
+from policy_references import (FCFSPrefillReference, SEDFPrefillReference, KairosPrefillReference,
                                                 LapsPrefillReference)
 from laneserve.sim.executor import SimExecutor
 
@@ -133,7 +133,7 @@ FLOWPREFILL_VARIANTS = [{}, {"ordering": "dedf"}, {"ordering": "edf"}, {"orderin
 @pytest.mark.parametrize("bind", [True, False], ids=["bound-predictor", "online-predictor"])
 def test_flowprefill_matches_reference(opts, bind):
     def make(reference: bool):
-        cls = FlowPrefillReference if reference else FlowPrefillScheduler
+        cls = SEDFPrefillReference if reference else SEDFPrefill
         return cls(KVCacheManager(1, 16), **opts)
     for seed in range(6):
         assert lockstep(make, seed, bind=bind) > 20
@@ -144,7 +144,7 @@ def test_flowprefill_matches_reference_with_tiny_blocks(monkeypatch):
     monkeypatch.setattr(sorted_keys, "LOAD", 4)
 
     def make(reference: bool):
-        return (FlowPrefillReference if reference else FlowPrefillScheduler)(KVCacheManager(1, 16))
+        return (SEDFPrefillReference if reference else SEDFPrefill)(KVCacheManager(1, 16))
     for seed in range(3):
         assert lockstep(make, seed, n=300, bind=seed != 1) > 20
 
@@ -195,7 +195,7 @@ def test_flowprefill_refits_are_exercised():
     made = []
 
     def make(reference: bool):
-        s = (FlowPrefillReference if reference else FlowPrefillScheduler)(KVCacheManager(1, 16))
+        s = (SEDFPrefillReference if reference else SEDFPrefill)(KVCacheManager(1, 16))
         made.append(s)
         return s
     lockstep(make, 11, n=300, bind=False)

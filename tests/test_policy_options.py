@@ -21,7 +21,7 @@ from laneserve.policies.prefill.adaptive import AdaptivePrefill, AdaptivePrefill
 from laneserve.policies.prefill.base import PrefillOptions
 from laneserve.policies.prefill.cp_edf import ChunkedEDFOptions, ChunkedEDFPrefill
 from laneserve.policies.prefill.fcfs import FCFSPrefill
-from laneserve.policies.prefill.flowprefill import FlowPrefillOptions, FlowPrefillScheduler
+from laneserve.policies.prefill.sedf import SEDFOptions, SEDFPrefill
 from laneserve.policies.prefill.priority import ORDERINGS, Ordering
 from laneserve.policies.routing import CacheAwareOptions, CacheAwareRouter, RoundRobinRouter
 
@@ -31,7 +31,7 @@ def kv() -> KVCacheManager:
 
 
 def test_options_are_frozen():
-    opts = FlowPrefillOptions()
+    opts = SEDFOptions()
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.chunk = 4096                                  # type: ignore[misc]
     sched = FCFSPrefill(kv(), token_budget=1024)
@@ -43,17 +43,17 @@ def test_options_extend_their_parents():
     # adaptive composes S-EDF's mechanisms instead of deriving from the reproduction: its options
     # extend the generic base and declare S-EDF's fields, with S-EDF's defaults, themselves
     assert issubclass(AdaptivePrefillOptions, PrefillOptions)
-    assert not issubclass(AdaptivePrefillOptions, FlowPrefillOptions)
+    assert not issubclass(AdaptivePrefillOptions, SEDFOptions)
     assert not issubclass(AdaptiveDecodeOptions, AlignedServeOptions)
     assert issubclass(AdaptiveDecodeOptions, DecodeOptions)
-    flow, adaptive = dataclasses.asdict(FlowPrefillOptions()), dataclasses.asdict(AdaptivePrefillOptions())
+    flow, adaptive = dataclasses.asdict(SEDFOptions()), dataclasses.asdict(AdaptivePrefillOptions())
     assert flow.items() <= adaptive.items()
     aligned, adaptive = dataclasses.asdict(AlignedServeOptions()), dataclasses.asdict(AdaptiveDecodeOptions())
     assert aligned.items() <= adaptive.items()
-    assert issubclass(FlowPrefillOptions, PrefillOptions)
+    assert issubclass(SEDFOptions, PrefillOptions)
     assert issubclass(ChunkedEDFOptions, PrefillOptions)
     # a subclass may change a parent's default: S-EDF's budget G is 4096, a plain prefill's 8192
-    assert FlowPrefillOptions().token_budget == 4096 and PrefillOptions().token_budget == 8192
+    assert SEDFOptions().token_budget == 4096 and PrefillOptions().token_budget == 8192
     assert AdaptivePrefillOptions().token_budget == 4096
 
 
@@ -61,9 +61,9 @@ def test_options_extend_their_parents():
     (PrefillOptions, {"token_budget": 0}, "token_budget"),
     (PrefillOptions, {"max_batch_size": -1}, "max_batch_size"),
     (ChunkedEDFOptions, {"chunk": 0}, "chunk"),
-    (FlowPrefillOptions, {"ordering": "lifo"}, "ordering"),
-    (FlowPrefillOptions, {"preemption": "kernel"}, "preemption"),
-    (FlowPrefillOptions, {"max_suspension": 0.0}, "max_suspension"),
+    (SEDFOptions, {"ordering": "lifo"}, "ordering"),
+    (SEDFOptions, {"preemption": "kernel"}, "preemption"),
+    (SEDFOptions, {"max_suspension": 0.0}, "max_suspension"),
     (AdaptivePrefillOptions, {"min_share": 0.5}, "min_share"),
     (AdaptivePrefillOptions, {"window": 0}, "window"),
     (DecodeOptions, {"preemption": "drop"}, "preemption"),
@@ -73,7 +73,7 @@ def test_options_extend_their_parents():
     (PrefillOptions, {"token_budget": "2048"}, "token_budget"),
     (PrefillOptions, {"token_budget": 2048.0}, "token_budget"),
     (PrefillOptions, {"prefix_caching": 1}, "prefix_caching"),
-    (FlowPrefillOptions, {"batching": "yes"}, "batching"),
+    (SEDFOptions, {"batching": "yes"}, "batching"),
     (CacheAwareOptions, {"balance_tokens": True}, "balance_tokens"),
 ])
 def test_validation_errors_name_the_field(cls, kwargs, field):
@@ -83,12 +83,12 @@ def test_validation_errors_name_the_field(cls, kwargs, field):
 
 def test_choices_errors_list_the_allowed_values():
     with pytest.raises(ValueError, match="one of sedf, dedf, edf, fcfs"):
-        FlowPrefillOptions(ordering="lifo")
+        SEDFOptions(ordering="lifo")
     assert set(get_args(Ordering)) == set(ORDERINGS)
 
 
 def test_ints_given_for_floats_become_floats():
-    opts = FlowPrefillOptions(max_suspension=5)
+    opts = SEDFOptions(max_suspension=5)
     assert opts.max_suspension == 5.0 and type(opts.max_suspension) is float
 
 
@@ -96,7 +96,7 @@ def test_keyword_and_options_construction_agree():
     cases = [
         (FCFSPrefill, {"token_budget": 1024, "max_batch_size": 8}),
         (ChunkedEDFPrefill, {"chunk": 4096}),
-        (FlowPrefillScheduler, {"ordering": "dedf", "preemption": "layer", "max_suspension": 2.5}),
+        (SEDFPrefill, {"ordering": "dedf", "preemption": "layer", "max_suspension": 2.5}),
         (AdaptivePrefill, {"boundary": 128, "lanes": False, "token_budget": 2048}),
         (ContinuousBatchingDecode, {"max_batch_size": 16, "preemption": "recompute"}),
     ]
@@ -112,16 +112,16 @@ def test_keyword_and_options_construction_agree():
 
 
 def test_keywords_replace_fields_of_an_options_value():
-    sched = FlowPrefillScheduler(kv(), FlowPrefillOptions(ordering="edf", chunk=512), chunk=1024)
-    assert sched.options == FlowPrefillOptions(ordering="edf", chunk=1024)
+    sched = SEDFPrefill(kv(), SEDFOptions(ordering="edf", chunk=512), chunk=1024)
+    assert sched.options == SEDFOptions(ordering="edf", chunk=1024)
     assert sched.chunk_size == 1024 and sched.ordering.name == "edf"
 
 
 def test_construction_rejects_unknown_options_and_foreign_values():
     with pytest.raises(ValueError, match=r"unknown option 'bogus'.*token_budget=8192"):
         FCFSPrefill(kv(), bogus=1)
-    with pytest.raises(TypeError, match="FlowPrefillOptions"):
-        FlowPrefillScheduler(kv(), PrefillOptions())
+    with pytest.raises(TypeError, match="SEDFOptions"):
+        SEDFPrefill(kv(), PrefillOptions())
     with pytest.raises(ValueError, match="unknown option"):
         RoundRobinRouter(period=2)
 
@@ -133,7 +133,7 @@ def test_derived_default_follows_the_chunk():
 
 
 def test_runtime_objects_are_constructor_arguments_not_options():
-    sched = FlowPrefillScheduler(kv(), predictor=lambda tokens: 0.001 * tokens)
+    sched = SEDFPrefill(kv(), predictor=lambda tokens: 0.001 * tokens)
     assert sched.predict(1000) == 1.0
     assert "predictor" not in {f.name for f in dataclasses.fields(sched.options)}
 
@@ -198,8 +198,8 @@ def test_registry_rejects_wrongly_typed_values():
 
 
 def test_spec_values_are_read_as_the_field_type():
-    assert parse_option(FlowPrefillOptions, "max_suspension", "5") == 5.0
-    assert parse_option(FlowPrefillOptions, "preemption", "none") == "none"
+    assert parse_option(SEDFOptions, "max_suspension", "5") == 5.0
+    assert parse_option(SEDFOptions, "preemption", "none") == "none"
     assert parse_option(ChunkedEDFOptions, "token_budget", "none") is None
     assert parse_option(ColocatedOptions, "decode", "2048") == "2048"
     assert registry.options("colocated", "colocated:prefill=sedf,decode=fcfs") == \
@@ -210,11 +210,11 @@ def test_spec_values_are_read_as_the_field_type():
     ("prefill", "cp-edf-2k", ChunkedEDFOptions(chunk=2048)),
     ("prefill", "cp-edf-8k", ChunkedEDFOptions(chunk=8192, token_budget=8192)),
     ("prefill", "cp-edf-8k:token_budget=1024", ChunkedEDFOptions(chunk=8192, token_budget=1024)),
-    ("prefill", "dedf", FlowPrefillOptions(ordering="dedf")),
-    ("prefill", "sedf-nobatch", FlowPrefillOptions(batching=False)),
-    ("prefill", "sedf-g8k", FlowPrefillOptions(token_budget=8192)),
-    ("prefill", "sedf-chunk:chunk=1024", FlowPrefillOptions(preemption="chunk", chunk=1024)),
-    ("prefill", "flowprefill", FlowPrefillOptions()),
+    ("prefill", "dedf", SEDFOptions(ordering="dedf")),
+    ("prefill", "sedf-nobatch", SEDFOptions(batching=False)),
+    ("prefill", "sedf-g8k", SEDFOptions(token_budget=8192)),
+    ("prefill", "sedf-chunk:chunk=1024", SEDFOptions(preemption="chunk", chunk=1024)),
+    ("prefill", "flowprefill", SEDFOptions()),
     ("decode", "vllm", DecodeOptions()),
     ("router", "cache-aware:threshold=1", CacheAwareOptions(threshold=1.0)),
     ("router", "rr", PolicyOptions()),
@@ -225,7 +225,7 @@ def test_presets_resolve_to_their_options(kind, spec, expected):
 
 def test_a_built_policy_holds_the_options_its_spec_names():
     sched = registry.make("prefill", "sedf-layer:max_suspension=3", kv())
-    assert sched.options == FlowPrefillOptions(preemption="layer", max_suspension=3.0)
+    assert sched.options == SEDFOptions(preemption="layer", max_suspension=3.0)
     assert sched.name == "sedf-g4096-layer"
 
 

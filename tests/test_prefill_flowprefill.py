@@ -14,7 +14,7 @@ from laneserve.core.plan import StepResult
 from laneserve.core.request import Phase, Request
 from laneserve.costmodel import PolynomialTTFT, make_cost_model
 from laneserve.policies import make
-from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler
+from laneserve.policies.prefill.sedf import SEDFPrefill
 from laneserve.policies.predictors import PRIOR_PREFILL, LearnedTTFT
 from laneserve.policies.prefill.priority import priority_key, priority_value
 from laneserve.sim import ClusterConfig, Simulator
@@ -202,14 +202,14 @@ def chunk_log(monkeypatch):
     """Every completed prefill chunk (request id, start, end), to prove each prompt token is
     computed exactly once."""
     log: list[tuple[int, int, int]] = []
-    original = FlowPrefillScheduler.update
+    original = SEDFPrefill.update
 
     def update(self, plan, result, now):
         if result.completed:
             log.extend((c.request.request_id, c.start, c.end) for c in plan.prefills)
         return original(self, plan, result, now)
 
-    monkeypatch.setattr(FlowPrefillScheduler, "update", update)
+    monkeypatch.setattr(SEDFPrefill, "update", update)
     return log
 
 

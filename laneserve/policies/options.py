@@ -2,7 +2,7 @@
 
 Every policy class declares ``Options``, a ``@dataclass(frozen=True, slots=True)`` subclass of
 :class:`PolicyOptions` whose fields are the policy's tunable options with their defaults. A policy
-extends its parent's options by inheritance (``PrefillOptions -> FlowPrefillOptions``); a policy
+extends its parent's options by inheritance (``PrefillOptions -> SEDFOptions``); a policy
 composed from another's mechanisms rather than derived from it declares the fields it uses itself
 (``AdaptivePrefillOptions`` extends ``PrefillOptions`` with S-EDF's fields and its own). Runtime objects (KV manager, host pool, cost model, predictor, LUT) are
 not options: they stay constructor arguments.

@@ -5,7 +5,7 @@ from laneserve.policies.prefill.adaptive import AdaptivePrefill  # noqa: F401
 from laneserve.policies.prefill.base import PrefillScheduler
 from laneserve.policies.prefill.cp_edf import ChunkedEDFPrefill
 from laneserve.policies.prefill.fcfs import FCFSPrefill
-from laneserve.policies.prefill.flowprefill import FlowPrefillScheduler  # noqa: F401
+from laneserve.policies.prefill.sedf import SEDFPrefill  # noqa: F401
 from laneserve.policies.prefill.kairos import KairosPrefill  # noqa: F401
 from laneserve.policies.prefill.laps import LapsPrefill  # noqa: F401  (registers "laps")
 

@@ -58,7 +58,7 @@ from laneserve.policies.registry import register
 
 
 @dataclass(frozen=True, slots=True)
-class FlowPrefillOptions(PrefillOptions):
+class SEDFOptions(PrefillOptions):
     token_budget: int = 4096              # G, the paper's "moderate" budget (Figure 11)
     ordering: Ordering = "sedf"
     batching: bool = True                 # Algorithm 1 (False: one request per step)
@@ -80,14 +80,14 @@ class FlowPrefillOptions(PrefillOptions):
     "sedf-layer": {"preemption": "layer"}, "sedf-chunk": {"preemption": "chunk"},
     "sedf-nopreempt": {"preemption": "none"},
 })
-class FlowPrefillScheduler(PrefillScheduler):
+class SEDFPrefill(PrefillScheduler):
     name = "sedf"
-    Options = FlowPrefillOptions
-    options: FlowPrefillOptions
+    Options = SEDFOptions
+    options: SEDFOptions
     #: the ordering component (the reference form in tests/policy_references.py re-sorts every decision)
     ordering_class: type[SEDFOrdering] = SEDFOrdering
 
-    def __init__(self, kv, options: FlowPrefillOptions | None = None, *, predictor: Any = None,
+    def __init__(self, kv, options: SEDFOptions | None = None, *, predictor: Any = None,
                  cost_model: Any = None, **opts) -> None:
         super().__init__(kv, options, **opts)
         o = self.options
