@@ -32,9 +32,11 @@ Instance -> router (each a :class:`Report`, carrying ``inst`` and ``gen``):
 - :class:`Fatal`     the instance could not start; ``message`` says why
 - :class:`Heartbeat` "alive", from a thread of its own, whatever the engine is doing
 
-A request crosses once as a :class:`RequestDesc` (prompt ids, :class:`SamplingParams`, arrival,
-:class:`SLO` as ``{"ttft", "tpot"}``, SLO class, priority), checked once where it is decoded; both
-sides build their :class:`Request` from it with :meth:`RequestDesc.request`.
+A request crosses the wire as a :class:`RequestDesc` (prompt ids, :class:`SamplingParams`,
+arrival, :class:`SLO` as ``{"ttft", "tpot"}``, SLO class, priority; in its ``add`` and again in its
+``transfer``), checked where it is decoded and nowhere else on the way; the router and the
+instances build their :class:`Request` from it with :meth:`RequestDesc.request`, the one place one
+is built from a description.
 
 Times are seconds on one epoch shared by all processes (:class:`EpochClock`): ``perf_counter``
 is CLOCK_MONOTONIC on Linux, one clock for every process of the machine.
@@ -52,7 +54,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from laneserve.core.request import Request
-from laneserve.core.sampling import INT64_MAX, INT64_MIN, SamplingParams, is_int, is_real
+from laneserve.core.sampling import INT64_MAX, INT64_MIN, SamplingParams, is_real
 from laneserve.core.slo import SLO
 from laneserve.core.structured import StructuredSpec
 from laneserve.policies.routing import DecodeSummary
@@ -688,8 +690,12 @@ def _named(raw: list) -> tuple[tuple[int, ...], Any]:
     kv = raw[5] if raw[0] == "transfer" and len(raw) > 5 else None
     samples = raw[7] if raw[0] == "transfer" and len(raw) > 7 else None
     if isinstance(samples, list):
-        rids = tuple(s[0] for s in samples if isinstance(s, list) and s and is_int(s[0]))
+        rids = tuple(s[0] for s in samples if isinstance(s, list) and s and _is_id(s[0]))
         if rids:
             return rids, kv
     rid = raw[1].get("rid")
-    return ((rid,) if is_int(rid) else ()), kv
+    return ((rid,) if _is_id(rid) else ()), kv
+
+
+def _is_id(v: Any) -> bool:
+    return type(v) is int and INT64_MIN <= v <= INT64_MAX
