@@ -173,6 +173,23 @@ def test_the_inbox_gives_due_requests_in_due_order():
     assert inbox.drain(2.0) == [b] and inbox.next_due() is None and not inbox
 
 
+def test_the_engine_drains_the_inbox_it_is_given_at_operator_boundaries():
+    from laneserve.core.clock import VirtualClock
+    from laneserve.core.kv import KVCacheManager
+    from laneserve.engine.instance import EngineInstance, Inbox
+    from laneserve.policies.registry import make
+    clock = VirtualClock()
+    inbox = Inbox(clock)
+    inst = EngineInstance(make("prefill", "fcfs", KVCacheManager(64, 16)), executor=None, clock=clock, inbox=inbox)
+    put = threading.Thread(target=inbox.put, args=(RequestDesc(1, [1, 2, 3], SamplingParams(), 0.0).request(),))
+    put.start()
+    put.join()
+    assert inst.inbox is inbox and inst.queued_tokens == 3 and inst.scheduler.num_waiting == 0
+    should_stop = inst._preempt_check(None)       # what the executor asks at each operator boundary
+    assert should_stop() is False                  # nothing runs: no preemption, but the arrival is in
+    assert not inbox and inst.scheduler.num_waiting == 1 and inst.queued_tokens == 3
+
+
 class _Sent:
     def __init__(self) -> None:
         self.messages = []

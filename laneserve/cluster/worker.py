@@ -490,7 +490,9 @@ class InstanceWorker:
         kv = sched.kv
         host = sched.host_pool
         decode, last_decode = self._decode_figures() if inst.role == "decode" else (None, None)
-        self._send(Stats(added=self.adds + self.transfers, waiting=inst.num_waiting, running=inst.num_running,
+        # an add counts once received: those still in the inbox wait too
+        self._send(Stats(added=self.adds + self.transfers, waiting=inst.num_waiting + len(self.inbox),
+                         running=inst.num_running,
                          queued_tokens=inst.queued_tokens, kv_usage=kv.usage, kv_free=kv.num_free_blocks,
                          kv_total=kv.num_blocks, host_free=host.num_free_blocks if host is not None else None,
                          host_total=host.num_blocks if host is not None else None,
