@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
+import msgpack
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from laneserve.cluster.messages import pack, request_fields, request_from_fields, sampling_from_dict, unpack
+from laneserve.cluster.messages import (Add, InvalidMessage, RequestDesc, StartInfo, Transfer, decode, encode,
+                                        sampling_from_dict)
 from laneserve.core.sampling import INT64_MAX, INT64_MIN
 from laneserve.core.slo import SLO
 from laneserve.engine.sampler import Sampler, TokenHistory
@@ -58,9 +61,9 @@ def chat(body, headers=None):
 
 def assert_usable(gi: GenerateInput) -> None:
     """What the API does after admission: pack for the wire, decode on the instance, sample."""
-    msg = unpack(pack({"k": "add", **request_fields(7, gi.prompt_ids, gi.sampling, 0.0, gi.slo, gi.slo_class,
-                                                      gi.priority)}))
-    req = request_from_fields(msg, vocab_size=VOCAB)
+    desc = RequestDesc(7, gi.prompt_ids, gi.sampling, 0.0, gi.slo, gi.slo_class, gi.priority)
+    kids = tuple(range(8, 7 + gi.sampling.n))
+    req = decode(encode(Add(desc, kids)), vocab_size=VOCAB).request.request()
     assert req.sampling == gi.sampling
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
     history = TokenHistory(req, req.sampling, req.prompt_token_ids, VOCAB, torch.device("cpu"), eos_token_ids=[0])
@@ -347,33 +350,48 @@ def test_chat_template_failures_are_400():
 
 
 # ---- the wire: a bad message fails with ValueError, nothing else -------------------------------------
-def _add_msg(**over):
+def _transfer_wire(**over) -> bytes:
+    """A transfer as the wire holds it, its request fields (``rid``, ``prompt``, ``sp``, ...) or its
+    own (``out``, ``computed``, ``t_first``, ``info``) replaced by ``over``."""
     gi = completion({**BASE, "seed": 5, "temperature": 0.5})
-    msg = unpack(pack(request_fields(3, gi.prompt_ids, gi.sampling, 1.0, gi.slo)))
-    msg.update(over)
-    return msg
+    msg = Transfer(RequestDesc(3, gi.prompt_ids, gi.sampling, 1.0, gi.slo), [4], 3, 1.5,
+                   info=StartInfo(0.5, 1.0))
+    raw = msgpack.unpackb(encode(msg))
+    own = {"out": 2, "computed": 3, "t_first": 4, "info": 6}
+    for key, value in over.items():
+        if key in own:
+            raw[own[key]] = value
+        else:
+            raw[1][key] = value
+    return msgpack.packb(raw)
 
 
-@pytest.mark.parametrize("over", [
-    {"sp": None}, {"sp": [1]}, {"rid": "3"}, {"prompt": "abc"}, {"prompt": [1, -2]}, {"prompt": [1, 2 ** 63]},
-    {"prompt": [1, VOCAB]}, {"slo": [0, 1]}, {"slo": "fast"}, {"slo": [float("nan"), 1.0]}, {"arrival": float("nan")},
-    {"arrival": None}, {"cls": 5}, {"prio": 2 ** 63}, {"prio": 1.5},
-    {"out": [1], "computed": "x", "t_first": 1.0}, {"out": [1], "computed": 3, "t_first": float("inf")},
-    {"out": [1], "computed": 99, "t_first": 1.0}, {"out": [1], "t_first": 1.0},
-    {"out": [1], "computed": 3, "t_first": 1.0, "info": {"prefill_start": "x"}},
+@pytest.mark.parametrize("over,field", [
+    ({"sp": None}, "request.sp"), ({"sp": [1]}, "request.sp"), ({"rid": "3"}, "request.rid"),
+    ({"prompt": "abc"}, "request.prompt"), ({"prompt": [1, -2]}, "request.prompt"),
+    ({"prompt": [1, 2 ** 63]}, "request.prompt"), ({"prompt": [1, VOCAB]}, "request.prompt"),
+    ({"prompt": []}, "request.prompt"), ({"slo": {"ttft": 0, "tpot": 1}}, "request.slo.ttft"),
+    ({"slo": "fast"}, "request.slo"), ({"slo": {"ttft": float("nan"), "tpot": 1.0}}, "request.slo.ttft"),
+    ({"arrival": float("nan")}, "request.arrival"), ({"arrival": None}, "request.arrival"),
+    ({"cls": 5}, "request.cls"), ({"prio": 2 ** 63}, "request.prio"), ({"prio": 1.5}, "request.prio"),
+    ({"computed": "x"}, "computed"), ({"t_first": float("inf")}, "t_first"), ({"computed": 99}, "computed"),
+    ({"out": [1, VOCAB]}, "out"), ({"info": ["x", None, 0, 0, None]}, "info.prefill_start"),
 ])
-def test_request_from_fields_raises_value_error_on_bad_fields(over):
-    with pytest.raises(ValueError):
-        request_from_fields(_add_msg(**over), vocab_size=VOCAB)
+def test_a_malformed_transfer_raises_value_error_naming_the_field(over, field):
+    with pytest.raises(ValueError, match=f"'{re.escape(field)}'") as e:
+        decode(_transfer_wire(**over), vocab_size=VOCAB)
+    assert isinstance(e.value, InvalidMessage) and e.value.kind == "transfer"
+    assert e.value.rids == ((3,) if "rid" not in over else ())    # an instance fails this request alone
 
 
-def test_request_from_fields_requires_fields_and_roundtrips():
-    msg = _add_msg()
-    del msg["sp"]
-    with pytest.raises(ValueError, match="malformed request message"):
-        request_from_fields(msg)
-    req = request_from_fields(_add_msg(out=[4, 5], computed=4, t_first=2.0, info={"prefill_start": 0.5}))
+def test_a_transfer_needs_its_fields_and_roundtrips():
+    raw = msgpack.unpackb(_transfer_wire())
+    del raw[1]["sp"]
+    with pytest.raises(ValueError, match="'request.sp' is missing"):
+        decode(msgpack.packb(raw))
+    (req,) = decode(_transfer_wire(out=[4, 5], computed=4, t_first=2.0)).requests()
     assert req.output_token_ids == [4, 5] and req.num_computed_tokens == 4 and req.times.first_token == 2.0
+    assert req.times.prefill_start == 0.5 and req.request_id == 3
 
 
 @pytest.mark.parametrize("sp", [
@@ -558,7 +576,7 @@ def test_structured_specs_need_a_tokenizer_and_are_usable(byte_tokenizer):
                     "tool_choice": "required", "parallel_tool_calls": False}):
         gi = _structured_chat(fields, byte_tokenizer)
         assert gi.sampling.structured is not None
-        sp = sampling_from_dict(unpack(pack(request_fields(1, gi.prompt_ids, gi.sampling, 0.0, SLO())))["sp"])
+        sp = decode(encode(Add(RequestDesc(1, gi.prompt_ids, gi.sampling, 0.0, SLO())))).request.sampling
         assert sp == gi.sampling                    # the spec crosses the wire unchanged
     deep = {"response_format": {"type": "json_schema", "json_schema": {"schema": _nested_schema(12)}}}
     assert _structured_chat(deep, byte_tokenizer).sampling.structured.kind == "json_schema"

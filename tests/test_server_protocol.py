@@ -123,8 +123,8 @@ def test_kv_transport_roundtrip(tmp_path, name, dtype):
     kv = torch.randn(2, 2, 37, 2, 8).to(getattr(torch, dtype))
     t = make_transport(name, directory=tmp_path)
     desc = t.put(5, KVPayload(37, kv))
-    from laneserve.cluster.messages import pack, unpack
-    back = t.get(unpack(pack(desc)))           # the descriptor survives msgpack
+    from laneserve.cluster.messages import Handoff, decode, encode
+    back = t.get(decode(encode(Handoff(5, [1], 37, desc, 0.0))).kv)     # the descriptor survives the wire
     assert back.num_tokens == 37 and back.kv.dtype == kv.dtype and torch.equal(back.kv, kv)
     assert list(tmp_path.iterdir()) == []       # shm files are unlinked on receipt
 
@@ -150,11 +150,11 @@ def test_sampling_surface_fields_become_sampling_params():
     sp = g.sampling
     assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_tokens) == (0.5, -1.0, 1.3, 4)
     assert dict(sp.logit_bias) == {7: 100.0, 3: -2.5}
-    from laneserve.cluster.messages import pack, request_fields, request_from_fields, unpack
-    wire = unpack(pack(request_fields(9, [1, 2], sp, 0.0, SLO())))
-    assert request_from_fields(wire, vocab_size=50).sampling == sp
+    from laneserve.cluster.messages import Add, RequestDesc, decode, encode
+    wire = encode(Add(RequestDesc(9, [1, 2], sp, 0.0, SLO())))
+    assert decode(wire, vocab_size=50).request.sampling == sp
     with pytest.raises(ValueError, match="logit_bias"):
-        request_from_fields(wire, vocab_size=5)           # an instance never trusts the wire's ids
+        decode(wire, vocab_size=5)                        # an instance never trusts the wire's ids
     for body, message in (({"logit_bias": {"x": 1}}, "keys must be token ids"),
                           ({"logit_bias": {"50": 1}}, "outside the vocabulary"),
                           ({"logit_bias": {"1": 100.5}}, "'logit_bias.1' must be <= 100"),

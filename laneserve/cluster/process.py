@@ -42,14 +42,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from laneserve.cluster.messages import EpochClock, pack, request_fields, unpack
+from laneserve.cluster.messages import (Abort, Add, EpochClock, Failed, Fatal, Handoff, InstanceInfo, Lane, Ready,
+                                        RequestDesc, SampleStart, StartInfo, Stats, Stop, Tokens, Transfer, decode,
+                                        encode)
 from laneserve.cluster.transport import default_shm_dir, discard_descriptor
 from laneserve.cluster.worker import WorkerSpec
 from laneserve.core.prefix_summary import PrefixSummary
@@ -121,8 +123,8 @@ class InstanceHandle:
     proc: Any = None                     # threading.Thread, or Popen-like (see ProcessCluster._launch)
     alive: bool = True
     ready: bool = False
-    info: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)
+    info: InstanceInfo | None = None     # from its Ready message
+    load: Stats | None = None            # its latest stats (None: none since it started)
     sent: deque = field(default_factory=deque)    # (seq, prompt tokens) sent after the stats snapshot
     seq: int = 0
     exit_reason: str | None = None
@@ -147,37 +149,43 @@ class InstanceHandle:
             return "starting"
         return "down"
 
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Its latest stats as a name -> value map (``/metrics``); empty before the first."""
+        load = self.load
+        return {} if load is None else {f.name: getattr(load, f.name) for f in fields(load)}
+
     def _pending(self) -> tuple[int, int]:
-        added = self.stats.get("added", 0)
+        added = self.load.added if self.load is not None else 0
         while self.sent and self.sent[0][0] <= added:
             self.sent.popleft()
         return len(self.sent), sum(t for _, t in self.sent)
 
     @property
     def queued_tokens(self) -> int:
-        return self.stats.get("queued_tokens", 0) + self._pending()[1]
+        return (self.load.queued_tokens if self.load is not None else 0) + self._pending()[1]
 
     @property
     def num_waiting(self) -> int:
-        return self.stats.get("waiting", 0) + self._pending()[0]
+        return (self.load.waiting if self.load is not None else 0) + self._pending()[0]
 
     @property
     def num_running(self) -> int:
-        return self.stats.get("running", 0)
+        return self.load.running if self.load is not None else 0
 
     @property
     def kv_usage(self) -> float:
-        return self.stats.get("kv_usage", 0.0)
+        return self.load.kv_usage if self.load is not None else 0.0
 
     @property
     def busy_time(self) -> float:
-        return self.stats.get("busy", 0.0)
+        return self.load.busy if self.load is not None else 0.0
 
     def set_lane(self, lane: str) -> None:
         """Tell the instance its length lane (``laps-pools``); a restarted incarnation is told again."""
         self.lane = lane
         if self.alive and self.ready and self.sock is not None:
-            self.sock.send(pack({"k": "lane", "lane": lane}), copy=False)
+            self.sock.send(encode(Lane(lane)), copy=False)
 
     def decode_summary(self) -> DecodeSummary:
         """Its next decode step as of its last stats (requests offered since are not in it)."""
@@ -210,16 +218,16 @@ class _InstanceThread(threading.Thread):
             log.debug("instance thread %s failed", self.name, exc_info=True)
 
 
-def _observe_start(req: Request, info: dict, first_token: float | None) -> None:
+def _observe_start(req: Request, info: StartInfo | None, first_token: float | None) -> None:
     """Copy what the prefill side reports about ``req``'s start onto the router's copy (the
     router's policies read it: the ``laps-pools`` controller measures waits and TTFT deviations)."""
     times = req.times
     if times.first_token is not None:
         return
-    if info.get("prefill_start") is not None:
-        times.prefill_start = info["prefill_start"]
+    if info is not None and info.prefill_start is not None:
+        times.prefill_start = info.prefill_start
     times.first_token = first_token
-    req.num_cached_tokens = info.get("cached") or 0
+    req.num_cached_tokens = info.cached if info is not None else 0
 
 
 @dataclass(slots=True)
@@ -237,6 +245,7 @@ class Track:
     # an n-sample request: the request ids of its samples, sample 0 first (its id is the one the
     # prefill instance knows until the first tokens are out); None for n = 1
     group: list[int] | None = None
+    desc: RequestDesc | None = None       # what was sent to its prefill instance (and goes to decode)
 
 
 class ProcessCluster:
@@ -253,6 +262,11 @@ class ProcessCluster:
         self.draining = False                 # set on shutdown: new requests get 503
         self.restarts = 0
         self.on_instance_down: Callable[[InstanceHandle], None] | None = None
+        self._make_routers()
+
+    def _make_routers(self) -> None:
+        """The prefill router (``router``) and the decode router (``decode_router``) of the spec."""
+        spec = self.spec
         self.router = registry.make("router", spec.router)
         self.decode_router = registry.make("router", registry.decode_router_for(spec.decode_policy,
                                                                                 spec.decode_router))
@@ -274,13 +288,13 @@ class ProcessCluster:
     def limits(self) -> dict[str, int]:
         """What every request must fit: the smallest context length and KV capacity; and the
         decode side's KV in all (``decode_kv_tokens``: what one request may take a share of)."""
-        ready = [h for h in self.instances if h.info]
-        kv = lambda h: h.info["kv_blocks"] * h.info["block_size"]  # noqa: E731
-        decode_side = [h for h in ready if h.role != "prefill"]
-        return {"max_model_len": min(h.info["max_model_len"] for h in ready),
-                "kv_tokens": min(kv(h) for h in ready),
-                "decode_kv_tokens": sum(kv(h) for h in decode_side) or min(kv(h) for h in ready),
-                "vocab_size": min(h.info["vocab_size"] for h in ready)}
+        ready = [h.info for h in self.instances if h.info is not None]
+        kv = lambda info: info.kv_blocks * info.block_size  # noqa: E731
+        decode_side = [info for info in ready if info.role != "prefill"]
+        return {"max_model_len": min(info.max_model_len for info in ready),
+                "kv_tokens": min(kv(info) for info in ready),
+                "decode_kv_tokens": sum(kv(info) for info in decode_side) or min(kv(info) for info in ready),
+                "vocab_size": min(info.vocab_size for info in ready)}
 
     def _roles(self) -> list[tuple[str, str]]:
         s = self.spec
@@ -320,7 +334,7 @@ class ProcessCluster:
                            transport_dir=str(self.kv_dir), kv_tokens=s.kv_tokens, engine=dict(s.engine),
                            policy_opts=opts, device=h.device, gen=h.gen)
         h.alive, h.ready, h.exit_reason = True, False, None
-        h.stats, h.sent, h.seq, h.prefix = {}, deque(), 0, None
+        h.load, h.sent, h.seq, h.prefix = None, deque(), 0, None
         h.last_seen = time.monotonic()
         h.proc = self._launch(wspec)
 
@@ -374,7 +388,7 @@ class ProcessCluster:
             if h.alive and h.process_alive():
                 # bounded: a PUSH to an instance that never connected (it failed to start) waits for ever
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(h.sock.send(pack({"k": "stop"})), 1.0)
+                    await asyncio.wait_for(h.sock.send(encode(Stop())), 1.0)
         deadline = time.monotonic() + 5.0
         for h in self.instances:
             while h.process_alive() and time.monotonic() < deadline:
@@ -430,23 +444,23 @@ class ProcessCluster:
         (``sampling.n`` of them: the prompt is prefilled once, for all of them)."""
         self.admission(len(prompt_ids))
         rids = [next(self._ids) for _ in range(sampling.n)]
-        rid = rids[0]
         now = self.clock.now()
-        req = Request(request_id=rid, arrival_time=now if arrival is None else arrival, prompt_len=len(prompt_ids),
-                      max_output_tokens=sampling.max_tokens, slo=slo, slo_class=slo_class, priority=priority,
-                      prompt_token_ids=prompt_ids, sampling=sampling)
-        front = self.front
-        i = self.router.route(req, front, now)
-        h = front[i]
-        fields = request_fields(rid, prompt_ids, sampling, req.arrival_time, slo, slo_class, priority)
-        msg = pack({"k": "add", **fields, **({"kids": rids[1:]} if len(rids) > 1 else {})})   # may raise
+        desc = RequestDesc(rids[0], prompt_ids, sampling, now if arrival is None else arrival, slo, slo_class, priority)
+        req = desc.request()                  # the router's copy, for its policies
+        h = self._route_prefill(req, now)
+        msg = encode(Add(desc, tuple(rids[1:])))   # may raise
         group = rids if len(rids) > 1 else None
-        tracks = [Track(r, req, asyncio.Queue(), instance=h.instance_id, prefill_instance=h.instance_id, group=group)
-                  for r in rids]
+        tracks = [Track(r, req, asyncio.Queue(), instance=h.instance_id, prefill_instance=h.instance_id, group=group,
+                        desc=desc) for r in rids]
         for t in tracks:
             self.tracks[t.rid] = t
         self._send(h, msg, tokens=len(prompt_ids))
         return tracks
+
+    def _route_prefill(self, req: Request, now: float) -> InstanceHandle:
+        """The prefill (or colocated) instance the router picks for new request ``req``."""
+        front = self.front
+        return front[self.router.route(req, front, now)]
 
     def abort(self, rid: int) -> None:
         """Cancel ``rid`` on the instance that holds it (its KV is freed there)."""
@@ -462,7 +476,7 @@ class ProcessCluster:
             rid = track.group[0]
         h = self.instances[track.instance]
         if h.alive:
-            self._send(h, {"k": "abort", "rids": [rid]})
+            self._send(h, encode(Abort((rid,))))
 
     def fail_all(self, message: str, status: int = 503) -> int:
         """End every request in flight with an error event (a drain past its deadline: streams
@@ -473,12 +487,14 @@ class ProcessCluster:
             self._fail(track, message, status)
         return len(tracks)
 
-    def _send(self, h: InstanceHandle, msg: dict | bytes, tokens: int | None = None) -> None:
+    def _send(self, h: InstanceHandle, data: bytes, tokens: int | None = None) -> None:
+        """Send encoded message ``data`` to ``h``; ``tokens``: the prompt tokens of a request sent
+        (counted as pending there until its stats say it came in)."""
         if tokens is not None:
             h.seq += 1
             h.sent.append((h.seq, tokens))
         # zmq.asyncio: queued at once, never blocks the loop
-        h.sock.send(msg if isinstance(msg, bytes) else pack(msg), copy=False)
+        h.sock.send(data, copy=False)
 
     def _fail(self, track: Track, message: str, status: int = 503) -> None:
         """End ``track`` with an error event; ``status`` is the HTTP status it maps to (503: the
@@ -496,124 +512,128 @@ class ProcessCluster:
     # ---- instance messages -------------------------------------------------------------------
     async def _read_loop(self) -> None:
         while True:
-            msg = unpack(await self.pull.recv())
+            data = await self.pull.recv()
             try:
-                h = self.instances[msg["inst"]]
-                if msg.get("gen", 0) != h.gen:
-                    if msg.get("k") == "handoff":
-                        discard_descriptor(msg.get("kv"))
+                msg = decode(data)
+                h = self.instances[msg.inst]
+                if msg.gen != h.gen:
+                    if isinstance(msg, Handoff):
+                        discard_descriptor(msg.kv)
                     continue                  # a replaced incarnation's late message
                 h.last_seen = time.monotonic()
-                if msg["k"] != "hb":
-                    self._on_message(msg)
+                self._on_message(h, msg)
             except Exception as exc:  # noqa: BLE001 - a bad message must not kill the router
-                self.log(f"laneserve: router error on {msg.get('k')!r} message: {exc!r}")
+                self.log(f"laneserve: router error on a message from an instance: {exc!r}")
 
-    def _on_message(self, msg: dict) -> None:
-        kind = msg["k"]
-        h = self.instances[msg["inst"]]
-        if kind == "tok":
-            for rid, toks, finish, lp, info in msg["items"]:
-                track = self.tracks.get(rid)
-                if track is None:
-                    continue
-                if info is not None:
-                    _observe_start(track.request, info, self.clock.now())
-                if finish is not None:
-                    self.tracks.pop(rid, None)
-                    track.stage = "done"
-                    track.request.phase = Phase.FINISHED
-                    self._completions.append(time.monotonic())
-                elif track.stage == "prefill":       # colocated: the request (each sample) decodes here now
-                    track.stage = "decode"
-                track.events.put_nowait(("tok", toks, finish, lp, info))
-        elif kind == "handoff":
+    def _on_message(self, h: InstanceHandle, msg) -> None:
+        if isinstance(msg, Tokens):
+            self._on_tokens(msg)
+        elif isinstance(msg, Handoff):
             self._on_handoff(h, msg)
-        elif kind == "stats":
-            h.stats = msg
-            if "decode" in msg:
-                h.summary = DecodeSummary.from_wire(msg["decode"])
-                step = msg.get("last_decode")
+        elif isinstance(msg, Stats):
+            h.load = msg
+            if msg.decode is not None:
+                h.summary = msg.decode
+                step = msg.last_decode
                 if step is not None and step[4] != h.decode_seq:
                     h.last_decode, h.decode_seq = tuple(step[:4]), step[4]
             if h.prefix is not None:
-                h.prefix.apply(msg.get("kv_events") or ())
-        elif kind == "err":
-            status = 400 if str(msg["msg"]).startswith("invalid request") else 500
-            for rid in msg["rids"]:
-                track = self.tracks.get(rid)
-                if track is None:
-                    continue
-                # a request failed before its first tokens fails each of its samples
-                members = track.group if track.stage == "prefill" and track.group else [rid]
-                for t in [self.tracks.get(r) for r in members]:
-                    if t is not None:
-                        self._fail(t, f"instance {h.instance_id} ({h.role}): {msg['msg']}", status)
-        elif kind == "ready":
-            h.info = msg["info"]
-            h.prefix = (PrefixSummary(h.info["block_size"], h.info["prefix_root"])
-                        if h.info.get("prefix_caching") else None)
+                h.prefix.apply(msg.kv_events)
+        elif isinstance(msg, Failed):
+            self._on_failed(h, msg)
+        elif isinstance(msg, Ready):
+            info = h.info = msg.info
+            h.prefix = PrefixSummary(info.block_size, info.prefix_root) if info.prefix_caching else None
             h.ready = True
             if h.lane is not None:
                 h.set_lane(h.lane)
-            self.log(f"laneserve: instance {h.instance_id} ({h.role}, {h.info.get('policy')}, "
-                     f"{h.info.get('device')}) ready, pid {h.info.get('pid')}")
-        elif kind == "fatal":
-            h.exit_reason = msg["msg"]
+            self.log(f"laneserve: instance {h.instance_id} ({h.role}, {info.policy}, {info.device}) ready, "
+                     f"pid {info.pid}")
+        elif isinstance(msg, Fatal):
+            h.exit_reason = msg.message
 
-    def _on_handoff(self, src: InstanceHandle, msg: dict) -> None:
-        rid = msg["rid"]
-        track = self.tracks.get(rid)
-        if "samples" in msg:
+    def _on_tokens(self, msg: Tokens) -> None:
+        for item in msg.items:
+            track = self.tracks.get(item.rid)
+            if track is None:
+                continue
+            if item.info is not None:
+                _observe_start(track.request, item.info, self.clock.now())
+            if item.finish is not None:
+                self.tracks.pop(item.rid, None)
+                track.stage = "done"
+                track.request.phase = Phase.FINISHED
+                self._completions.append(time.monotonic())
+            elif track.stage == "prefill":       # colocated: the request (each sample) decodes here now
+                track.stage = "decode"
+            track.events.put_nowait(("tok", item.tokens, item.finish, item.logprobs,
+                                     None if item.info is None else item.info.event()))
+
+    def _on_failed(self, h: InstanceHandle, msg: Failed) -> None:
+        status = 400 if msg.message.startswith("invalid request") else 500
+        for rid in msg.rids:
+            track = self.tracks.get(rid)
+            if track is None:
+                continue
+            # a request failed before its first tokens fails each of its samples
+            members = track.group if track.stage == "prefill" and track.group else [rid]
+            for t in [self.tracks.get(r) for r in members]:
+                if t is not None:
+                    self._fail(t, f"instance {h.instance_id} ({h.role}): {msg.message}", status)
+
+    def _on_handoff(self, src: InstanceHandle, msg: Handoff) -> None:
+        if msg.samples is not None:
             return self._on_samples_handoff(msg)
+        track = self.tracks.get(msg.rid)
         if track is None or track.aborted:
-            discard_descriptor(msg.get("kv"))
+            discard_descriptor(msg.kv)
             return
-        track.events.put_nowait(("tok", msg["out"], None, msg.get("lp"), msg.get("info")))
-        _observe_start(track.request, msg.get("info") or {}, msg.get("t_first"))
-        self._transfer([track], msg, {})
+        track.events.put_nowait(("tok", msg.out, None, msg.logprobs, msg.info.event()))
+        _observe_start(track.request, msg.info, msg.t_first)
+        self._transfer([track], msg, None)
 
-    def _on_samples_handoff(self, msg: dict) -> None:
+    def _on_samples_handoff(self, msg: Handoff) -> None:
         """The prefill of an n-sample request is done: each sample's first token goes to its track;
         the samples still wanted go to one decode instance with the one prompt KV."""
         going_on, samples = [], []
-        for sample_rid, index, token, finish, lp in msg["samples"]:
-            track = self.tracks.get(sample_rid)
+        for s in msg.samples:
+            track = self.tracks.get(s.rid)
             if track is None:
                 continue                          # aborted while the prompt was prefilled
-            if finish is not None:
-                self.tracks.pop(sample_rid, None)
+            if s.finish is not None:
+                self.tracks.pop(s.rid, None)
                 track.stage = "done"
                 self._completions.append(time.monotonic())
                 track.request.phase = Phase.FINISHED
             else:
                 going_on.append(track)
-                samples.append([sample_rid, index, token])
-            _observe_start(track.request, msg.get("info") or {}, msg.get("t_first"))
-            track.events.put_nowait(("tok", [token], finish, lp, msg.get("info")))
+                samples.append(SampleStart(s.rid, s.index, s.token))
+            _observe_start(track.request, msg.info, msg.t_first)
+            track.events.put_nowait(("tok", [s.token], s.finish, s.logprobs, msg.info.event()))
         if not going_on:
-            discard_descriptor(msg.get("kv"))
+            discard_descriptor(msg.kv)
             return
-        self._transfer(going_on, msg, {"samples": samples})
+        self._transfer(going_on, msg, tuple(samples))
 
-    def _transfer(self, tracks: list[Track], msg: dict, extra: dict) -> None:
+    def _transfer(self, tracks: list[Track], msg: Handoff, samples: tuple[SampleStart, ...] | None) -> None:
         """Send a finished prefill's KV (``msg``: its handoff) and ``tracks`` to a decode instance."""
-        decoders = self.decoders
-        r = tracks[0].request
         try:
-            d = self.decode_router.route(r, decoders, self.clock.now())
+            dst = self._route_decode(tracks[0].request)
         except RuntimeError:
-            discard_descriptor(msg.get("kv"))
+            discard_descriptor(msg.kv)
             for track in tracks:
                 self._fail(track, "no decode instance is available (all crashed or stopped)")
             return
-        dst = decoders[d]
         for track in tracks:
-            track.stage, track.instance, track.kv = "decode", dst.instance_id, msg.get("kv")
-        fields = request_fields(msg["rid"], r.prompt_token_ids, r.sampling, r.arrival_time, r.slo, r.slo_class,
-                                r.priority)
-        self._send(dst, {"k": "transfer", **fields, "out": msg["out"], "computed": msg["computed"],
-                         "t_first": msg["t_first"], "kv": msg.get("kv"), "info": msg.get("info"), **extra}, tokens=0)
+            track.stage, track.instance, track.kv = "decode", dst.instance_id, msg.kv
+        desc = tracks[0].desc or RequestDesc.describe(tracks[0].request)
+        self._send(dst, encode(Transfer(desc, msg.out, msg.computed, msg.t_first, msg.kv, msg.info, samples)),
+                   tokens=0)
+
+    def _route_decode(self, req: Request) -> InstanceHandle:
+        """The decode instance the decode router picks for prefilled ``req``; ``RuntimeError`` when none is live."""
+        decoders = self.decoders
+        return decoders[self.decode_router.route(req, decoders, self.clock.now())]
 
     async def _monitor_loop(self) -> None:
         timeout = self.spec.heartbeat_timeout
@@ -632,7 +652,7 @@ class ProcessCluster:
 
     def _instance_down(self, h: InstanceHandle) -> None:
         h.alive = False
-        h.stats, h.prefix = {}, None          # its gauges and cache no longer describe anything
+        h.load, h.prefix = None, None         # its gauges and cache no longer describe anything
         code = h.proc.returncode if _is_process(h.proc) else None
         h.exit_reason = h.exit_reason or f"exit code {code}"
         self.log(f"laneserve: instance {h.instance_id} ({h.role}) is down ({h.exit_reason}); "
@@ -704,18 +724,20 @@ class ProcessCluster:
                 "kv_files": sum(1 for _ in self.kv_dir.iterdir()) if self.kv_dir.is_dir() else 0,
                 "instances": [{"id": h.instance_id, "role": h.role, "policy": h.policy, "device": h.device,
                                "alive": h.alive, "ready": h.ready, "status": h.status, "restarts": h.gen,
-                               "pid": h.info.get("pid"),
+                               "pid": h.info.pid if h.info is not None else None,
                                "exit_reason": h.exit_reason,
-                               "kv_free_blocks": h.stats.get("kv_free"), "kv_total_blocks": h.stats.get("kv_total"),
-                               "host_kv_free_blocks": h.stats.get("host_free"),
-                               "host_kv_total_blocks": h.stats.get("host_total"),
-                               "running": h.stats.get("running"), "waiting": h.stats.get("waiting"),
-                               "live_requests": h.stats.get("live"), "preemptions": h.stats.get("preemptions"),
-                               "kv_held": h.stats.get("kv_held"),
+                               **_load_state(h.load),
                                "prefix_blocks": len(h.prefix) if h.prefix is not None else None,
-                               "kv_forks": h.stats.get("kv_forks"),
                                "lane": h.lane,
-                               "steps": h.stats.get("steps"),
                                # decode: its pure decode steps reported to the router (tpot-aware)
                                "decode_steps_reported": h.decode_seq if h.decode_seq >= 0 else None}
                               for h in self.instances]}
+
+
+def _load_state(load: Stats | None) -> dict[str, Any]:
+    """An instance's latest stats, as the state endpoint shows them (None before the first)."""
+    names = {"kv_free_blocks": "kv_free", "kv_total_blocks": "kv_total", "host_kv_free_blocks": "host_free",
+             "host_kv_total_blocks": "host_total", "running": "running", "waiting": "waiting",
+             "live_requests": "live", "preemptions": "preemptions", "kv_held": "kv_held", "kv_forks": "kv_forks",
+             "steps": "steps"}
+    return {shown: None if load is None else getattr(load, name) for shown, name in names.items()}

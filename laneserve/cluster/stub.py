@@ -1,12 +1,13 @@
 """A STUB instance — a measurement and test harness, not an engine.
 
-It speaks the instance protocol of :mod:`laneserve.cluster.messages` without a model: every
-output token is the prompt's tokens echoed cyclically. With ``token_delay = 0`` it answers at
-once (all tokens in one message), so a benchmark against it measures only the API + router +
-messaging overhead (``benchmarks/serve_overhead.py``). With a delay it emits one token per delay,
-so tests can hold requests in flight (disconnects, crashed instances) without loading torch.
+It speaks the instance protocol of :mod:`laneserve.cluster.messages` (the engine instances' message
+types and codec) without a model: every output token is the prompt's tokens echoed cyclically.
+With ``token_delay = 0`` it answers at once (all tokens in one message), so a benchmark against it
+measures only the API + router + messaging overhead (``benchmarks/serve_overhead.py``). With a
+delay it emits one token per delay, so tests can hold requests in flight (disconnects, crashed
+instances) without loading torch.
 
-A stub prefill instance sends its first token and then a ``handoff`` with no KV (``kv`` = None);
+A stub prefill instance sends its first token in a ``handoff`` with no KV (``kv`` = None);
 a stub decode instance continues from there. KV figures in its stats are fake (blocks = tokens
 held / 16), enough for the router and the state endpoint.
 
@@ -21,15 +22,24 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass, replace
 
 import zmq
 
-from laneserve.cluster.messages import EpochClock, pack, unpack
+from laneserve.cluster.messages import (Abort, Add, EpochClock, Handoff, InstanceInfo, InvalidMessage, Ready,
+                                        Report, StartInfo, Stats, Stop, TokenItem, Tokens, Transfer, decode, encode)
 from laneserve.cluster.worker import WorkerSpec
 
 MAX_MODEL_LEN = 4096
 KV_BLOCKS = 4096
 BLOCK = 16
+
+
+@dataclass(slots=True)
+class _Held:
+    prompt: list[int]
+    max_tokens: int
+    n: int                                   # output tokens so far
 
 
 class StubWorker:
@@ -38,77 +48,66 @@ class StubWorker:
         self.ctx = context or zmq.Context.instance()
         self.clock = EpochClock(spec.epoch)
         self.delay = float(spec.policy_opts.get("token_delay", 0.0))
-        self.reqs: dict[int, dict] = {}          # rid -> {"prompt", "max", "n", "prio"}
+        self.reqs: dict[int, _Held] = {}
         self.timers: list[tuple[float, int]] = []
         self.added = 0
-        self.out_items: list = []
+        self.out_items: list[TokenItem] = []
 
-    def _send(self, msg: dict) -> None:
-        msg["inst"] = self.spec.instance_id
-        msg["gen"] = self.spec.gen
-        self.out.send(pack(msg))
-
-    def _token(self, r: dict) -> int:
-        prompt = r["prompt"]
-        return int(prompt[r["n"] % len(prompt)])
+    def _send(self, msg: Report) -> None:
+        self.out.send(encode(replace(msg, inst=self.spec.instance_id, gen=self.spec.gen)))
 
     def _advance(self, rid: int, now: float) -> None:
         """Produce the next token(s) of ``rid`` (all of them when there is no delay)."""
         r = self.reqs.get(rid)
         if r is None:
             return
-        count = r["max"] - r["n"] if self.delay <= 0 else 1
+        count = r.max_tokens - r.n if self.delay <= 0 else 1
         if self.spec.role == "prefill":
             count = 1
         toks = []
         for _ in range(count):
-            toks.append(self._token(r))
-            r["n"] += 1
-        done = r["n"] >= r["max"]
+            toks.append(int(r.prompt[r.n % len(r.prompt)]))
+            r.n += 1
+        done = r.n >= r.max_tokens
         if self.spec.role == "prefill" and not done:
             del self.reqs[rid]
-            self._send({"k": "handoff", "rid": rid, "out": toks, "computed": len(r["prompt"]), "kv": None,
-                        "t_first": now, "lp": None, "info": {"prefill_start": now, "prefill_end": now}})
+            self._send(Handoff(rid, toks, len(r.prompt), None, now, info=StartInfo(now, now)))
             return
-        info = {"prefill_start": now} if r["n"] == len(toks) else None
-        self.out_items.append([rid, toks, "length" if done else None, None, info])
+        info = StartInfo(now) if r.n == len(toks) else None
+        self.out_items.append(TokenItem(rid, toks, "length" if done else None, None, info))
         if done:
             del self.reqs[rid]
         else:
             heapq.heappush(self.timers, (now + self.delay, rid))
 
-    def _handle(self, msg: dict, now: float) -> bool:
-        kind = msg["k"]
-        if kind in ("add", "transfer"):
-            rid = int(msg["rid"])
-            out = msg.get("out") or []
-            self.reqs[rid] = {"prompt": msg["prompt"], "max": int(msg["sp"]["max_tokens"]), "n": len(out)}
+    def _handle(self, msg, now: float) -> bool:
+        if isinstance(msg, (Add, Transfer)):
+            desc = msg.request
+            out = msg.out if isinstance(msg, Transfer) else ()
+            self.reqs[desc.rid] = _Held(desc.prompt, desc.sampling.max_tokens, len(out))
             self.added += 1
-            if kind == "add" or self.delay <= 0:
-                self._advance(rid, now)
+            if isinstance(msg, Add) or self.delay <= 0:
+                self._advance(desc.rid, now)
             else:
-                heapq.heappush(self.timers, (now + self.delay, rid))
-        elif kind == "abort":
-            for rid in msg["rids"]:
+                heapq.heappush(self.timers, (now + self.delay, desc.rid))
+        elif isinstance(msg, Abort):
+            for rid in msg.rids:
                 self.reqs.pop(rid, None)
-        elif kind == "stop":
+        elif isinstance(msg, Stop):
             return False
         return True
 
     def _stats(self) -> None:
-        held = sum(len(r["prompt"]) + r["n"] for r in self.reqs.values())
+        held = sum(len(r.prompt) + r.n for r in self.reqs.values())
         used = -(-held // BLOCK)
-        self._send({"k": "stats", "added": self.added, "waiting": 0, "running": len(self.reqs),
-                    "queued_tokens": 0, "kv_usage": used / KV_BLOCKS, "kv_free": KV_BLOCKS - used,
-                    "kv_total": KV_BLOCKS, "preemptions": 0, "steps": 0, "busy": 0.0,
-                    "live": len(self.reqs), "incoming": 0})
+        self._send(Stats(added=self.added, running=len(self.reqs), kv_usage=used / KV_BLOCKS,
+                         kv_free=KV_BLOCKS - used, kv_total=KV_BLOCKS, live=len(self.reqs)))
 
     def serve(self) -> None:
         self.out, inbox = self.spec.connect(self.ctx)
-        self._send({"k": "ready", "info": {"max_model_len": MAX_MODEL_LEN, "kv_blocks": KV_BLOCKS,
-                                           "block_size": BLOCK, "vocab_size": 1 << 20, "pid": os.getpid(),
-                                           "policy": "stub", "role": self.spec.role, "device": "none",
-                                           "stub": True}})
+        self._send(Ready(InstanceInfo(max_model_len=MAX_MODEL_LEN, kv_blocks=KV_BLOCKS, block_size=BLOCK,
+                                      vocab_size=1 << 20, pid=os.getpid(), policy="stub", role=self.spec.role,
+                                      device="none", stub=True)))
         beat_stop = threading.Event()
         self.spec.start_heartbeat(self.ctx, beat_stop)
         poller = zmq.Poller()
@@ -125,16 +124,20 @@ class StubWorker:
                 if poller.poll(timeout):
                     while running:
                         try:
-                            msg = unpack(inbox.recv(zmq.NOBLOCK))
+                            data = inbox.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        running = self._handle(msg, self.clock.now())
+                        try:
+                            running = self._handle(decode(data, vocab_size=1 << 20), self.clock.now())
+                        except InvalidMessage as exc:
+                            print(f"laneserve: stub instance {self.spec.instance_id}: invalid message: {exc}",
+                                  file=sys.stderr, flush=True)
                 now = self.clock.now()
                 while self.timers and self.timers[0][0] <= now:
                     _, rid = heapq.heappop(self.timers)
                     self._advance(rid, now)
                 if self.out_items:
-                    self._send({"k": "tok", "items": self.out_items})
+                    self._send(Tokens(tuple(self.out_items)))
                     self.out_items = []
                 if time.monotonic() - last_stats > 0.05:
                     self._stats()

@@ -2,12 +2,13 @@
 
 The worker owns an :class:`~laneserve.engine.instance.EngineInstance` (the scheduler contract's
 loop on tensors) and two sockets: a PULL socket it reads router messages from (a receiver thread
-does only ``recv`` + ``unpack``, so a long step never delays reading) and a PUSH socket for its
-outputs (used only by the main thread). Router messages reach the engine in the main thread:
-``add`` goes into the instance's inbox through :meth:`_ServedInstance.take_arrivals`, which the
-executor's preemption check calls at every operator boundary, so an arrival during a preemptible
-prefill is seen at once (FlowPrefill Algorithm 2); ``abort`` and ``transfer`` are handled between
-steps.
+does only ``recv`` + :func:`~laneserve.cluster.messages.decode`, so a long step never delays
+reading) and a PUSH socket for its outputs (used only by the main thread). The receiver thread
+puts each ``add``'s request straight into the engine's
+:class:`~laneserve.engine.instance.Inbox`, which the engine drains at every step and, through the
+executor's preemption check, at every operator boundary, so an arrival during a preemptible
+prefill is seen at once (FlowPrefill Algorithm 2); ``abort``, ``transfer``, ``lane`` and ``stop``
+wait in a queue for the main thread, which handles them between steps.
 
 After each step the worker sends one ``tok`` message with every request's new tokens (and
 logprobs when asked for), hands finished prefills off (``export_kv`` -> KV transport ->
@@ -15,7 +16,7 @@ logprobs when asked for), hands finished prefills off (``export_kv`` -> KV trans
 blocks for an incoming transfer through the instance runtime (``offer_kv``, ``take_kv``), imports the KV
 and adds the request, as :class:`~laneserve.cluster.local.LocalCluster` does in one process.
 
-Failures stay with the request that caused them: a request whose fields do not decode,
+Failures stay with the request that caused them: a request whose message does not decode,
 a transfer that fails, or a step that raises fails the requests involved (an ``err`` message; their
 KV is freed) and the instance goes on. Only ``MAX_STEP_FAILURES`` failed steps in a row end the
 process (its supervisor in the router restarts it). A heartbeat thread with its own socket says
@@ -35,13 +36,14 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import zmq
 
-from laneserve.cluster.messages import EpochClock, pack, request_fields, request_from_fields, unpack
-from laneserve.core.sampling import is_int
+from laneserve.cluster.messages import (Abort, Add, EpochClock, Failed, Fatal, Handoff, Heartbeat, InstanceInfo,
+                                        InvalidMessage, Lane, Ready, Report, RequestDesc, SampleFirst, SampleStart,
+                                        StartInfo, Stats, Stop, TokenItem, Tokens, Transfer, decode, encode)
 
 STATS_INTERVAL = 0.05          # at most this often while busy
 HEARTBEAT_INTERVAL = 0.5       # stats at least this often while idle; heartbeats this often always
@@ -83,14 +85,14 @@ class WorkerSpec:
         return out, inbox
 
     def start_heartbeat(self, ctx: zmq.Context, stop: threading.Event) -> threading.Thread:
-        """A daemon thread that sends ``{"k": "hb"}`` every ``HEARTBEAT_INTERVAL`` s on its own socket
-        (zmq sockets are not thread-safe) until ``stop`` is set."""
+        """A daemon thread that sends a :class:`Heartbeat` every ``HEARTBEAT_INTERVAL`` s on its own
+        socket (zmq sockets are not thread-safe) until ``stop`` is set."""
         def beat() -> None:
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 4)
             sock.connect(self.outbox)
-            msg = pack({"k": "hb", "inst": self.instance_id, "gen": self.gen})
+            msg = encode(Heartbeat(inst=self.instance_id, gen=self.gen))
             try:
                 while not stop.is_set():
                     with contextlib.suppress(zmq.Again):
@@ -158,13 +160,15 @@ class InstanceWorker:
         self.spec = spec
         self.ctx = context or zmq.Context.instance()
         self.clock = EpochClock(spec.epoch)
-        self.messages: queue.SimpleQueue = queue.SimpleQueue()
+        self.messages: queue.SimpleQueue = queue.SimpleQueue()   # router messages but adds, for the main thread
         self.wake = threading.Event()
-        self.control: list[dict] = []
+        # the books, written by the receiver thread (adds) and the main thread: changed under _books
+        self._books = threading.Lock()
         self.live: dict[int, Any] = {}        # rid -> Request, every request this instance holds
         self.sent: dict[int, int] = {}        # rid -> output tokens already sent
-        self.kids: dict[int, list[int]] = {}  # rid of an n-sample request -> request ids of samples 1..n-1
-        self.added = 0
+        self.kids: dict[int, tuple[int, ...]] = {}  # rid of an n-sample request -> ids of samples 1..n-1
+        self.adds = 0                         # adds received (receiver thread)
+        self.transfers = 0                    # transfers received (main thread)
         self.stopping = False
         self._last_stats = 0.0
         self._dirty = True
@@ -177,7 +181,7 @@ class InstanceWorker:
         from laneserve.core.kv import HostKVPool
         from laneserve.engine.config import EngineConfig
         from laneserve.engine.executor import EngineExecutor
-        from laneserve.engine.instance import EngineInstance
+        from laneserve.engine.instance import EngineInstance, Inbox
         from laneserve.engine.kv_cache import make_kv_manager
         from laneserve.engine.models.loader import load_model
         from laneserve.engine.sampler import StopChecker
@@ -196,23 +200,17 @@ class InstanceWorker:
             opts["host_pool"] = host
         scheduler = registry.make(spec.role, spec.policy, kv, **opts)
         executor = _RecordingExecutor(EngineExecutor(model, kv, config, host))
-        worker = self
-
-        class _ServedInstance(EngineInstance):
-            def take_arrivals(self, now=None):
-                worker._drain()
-                return super().take_arrivals(now)
-
         stop = StopChecker(model.tokenizer) if model.tokenizer is not None else None
-        self.instance = _ServedInstance(scheduler, executor, clock=self.clock, instance_id=spec.instance_id,
-                                        stop_checker=stop)
+        self.inbox = Inbox(self.clock)          # the receiver thread puts adds here (_accept)
+        self.instance = EngineInstance(scheduler, executor, clock=self.clock, instance_id=spec.instance_id,
+                                       stop_checker=stop, inbox=self.inbox)
         self.transport = make_transport(spec.transport, directory=spec.transport_dir)
-        self.info = {"max_model_len": model.config.max_position_embeddings, "kv_blocks": blocks,
-                     "block_size": config.block_size, "vocab_size": model.config.vocab_size,
-                     "pid": os.getpid(), "policy": scheduler.name if hasattr(scheduler, "name") else spec.policy,
-                     "role": spec.role, "device": config.device,
-                     "prefix_caching": kv.prefix_caching,
-                     "prefix_root": kv.root if kv.prefix_caching else None}
+        self.info = InstanceInfo(
+            max_model_len=model.config.max_position_embeddings, kv_blocks=blocks, block_size=config.block_size,
+            vocab_size=model.config.vocab_size, pid=os.getpid(),
+            policy=scheduler.name if hasattr(scheduler, "name") else spec.policy, role=spec.role,
+            device=config.device, prefix_caching=kv.prefix_caching,
+            prefix_root=kv.root if kv.prefix_caching else None)
         if kv.prefix_caching:
             kv.allocator.record_events()   # the router's summary (core/prefix_summary.py)
         if spec.role == "decode":          # the tpot-aware decode router reads its last decode step
@@ -220,97 +218,97 @@ class InstanceWorker:
 
     # ---- messages --------------------------------------------------------------------------
     def _receiver(self, sock: zmq.Socket) -> None:
+        """The receiver thread: decode each router message; an ``add`` goes straight into the
+        engine's inbox (:meth:`_accept`), where a running prefill's next operator boundary sees it;
+        the rest (and messages that do not decode) wait for the main thread in ``messages``."""
+        vocab = self.info.vocab_size
         try:
             while True:
-                msg = unpack(sock.recv())
-                self.messages.put(msg)
+                data = sock.recv()
+                try:
+                    msg = decode(data, vocab_size=vocab)
+                except InvalidMessage as exc:
+                    msg = exc
+                if isinstance(msg, Add):
+                    self._accept(msg)
+                else:
+                    if isinstance(msg, InvalidMessage) and msg.kind == "add":
+                        self.adds += 1              # processed: failed by the main thread
+                    self.messages.put(msg)
                 self.wake.set()
-                if msg["k"] == "stop":
+                if isinstance(msg, Stop):
                     return
         except zmq.ContextTerminated:
             return
         except zmq.ZMQError:
             return
 
-    def _drain(self) -> None:
-        """Move queued router messages in: ``add`` into the inbox now, the rest to ``control``."""
-        msgs = self.messages
-        while True:
-            try:
-                msg = msgs.get_nowait()
-            except queue.Empty:
-                return
-            if msg["k"] == "add":
-                req = self._decode_request(msg)
-                if req is None:
-                    continue
-                kids = msg.get("kids") or []
-                if req.sampling.n > 1 or kids:
-                    if not (isinstance(kids, list) and len(kids) == req.sampling.n - 1 and all(map(is_int, kids))):
-                        self._send({"k": "err", "rids": [req.request_id],
-                                    "msg": "invalid request: 'kids' must list n - 1 request ids"})
-                        continue
-                    self.kids[req.request_id] = kids
-                self.live[req.request_id] = req
-                self.sent[req.request_id] = 0
-                self.added += 1
-                self.instance.submit(req)
-            else:
-                self.control.append(msg)
+    def _accept(self, add: Add) -> None:
+        """A new request (receiver thread): book it, then hand it to the engine."""
+        req = add.request.request()
+        self._book(req, 0, add.kids)
+        self.inbox.put(req)
+        self.adds += 1
+
+    def _book(self, req, sent: int, kids: tuple[int, ...] = ()) -> None:
+        """``req`` is this worker's to report from now on, ``sent`` of its output tokens already
+        sent; ``kids``: the request ids of its samples 1..n-1."""
+        with self._books:
+            self.live[req.request_id] = req
+            self.sent[req.request_id] = sent
+            if kids:
+                self.kids[req.request_id] = kids
 
     def _handle_control(self) -> None:
-        control, self.control = self.control, []
-        for msg in control:
-            kind = msg["k"]
-            if kind == "abort":
-                self.instance.take_arrivals()       # an abort may follow its add in one drain
+        """The router messages other than adds, in arrival order (main thread, between steps)."""
+        while True:
+            try:
+                msg = self.messages.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(msg, Abort):
+                self.instance.take_arrivals()       # its add may still be in the inbox
                 now = self.clock.now()
-                for rid in msg["rids"]:
+                for rid in msg.rids:
                     self._abort(rid, now)
                 self._dirty = True
-            elif kind == "lane":
-                self.instance.scheduler.set_lane(msg["lane"])
-            elif kind == "transfer":
-                self.added += 1
+            elif isinstance(msg, Lane):
+                self.instance.scheduler.set_lane(msg.lane)
+            elif isinstance(msg, Transfer):
+                self.transfers += 1
                 self._dirty = True
-                if "samples" in msg:
-                    self._fork_samples(msg, msg["samples"], msg.get("kv"))
-                    continue
-                req = self._decode_request(msg)
-                if req is None:
-                    self.transport.discard(msg.get("kv"))
-                    continue
-                self.live[req.request_id] = req
-                self.sent[req.request_id] = len(req.output_token_ids or ())
-                self.instance.offer_kv(req, msg.get("kv"))
-            elif kind == "stop":
+                reqs = msg.requests()
+                if msg.samples is not None:
+                    self._fork_samples(reqs, msg.kv)
+                else:
+                    self._book(reqs[0], len(reqs[0].output_token_ids or ()))
+                    self.instance.offer_kv(reqs[0], msg.kv)
+            elif isinstance(msg, InvalidMessage):
+                self._reject(msg)
+            elif isinstance(msg, Stop):
                 self.stopping = True
 
-    def _fork_samples(self, fields: dict, samples: Any, kv: Any) -> None:
-        """The samples of an n-sample request take its one prompt KV (``kv``: a transport
-        descriptor, or a payload here): each ``[rid, index, first_token]`` becomes a request of its
-        own (sample ``index``'s seed), offered to the instance with a share of ``kv``.
+    def _reject(self, exc: InvalidMessage) -> None:
+        """A router message that did not decode: fail the requests it names, discard its KV."""
+        if exc.kind == "transfer":
+            self.transfers += 1
+            if isinstance(exc.kv, dict):
+                self.transport.discard(exc.kv)
+        print(f"laneserve: instance {self.spec.instance_id}: invalid message: {exc}", file=sys.stderr, flush=True)
+        if exc.rids:
+            self._send(Failed(exc.rids, f"invalid request: {exc}"))
+
+    def _fork_samples(self, reqs: list, kv: Any) -> None:
+        """The samples of an n-sample request (``reqs``, from :meth:`Transfer.requests`) take its one
+        prompt KV (``kv``: a transport descriptor, or a payload here): each is offered to the
+        instance with a share of ``kv``.
 
         The KV is fetched once; the first sample admitted imports it and the others share its full
         prompt blocks (``EngineInstance._share_prompt``: a refcounted fork of its table, the partial
         last block copied), or import their own copy when the leader no longer holds them."""
-        ok = isinstance(samples, list) and all(
-            isinstance(e, list) and len(e) == 3 and all(map(is_int, e)) for e in samples)
-        if not ok or not samples:
-            rids = [e[0] for e in samples if isinstance(e, list) and e] if isinstance(samples, list) else []
-            self.transport.discard(kv) if isinstance(kv, dict) else None
-            self._send({"k": "err", "rids": rids or [fields.get("rid")],
-                        "msg": "invalid request: 'samples' must be [rid, index, first token] triples"})
-            return
-        shared = _SharedKV(self.transport, kv, len(samples))
-        for rid, index, token in samples:
-            req = self._decode_request({**fields, "rid": rid, "out": [token]})
-            if req is None:
-                shared.drop()
-                continue
-            req.sampling = req.sampling.sample(index)
-            self.live[rid] = req
-            self.sent[rid] = 1
+        shared = _SharedKV(self.transport, kv, len(reqs))
+        for req in reqs:
+            self._book(req, 1)
             self.instance.offer_kv(req, shared)
 
     def _fetch(self, payload):
@@ -321,14 +319,6 @@ class InstanceWorker:
             payload.drop()
         else:
             self.transport.discard(payload)
-
-    def _decode_request(self, msg: dict):
-        """The request of an ``add``/``transfer`` message, or None after failing it (bad fields)."""
-        try:
-            return request_from_fields(msg, self.info["vocab_size"])
-        except Exception as exc:  # noqa: BLE001 - the wire is not trusted: fail this request only
-            self._send({"k": "err", "rids": [msg.get("rid")], "msg": f"invalid request: {exc}"})
-            return None
 
     def _fail_step(self, exc: BaseException) -> None:
         """A step raised: fail the requests of the plan it ran (their KV is freed), keep serving."""
@@ -354,15 +344,16 @@ class InstanceWorker:
 
     def _forget(self, rid: int) -> None:
         """``rid`` is no longer this worker's to report (finished, handed off, failed or aborted)."""
-        self.live.pop(rid, None)
-        self.sent.pop(rid, None)
-        self.kids.pop(rid, None)
+        with self._books:
+            self.live.pop(rid, None)
+            self.sent.pop(rid, None)
+            self.kids.pop(rid, None)
 
     def _fail(self, rids: list[int], message: str) -> None:
         """These requests failed here (their KV already freed): forget them and tell the router."""
         for rid in rids:
             self._forget(rid)
-        self._send({"k": "err", "rids": rids, "msg": message})
+        self._send(Failed(tuple(rids), message))
 
     def _abort(self, rid: int, now: float) -> None:
         self._forget(rid)
@@ -380,10 +371,8 @@ class InstanceWorker:
         self.instance.take_kv(self._fetch, on_error=failed, on_drop=never_fits)
 
     # ---- outputs -----------------------------------------------------------------------------
-    def _send(self, msg: dict) -> None:
-        msg["inst"] = self.spec.instance_id
-        msg["gen"] = self.spec.gen
-        self.out.send(pack(msg))
+    def _send(self, msg: Report) -> None:
+        self.out.send(encode(replace(msg, inst=self.spec.instance_id, gen=self.spec.gen)))
 
     def _emit(self, outcome) -> None:
         lps = self.instance.executor.last_logprobs or {}
@@ -395,7 +384,9 @@ class InstanceWorker:
         for rid, group in samples.items():
             if rid not in handed:
                 items += self._settle_samples(self.live[rid], group, finished)
-        for rid, req in list(self.live.items()):
+        with self._books:
+            live = list(self.live.items())
+        for rid, req in live:
             if rid in handed:
                 continue
             out = req.output_token_ids or ()
@@ -408,21 +399,20 @@ class InstanceWorker:
             lp = _logprobs(lps.get(rid)) if new and req.sampling.logprobs is not None else None
             info = None
             if fin is not None or sent == 0:
-                info = {"prefill_start": req.times.prefill_start, "preemptions": req.num_preemptions,
-                        "cached": req.num_cached_tokens}
-                if sent == 0 and req.sampling.prompt_logprobs is not None:
-                    info["plp"] = req.prompt_logprobs or []
-            items.append([rid, new, fin.finish_reason if fin is not None else None, lp, info])
+                plp = (req.prompt_logprobs or []) if sent == 0 and req.sampling.prompt_logprobs is not None else None
+                info = StartInfo(req.times.prefill_start, preemptions=req.num_preemptions,
+                                 cached=req.num_cached_tokens, prompt_logprobs=plp)
+            items.append(TokenItem(rid, new, fin.finish_reason if fin is not None else None, lp, info))
             if fin is not None:
                 self._forget(rid)
         if items:
-            self._send({"k": "tok", "items": items})
+            self._send(Tokens(tuple(items)))
         for req in handoffs:
             self._hand_off(req, lps.get(req.request_id), samples.get(req.request_id))
 
-    def _first_samples(self, lps: dict) -> dict[int, list[list]]:
-        """The first tokens of the n-sample requests that sampled them this step: rid ->
-        ``[[rid_k, k, token, finish|None, logprobs|None] for k in 0..n-1]`` (sample 0 = the request)."""
+    def _first_samples(self, lps: dict) -> dict[int, list[SampleFirst]]:
+        """The first tokens of the n-sample requests that sampled them this step: rid -> a
+        :class:`SampleFirst` for each sample 0..n-1 (sample 0 = the request)."""
         from laneserve.engine.sampler import token_stops
 
         forks = self.instance.executor.last_forks or {}
@@ -434,36 +424,51 @@ class InstanceWorker:
                 continue
             firsts = [(req.output_token_ids[0], lps.get(rid)), *extra]
             group = []
-            for k, (sample_rid, (token, lp)) in enumerate(zip([rid, *self.kids.pop(rid, [])], firsts)):
+            for k, (sample_rid, (token, lp)) in enumerate(zip([rid, *self.kids.pop(rid, ())], firsts)):
                 params = req.sampling.sample(k)
                 finish = "stop" if token_stops(token, params, eos) else "length" if req.max_output_tokens <= 1 else None
-                group.append([sample_rid, k, token, finish, _logprobs(lp) if params.logprobs is not None else None])
+                group.append(SampleFirst(sample_rid, k, token, finish,
+                                         _logprobs(lp) if params.logprobs is not None else None))
             out[rid] = group
         return out
 
-    def _settle_samples(self, req, group: list[list], finished: dict) -> list[list]:
+    def _settle_samples(self, req, group: list[SampleFirst], finished: dict) -> list[TokenItem]:
         """An n-sample request that sampled its first tokens here and is not handed off: the samples
         that go on take its prompt KV on this instance (colocated); sample 0 ends if its first token
         ends it. Returns the ``tok`` items of samples 1..n-1 (sample 0's item is the request's own)."""
         rid = req.request_id
-        info = {"prefill_start": req.times.prefill_start, "preemptions": req.num_preemptions}
+        info = StartInfo(req.times.prefill_start, preemptions=req.num_preemptions)
         fin = finished.get(rid)
-        going_on = [[r, k, t] for r, k, t, f, _ in group[1:] if f is None]
+        going_on = tuple(SampleStart(s.rid, s.index, s.token) for s in group[1:] if s.finish is None)
         if fin is None and going_on:
             payload = self.instance.executor.export_kv(rid, req.num_computed_tokens)
-            fields = request_fields(rid, req.prompt_token_ids, req.sampling, req.arrival_time, req.slo,
-                                    req.slo_class, req.priority)
-            self._fork_samples({**fields, "computed": req.num_computed_tokens, "t_first": req.times.first_token,
-                                "info": info}, going_on, payload)
-        if fin is None and group[0][3] is not None:           # sample 0's first token ended it
-            self.instance.scheduler.abort(rid, self.clock.now(), reason=group[0][3])
+            here = Transfer(RequestDesc.describe(req), [], req.num_computed_tokens, req.times.first_token,
+                            info=StartInfo(req.times.prefill_start), samples=going_on)
+            self._fork_samples(here.requests(), payload)
+        if fin is None and group[0].finish is not None:           # sample 0's first token ended it
+            self.instance.scheduler.abort(rid, self.clock.now(), reason=group[0].finish)
             finished[rid] = req
-        elif fin is not None and fin.finish_reason == "length" and group[0][3] is not None:
-            req.finish_reason = group[0][3]                    # EOS as the one token: "stop", as for n=1
-        return [[r, [t], f if f is not None or fin is None else fin.finish_reason, lp, info]
-                for r, _, t, f, lp in group[1:]]
+        elif fin is not None and fin.finish_reason == "length" and group[0].finish is not None:
+            req.finish_reason = group[0].finish                    # EOS as the one token: "stop", as for n=1
+        return [TokenItem(s.rid, [s.token], s.finish if s.finish is not None or fin is None else fin.finish_reason,
+                          s.logprobs, info) for s in group[1:]]
 
-    def _hand_off(self, req, lp, samples: list[list] | None = None) -> None:
+    def _hand_off(self, req, lp, samples: list[SampleFirst] | None = None) -> None:
+        """A finished prefill goes to the router (a ``handoff``) with its KV (exported by :meth:`_export`)."""
+        desc = self._export(req)
+        if desc is not None:
+            t = req.times
+            plp = (req.prompt_logprobs or []) if req.sampling.prompt_logprobs is not None else None
+            self._send(Handoff(req.request_id, list(req.output_token_ids or ()), req.num_computed_tokens, desc,
+                               t.first_token, _logprobs(lp) if req.sampling.logprobs is not None else None,
+                               StartInfo(t.prefill_start, t.prefill_end, req.num_preemptions,
+                                         req.num_cached_tokens, plp),
+                               None if samples is None else tuple(samples)))
+        self._forget(req.request_id)
+
+    def _export(self, req) -> Any:
+        """Put ``req``'s KV on the transport and release it from the scheduler; the transport's
+        descriptor, or None after failing the request (the export failed)."""
         rid = req.request_id
         inst = self.instance
         try:
@@ -472,19 +477,9 @@ class InstanceWorker:
         except Exception as exc:  # noqa: BLE001
             inst.scheduler.abort(rid, self.clock.now())
             self._fail([rid], f"KV export failed: {exc}")
-            return
-        else:
-            inst.scheduler.release(rid)
-            t = req.times
-            self._send({"k": "handoff", "rid": rid, "out": list(req.output_token_ids or ()),
-                        "computed": req.num_computed_tokens, "kv": desc, "t_first": t.first_token,
-                        "lp": _logprobs(lp) if req.sampling.logprobs is not None else None,
-                        **({"samples": samples} if samples is not None else {}),
-                        "info": {"prefill_start": t.prefill_start, "prefill_end": t.prefill_end,
-                                 "preemptions": req.num_preemptions, "cached": req.num_cached_tokens,
-                                 **({"plp": req.prompt_logprobs or []}
-                                    if req.sampling.prompt_logprobs is not None else {})}})
-        self._forget(rid)
+            return None
+        inst.scheduler.release(rid)
+        return desc
 
     def _stats(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -494,29 +489,29 @@ class InstanceWorker:
         sched = inst.scheduler
         kv = sched.kv
         host = sched.host_pool
-        self._send({"k": "stats", "added": self.added, "waiting": inst.num_waiting,
-                    "running": inst.num_running, "queued_tokens": inst.queued_tokens,
-                    "kv_usage": kv.usage, "kv_free": kv.num_free_blocks, "kv_total": kv.num_blocks,
-                    "host_free": host.num_free_blocks if host is not None else None,
-                    "host_total": host.num_blocks if host is not None else None,
-                    "preemptions": inst.total_preemptions,
-                    "prefix_queries": kv.query_tokens, "prefix_hits": kv.hit_tokens,
-                    "steps": inst.steps, "busy": inst.busy_time, "live": len(self.live),
-                    "incoming": len(inst.pending), "kv_held": self.transport.held(),
-                    "kv_events": kv.allocator.take_events(), "kv_forks": inst.kv_forks,
-                    **(self._decode_figures() if inst.role == "decode" else {})})
+        decode, last_decode = self._decode_figures() if inst.role == "decode" else (None, None)
+        # an add counts once received: those still in the inbox wait too
+        self._send(Stats(added=self.adds + self.transfers, waiting=inst.num_waiting + len(self.inbox),
+                         running=inst.num_running,
+                         queued_tokens=inst.queued_tokens, kv_usage=kv.usage, kv_free=kv.num_free_blocks,
+                         kv_total=kv.num_blocks, host_free=host.num_free_blocks if host is not None else None,
+                         host_total=host.num_blocks if host is not None else None,
+                         preemptions=inst.total_preemptions, prefix_queries=kv.query_tokens,
+                         prefix_hits=kv.hit_tokens, steps=inst.steps, busy=inst.busy_time, live=len(self.live),
+                         incoming=len(inst.pending), kv_held=self.transport.held(),
+                         kv_events=kv.allocator.take_events(), kv_forks=inst.kv_forks,
+                         decode=decode, last_decode=last_decode))
         self._last_stats = now
         self._dirty = False
 
-    def _decode_figures(self) -> dict:
+    def _decode_figures(self) -> tuple:
         """What the server's decode router reads (``tpot-aware``): the summary of the next step and
         the last completed pure decode step, numbered so the router learns from each step once."""
         inst = self.instance
         step = inst.last_decode
         if step is not None and step is not self._last_decode:
             self._last_decode, self._decode_seq = step, self._decode_seq + 1
-        return {"decode": inst.decode_summary().to_wire(),
-                "last_decode": [*step, self._decode_seq] if step is not None else None}
+        return inst.decode_summary(), ((*step, self._decode_seq) if step is not None else None)
 
     # ---- the loop ------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -524,54 +519,56 @@ class InstanceWorker:
         try:
             self.build()
         except Exception as exc:  # noqa: BLE001 - report, then die
-            self._send({"k": "fatal", "msg": f"{type(exc).__name__}: {exc}"})
+            self._send(Fatal(f"{type(exc).__name__}: {exc}"))
             raise
         self._beat_stop = threading.Event()
         self.spec.start_heartbeat(self.ctx, self._beat_stop)
         receiver = threading.Thread(target=self._receiver, args=(inbox,), daemon=True,
                                     name=f"recv-{self.spec.instance_id}")
         receiver.start()
-        self._send({"k": "ready", "info": self.info})
-        inst = self.instance
-        parent = os.getppid()
-        failures = 0
+        self._send(Ready(self.info))
         try:
-            while not self.stopping:
-                self._drain()
-                self._handle_control()
-                if self.stopping:
-                    break
-                self._take_transfers()
-                try:
-                    outcome = inst.step()
-                    failures = 0
-                except Exception as exc:  # noqa: BLE001 - fail the step's requests, not the instance
-                    failures += 1
-                    self._fail_step(exc)
-                    self._dirty = True
-                    if failures >= MAX_STEP_FAILURES:
-                        raise
-                    continue
-                if outcome is None:
-                    if os.getppid() != parent:      # the router died: nobody is listening
-                        break
-                    self._stats()
-                    due, wake = inst.next_due(), inst.scheduler.next_wakeup()
-                    now = self.clock.now()
-                    timeout = min([STATS_INTERVAL if self._dirty else HEARTBEAT_INTERVAL,
-                                   *(max(0.0, t - now) for t in (due, wake) if t is not None)])
-                    if self.messages.empty():
-                        self.wake.wait(timeout)
-                    self.wake.clear()
-                    continue
-                self._dirty = True
-                self._fail_rows(inst.failed)
-                self._emit(outcome)
-                self._stats()
+            self._loop()
         finally:
             self._beat_stop.set()
             self.out.close()
             inbox.close()
+
+    def _loop(self) -> None:
+        inst = self.instance
+        parent = os.getppid()
+        failures = 0
+        while not self.stopping:
+            self._handle_control()
+            if self.stopping:
+                break
+            self._take_transfers()
+            try:
+                outcome = inst.step()
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - fail the step's requests, not the instance
+                failures += 1
+                self._fail_step(exc)
+                self._dirty = True
+                if failures >= MAX_STEP_FAILURES:
+                    raise
+                continue
+            if outcome is None:
+                if os.getppid() != parent:      # the router died: nobody is listening
+                    break
+                self._stats()
+                due, wake = inst.next_due(), inst.scheduler.next_wakeup()
+                now = self.clock.now()
+                timeout = min([STATS_INTERVAL if self._dirty else HEARTBEAT_INTERVAL,
+                               *(max(0.0, t - now) for t in (due, wake) if t is not None)])
+                if self.messages.empty():
+                    self.wake.wait(timeout)
+                self.wake.clear()
+                continue
+            self._dirty = True
+            self._fail_rows(inst.failed)
+            self._emit(outcome)
+            self._stats()
 
 
 def _logprobs(lp) -> list | None:

@@ -3,10 +3,12 @@ in wall time on real tensors (docs/design.md, "The central contract")::
 
     plan = inst.begin_step(now); result = executor.execute(plan, should_stop); inst.end_step(...)
 
-Requests enter through a thread-safe inbox, stamped with the time they are due (trace replay) or
-now. While a preemptible prefill runs, the executor asks ``should_stop`` at every operator
-boundary; the instance then takes due arrivals into the scheduler and asks whether to preempt
-(FlowPrefill Algorithm 2: decisions on arrival and completion events only). Prefilled requests
+Requests enter through an :class:`Inbox`, stamped with the time they are due (trace replay) or
+now; any thread may put into it (an instance process's receiver thread does, as router messages
+come in), and the instance drains it at the start of each step and, while a preemptible prefill
+runs, at every operator boundary (the executor asks ``should_stop``): it then takes due arrivals
+into the scheduler and asks whether to preempt (FlowPrefill Algorithm 2: decisions on arrival and
+completion events only). Prefilled requests
 from another instance are offered (``offer_kv``) and taken in by :meth:`take_kv` when their
 blocks fit. A logits row the sampler cannot sample fails that request alone (``failed``).
 """
@@ -26,9 +28,45 @@ from laneserve.policies.base import InstanceScheduler, StepOutcome
 from laneserve.runtime import Instance
 
 
+class Inbox:
+    """Requests on their way into an instance, due at a clock time: :meth:`put` from any thread,
+    :meth:`drain` (the due ones, in due order) from the instance's loop."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self._heap: list[tuple[float, int, Request]] = []
+        self._seq = count()
+        self._lock = threading.Lock()
+
+    def put(self, req: Request, at: float | None = None) -> None:
+        """``req`` is due at clock time ``at`` (default: now)."""
+        with self._lock:
+            heapq.heappush(self._heap, (self.clock.now() if at is None else at, next(self._seq), req))
+
+    def drain(self, now: float) -> list[Request]:
+        """Take out every request due by ``now``."""
+        with self._lock:
+            heap, due = self._heap, []
+            while heap and heap[0][0] <= now:
+                due.append(heapq.heappop(heap)[2])
+            return due
+
+    def next_due(self) -> float | None:
+        with self._lock:
+            return self._heap[0][0] if self._heap else None
+
+    def requests(self) -> list[Request]:
+        """The requests waiting in it (a copy)."""
+        with self._lock:
+            return [r for _, _, r in self._heap]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
 class EngineInstance(Instance):
     def __init__(self, scheduler: InstanceScheduler, executor, *, clock: Clock | None = None,
-                 instance_id: int = 0, stop_checker=None) -> None:
+                 instance_id: int = 0, stop_checker=None, inbox: Inbox | None = None) -> None:
         if scheduler.prefix_caching and not scheduler.kv.prefix_caching:
             raise ValueError("prefix_caching=true needs a KV manager that keeps prompt KV "
                              "(EngineConfig.prefix_caching, on by default for prefill and colocated instances)")
@@ -36,44 +74,35 @@ class EngineInstance(Instance):
         self.executor = executor
         self.clock = clock or WallClock()
         self.stop_checker = stop_checker
-        self._inbox: list[tuple[float, int, Request]] = []
-        self._seq = count()
-        self._lock = threading.Lock()
+        self.inbox = Inbox(self.clock) if inbox is None else inbox
         self.failed: dict[int, str] = {}               # requests the last step failed (rid -> why)
         self.kv_forks = 0                              # samples that shared another's prompt blocks
 
     # ---- input ---------------------------------------------------------------------------
     def submit(self, req: Request, at: float | None = None) -> None:
         """Hand ``req`` to this instance, due at clock time ``at`` (default: now). Thread-safe."""
-        with self._lock:
-            heapq.heappush(self._inbox, (self.clock.now() if at is None else at, next(self._seq), req))
+        self.inbox.put(req, at)
 
     def take_arrivals(self, now: float | None = None) -> int:
         """Move every due request from the inbox into the scheduler; returns how many."""
         now = self.clock.now() if now is None else now
-        taken = 0
-        with self._lock:
-            while self._inbox and self._inbox[0][0] <= now:
-                _, _, req = heapq.heappop(self._inbox)
-                self.arrive(req, now)
-                taken += 1
-        return taken
+        due = self.inbox.drain(now)
+        for req in due:
+            self.arrive(req, now)
+        return len(due)
 
     def next_due(self) -> float | None:
-        with self._lock:
-            return self._inbox[0][0] if self._inbox else None
+        return self.inbox.next_due()
 
     # ---- load figures for routers (policies.routing.InstanceLoad) -------------------------
     def _outside(self) -> list[Request]:
         """Requests submitted but not yet taken in, and offered KV transfers (other threads may
         be adding to both: copied first)."""
-        with self._lock:
-            inbox = [r for _, _, r in self._inbox]
-        return inbox + [req for req, _ in list(self.pending)]
+        return self.inbox.requests() + [req for req, _ in list(self.pending)]
 
     @property
     def idle(self) -> bool:
-        return not self.scheduler.has_work and not self._inbox and not self.pending
+        return not self.scheduler.has_work and not self.inbox and not self.pending
 
     # ---- the loop ------------------------------------------------------------------------
     def take_kv(self, fetch: Callable[[Any], object], *,
