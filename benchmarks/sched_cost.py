@@ -138,7 +138,7 @@ def distinct_specs(kind: str) -> list[str]:
 # ---- prefill ---------------------------------------------------------------------------------
 def _rekeys(sched) -> int:
     """Requests the policy re-predicted one at a time so far (0 where it keeps no such count)."""
-    queue = getattr(sched, "_queue", None)
+    queue = getattr(getattr(sched, "ordering", None), "queue", None)   # S-EDF's ordering (sedf, adaptive)
     return getattr(queue, "rekeys", 0) + getattr(sched, "recomputed", 0)
 
 

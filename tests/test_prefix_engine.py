@@ -159,7 +159,7 @@ def test_prefill_policies_see_new_tokens_after_the_cache_hit():
     assert laps.prefix_caching and laps.new_tokens(turn) == 48 and laps.new_tokens(fresh) == 1040
     assert laps.lane_of(turn) == SHORT and laps.lane_of(fresh) == LONG
     sedf = make("prefill", "sedf", kv)
-    assert sedf._step_tokens(turn) == 48 and sedf._step_tokens(fresh) == 1040
+    assert sedf.ordering.step_tokens(turn) == 48 and sedf.ordering.step_tokens(fresh) == 1040
     kairos = make("prefill", "kairos", kv, throughput=1000.0)
     for req in (turn, fresh):
         kairos.add_request(req, 0.0)

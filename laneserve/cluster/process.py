@@ -58,8 +58,9 @@ from laneserve.core.prefix_summary import PrefixSummary
 from laneserve.core.request import Phase, Request
 from laneserve.core.sampling import SamplingParams
 from laneserve.core.slo import SLO
-from laneserve.policies import registry
 from laneserve.policies.predictors import LearnedCostModel
+from laneserve.runtime.cluster import (DEFAULT_DECODE_POLICY, DEFAULT_DECODE_ROUTER, DEFAULT_PREFILL_POLICY,
+                                       DEFAULT_ROUTER, ClusterRuntime, Deployment, NoDestination)
 from laneserve.policies.routing import DecodeSummary
 
 log = logging.getLogger("laneserve.cluster")
@@ -89,10 +90,10 @@ class ClusterSpec:
     num_decode: int = 1
     colocated: bool = False
     in_process: bool = False              # instances as threads of this process (colocated mode)
-    prefill_policy: str = "fcfs"
-    decode_policy: str = "continuous"
-    router: str = "round-robin"
-    decode_router: str = "auto"           # auto: the decode policy's own (tpot-aware for adaptive)
+    prefill_policy: str = DEFAULT_PREFILL_POLICY
+    decode_policy: str = DEFAULT_DECODE_POLICY
+    router: str = DEFAULT_ROUTER
+    decode_router: str = DEFAULT_DECODE_ROUTER   # auto: the decode policy's own (tpot-aware for adaptive)
     kv_tokens: int = 65536
     engine: dict[str, Any] = field(default_factory=dict)
     devices: tuple[str, ...] = ("cpu",)
@@ -107,8 +108,15 @@ class ClusterSpec:
     restart_backoff: float = 0.5          # first restart delay (doubles per restart, at most 30 s)
 
     @property
+    def deployment(self) -> Deployment:
+        """Topology, policies and routers, as every driver reads them (the cluster runtime's)."""
+        return Deployment(mode="colocated" if self.colocated else "disaggregated", num_prefill=self.num_prefill,
+                          num_decode=self.num_decode, prefill_policy=self.prefill_policy,
+                          decode_policy=self.decode_policy, router=self.router, decode_router=self.decode_router)
+
+    @property
     def colocated_policy(self) -> str:
-        return f"colocated:prefill={self.prefill_policy},decode={self.decode_policy}"
+        return self.deployment.front_policy
 
 
 @dataclass(slots=True)
@@ -248,6 +256,39 @@ class Track:
     desc: RequestDesc | None = None       # what was sent to its prefill instance (and goes to decode)
 
 
+@dataclass(slots=True)
+class _Outgoing:
+    """A hand-off on its way through the router: the tracks it carries (the samples still wanted
+    of an n-sample request), the prefill instance's ``handoff`` and the samples' first tokens."""
+
+    tracks: list[Track]
+    handoff: Handoff
+    samples: tuple[SampleStart, ...] | None
+
+
+class _RouterLink:
+    """The process cluster's KV link (:class:`~laneserve.runtime.cluster.KVLink`): the prefill
+    instance exports its KV in its own process (``Instance.hand_off``: export to the transport,
+    release) and sends the descriptor; the router forwards it in a ``transfer`` message."""
+
+    def __init__(self, cluster: ProcessCluster) -> None:
+        self.cluster = cluster
+
+    def take(self, source: InstanceHandle, req: Request, now: float) -> _Outgoing:
+        raise RuntimeError("a remote prefill instance exports its KV itself: the router forwards the handoff")
+
+    def deliver(self, req: Request, dest: InstanceHandle, out: _Outgoing, now: float) -> None:
+        msg = out.handoff
+        for track in out.tracks:
+            track.stage, track.instance, track.kv = "decode", dest.instance_id, msg.kv
+        desc = out.tracks[0].desc or RequestDesc.describe(out.tracks[0].request)
+        self.cluster._send(dest, encode(Transfer(desc, msg.out, msg.computed, msg.t_first, msg.kv, msg.info,
+                                                 out.samples)), tokens=0)
+
+    def discard(self, req: Request, out: _Outgoing) -> None:
+        discard_descriptor(out.handoff.kv)
+
+
 class ProcessCluster:
     def __init__(self, spec: ClusterSpec, *, log: Callable[[str], None] | None = None) -> None:
         self.spec = spec
@@ -262,17 +303,22 @@ class ProcessCluster:
         self.draining = False                 # set on shutdown: new requests get 503
         self.restarts = 0
         self.on_instance_down: Callable[[InstanceHandle], None] | None = None
-        self._make_routers()
+        # admission, the hand-off and both routers: the cluster runtime's (the instances attach
+        # once started); a decode router that predicts steps learns from the decode instances' own
+        self.runtime = ClusterRuntime(spec.deployment, _RouterLink(self), step_model=self._learned_step_model)
 
-    def _make_routers(self) -> None:
-        """The prefill router (``router``) and the decode router (``decode_router``) of the spec."""
-        spec = self.spec
-        self.router = registry.make("router", spec.router)
-        self.decode_router = registry.make("router", registry.decode_router_for(spec.decode_policy,
-                                                                                spec.decode_router))
-        if self.decode_router.reads_step_times:      # tpot-aware: a model learned from the decode steps
-            learner = LearnedCostModel(attention=spec.engine.get("attention") or "ragged")
-            self.decode_router.bind_cost_model(learner, learner)
+    def _learned_step_model(self) -> tuple[LearnedCostModel, LearnedCostModel]:
+        attention = self.spec.engine.get("attention")
+        learner = LearnedCostModel(attention=attention if attention not in (None, "auto") else "ragged")
+        return learner, learner
+
+    @property
+    def router(self):
+        return self.runtime.router
+
+    @property
+    def decode_router(self):
+        return self.runtime.decode_router
 
     # ---- topology ------------------------------------------------------------------------
     @property
@@ -297,10 +343,7 @@ class ProcessCluster:
                 "vocab_size": min(info.vocab_size for info in ready)}
 
     def _roles(self) -> list[tuple[str, str]]:
-        s = self.spec
-        if s.colocated:
-            return [("colocated", s.colocated_policy)] * s.num_prefill
-        return [("prefill", s.prefill_policy)] * s.num_prefill + [("decode", s.decode_policy)] * s.num_decode
+        return self.spec.deployment.roles()
 
     # ---- start / stop ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -316,6 +359,7 @@ class ProcessCluster:
             h = InstanceHandle(i, role, policy, s.devices[i % len(s.devices)])
             self._spawn(h)
             self.instances.append(h)
+        self.runtime.attach(self.front, self.decoders)
         self._tasks.append(asyncio.create_task(self._read_loop(), name="cluster-reader"))
         await self._wait_ready(self.instances)
         self._tasks.append(asyncio.create_task(self._monitor_loop(), name="cluster-monitor"))
@@ -458,9 +502,8 @@ class ProcessCluster:
         return tracks
 
     def _route_prefill(self, req: Request, now: float) -> InstanceHandle:
-        """The prefill (or colocated) instance the router picks for new request ``req``."""
-        front = self.front
-        return front[self.router.route(req, front, now)]
+        """The prefill (or colocated) instance the cluster runtime admits new request ``req`` to."""
+        return self.runtime.admit(req, now)
 
     def abort(self, rid: int) -> None:
         """Cancel ``rid`` on the instance that holds it (its KV is freed there)."""
@@ -583,16 +626,16 @@ class ProcessCluster:
 
     def _on_handoff(self, src: InstanceHandle, msg: Handoff) -> None:
         if msg.samples is not None:
-            return self._on_samples_handoff(msg)
+            return self._on_samples_handoff(src, msg)
         track = self.tracks.get(msg.rid)
         if track is None or track.aborted:
             discard_descriptor(msg.kv)
             return
         track.events.put_nowait(("tok", msg.out, None, msg.logprobs, msg.info.event()))
         _observe_start(track.request, msg.info, msg.t_first)
-        self._transfer([track], msg, None)
+        self._transfer(src, [track], msg, None)
 
-    def _on_samples_handoff(self, msg: Handoff) -> None:
+    def _on_samples_handoff(self, src: InstanceHandle, msg: Handoff) -> None:
         """The prefill of an n-sample request is done: each sample's first token goes to its track;
         the samples still wanted go to one decode instance with the one prompt KV."""
         going_on, samples = [], []
@@ -613,27 +656,17 @@ class ProcessCluster:
         if not going_on:
             discard_descriptor(msg.kv)
             return
-        self._transfer(going_on, msg, tuple(samples))
+        self._transfer(src, going_on, msg, tuple(samples))
 
-    def _transfer(self, tracks: list[Track], msg: Handoff, samples: tuple[SampleStart, ...] | None) -> None:
-        """Send a finished prefill's KV (``msg``: its handoff) and ``tracks`` to a decode instance."""
+    def _transfer(self, src: InstanceHandle, tracks: list[Track], msg: Handoff,
+                  samples: tuple[SampleStart, ...] | None) -> None:
+        """The cluster runtime hands a finished prefill (``msg``: its handoff, the KV already
+        exported by ``src``) and ``tracks`` off to a decode instance (:class:`_RouterLink` sends it)."""
         try:
-            dst = self._route_decode(tracks[0].request)
-        except RuntimeError:
-            discard_descriptor(msg.kv)
+            self.runtime.on_prefilled(tracks[0].request, src, self.clock.now(), _Outgoing(tracks, msg, samples))
+        except NoDestination as exc:
             for track in tracks:
-                self._fail(track, "no decode instance is available (all crashed or stopped)")
-            return
-        for track in tracks:
-            track.stage, track.instance, track.kv = "decode", dst.instance_id, msg.kv
-        desc = tracks[0].desc or RequestDesc.describe(tracks[0].request)
-        self._send(dst, encode(Transfer(desc, msg.out, msg.computed, msg.t_first, msg.kv, msg.info, samples)),
-                   tokens=0)
-
-    def _route_decode(self, req: Request) -> InstanceHandle:
-        """The decode instance the decode router picks for prefilled ``req``; ``RuntimeError`` when none is live."""
-        decoders = self.decoders
-        return decoders[self.decode_router.route(req, decoders, self.clock.now())]
+                self._fail(track, str(exc))
 
     async def _monitor_loop(self) -> None:
         timeout = self.spec.heartbeat_timeout
@@ -657,7 +690,7 @@ class ProcessCluster:
         h.exit_reason = h.exit_reason or f"exit code {code}"
         self.log(f"laneserve: instance {h.instance_id} ({h.role}) is down ({h.exit_reason}); "
                  "failing its requests and routing around it")
-        for track in [t for t in self.tracks.values() if t.instance == h.instance_id]:
+        for track in self.runtime.on_lost(h, list(self.tracks.values())):
             self._fail(track, f"instance {h.instance_id} ({h.role}) crashed ({h.exit_reason}); "
                               "the request was cancelled")
             self._remove_kv_files(track.rid)
@@ -692,6 +725,7 @@ class ProcessCluster:
                 self._instance_down(h)
             return
         h.restarting = False
+        self.runtime.on_back(h)
         self.log(f"laneserve: instance {h.instance_id} ({h.role}) is back (restart {h.gen})")
 
     def health(self) -> dict[str, Any]:
@@ -713,10 +747,11 @@ class ProcessCluster:
         s = self.spec
         return {"mode": "colocated" if s.colocated else "disaggregated", "worker": s.worker,
                 "prefill_policy": s.prefill_policy, "decode_policy": s.decode_policy, "router": s.router,
-                "decode_router": self.decode_router.name,
+                "decode_router": self.decode_router.name if self.decode_router is not None else None,
                 # decode steps the router's online model has learned from (None: it reads none)
                 "decode_router_steps": (self.decode_router.learner.observations
-                                        if self.decode_router.learner is not None else None),
+                                        if self.decode_router is not None and self.decode_router.learner is not None
+                                        else None),
                 "num_prefill": s.num_prefill,
                 "host_kv_tokens": int(s.engine.get("num_host_blocks", 0)) * int(s.engine.get("block_size", 16)),
                 "num_decode": 0 if s.colocated else s.num_decode, "kv_tokens": s.kv_tokens,

@@ -471,15 +471,13 @@ class InstanceWorker:
         descriptor, or None after failing the request (the export failed)."""
         rid = req.request_id
         inst = self.instance
-        try:
-            payload = inst.executor.export_kv(rid, req.num_computed_tokens)
-            desc = self.transport.put(rid, payload)
+        try:          # the prefill side of the hand-off (the router's runtime does the rest)
+            return inst.hand_off(req, lambda r: self.transport.put(
+                rid, inst.executor.export_kv(rid, r.num_computed_tokens)))
         except Exception as exc:  # noqa: BLE001
             inst.scheduler.abort(rid, self.clock.now())
             self._fail([rid], f"KV export failed: {exc}")
             return None
-        inst.scheduler.release(rid)
-        return desc
 
     def _stats(self, force: bool = False) -> None:
         now = time.monotonic()

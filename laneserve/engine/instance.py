@@ -1,7 +1,7 @@
 """One engine instance: the shared instance runtime (:class:`~laneserve.runtime.Instance`) driven
 in wall time on real tensors (docs/design.md, "The central contract")::
 
-    plan = inst.begin_step(now); result = executor.execute(plan, should_stop); inst.end_step(...)
+    plan = inst.schedule(now); result = executor.execute(plan, should_stop); inst.update(...)
 
 Requests enter through an :class:`Inbox`, stamped with the time they are due (trace replay) or
 now; any thread may put into it (an instance process's receiver thread does, as router messages
@@ -88,7 +88,7 @@ class EngineInstance(Instance):
         now = self.clock.now() if now is None else now
         due = self.inbox.drain(now)
         for req in due:
-            self.arrive(req, now)
+            self.add_request(req, now)
         return len(due)
 
     def next_due(self) -> float | None:
@@ -119,7 +119,7 @@ class EngineInstance(Instance):
         for req, payload in self.admit_kv(self.clock.now(), on_drop=on_drop):
             if not in_host and self._share_prompt(req, payload):
                 req.times.transfer_end = self.clock.now()
-                self.arrive(req, req.times.transfer_end)
+                self.add_request(req, req.times.transfer_end)
                 taken += 1
                 continue
             try:
@@ -131,7 +131,7 @@ class EngineInstance(Instance):
                 on_error(req, exc)
                 continue
             req.times.transfer_end = self.clock.now()
-            self.arrive(req, req.times.transfer_end)
+            self.add_request(req, req.times.transfer_end)
             taken += 1
         return taken
 
@@ -169,13 +169,13 @@ class EngineInstance(Instance):
         """Run one step if the scheduler has one; ``None`` when it has nothing to run now."""
         self.release_dropped()
         self.take_arrivals()
-        plan = self.begin_step(self.clock.now())
+        plan = self.schedule(self.clock.now())
         if plan is None:
             return None
         should_stop = self._preempt_check(plan) if plan.preemptible else None
         result = self.executor.execute(plan, should_stop)    # raises: self.plan names the failed step
         end = self.clock.now()
-        outcome = self.end_step(plan, result, end, result.duration)
+        outcome = self.update(plan, result, end, result.duration)
         self.failed = dict(getattr(result, "failed", None) or {})
         for rid in self.failed:                        # a row that could not be sampled: fail it alone
             req = self.scheduler.abort(rid, end, reason="error")

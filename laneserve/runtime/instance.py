@@ -97,9 +97,6 @@ class Instance(SchedulerLoad):
     def add_request(self, req: Request, now: float) -> None:
         self.scheduler.add_request(req, now)
 
-    # the verbs before they were the contract's (the engine's loop, until it follows)
-    begin_step, end_step, arrive = schedule, update, add_request
-
     def preempt_wanted(self, now: float) -> bool:
         """Whether the running step should stop at its next operator boundary (asked after an
         arrival or a policy wake-up; FlowPrefill Algorithm 2)."""

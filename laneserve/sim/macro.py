@@ -18,7 +18,7 @@ instance earlier first brings it to the state the step-by-step loop would show a
 (step by step, in batch order: the block tables are identical), and :meth:`DecodeRun.count` the
 token counters, token times, ITL and busy-time figures of the steps ended. An event that changes
 the batch (:meth:`DecodeRun.truncate`) ends the run with the running step; the last step of a run
-is ended by the ordinary ``Instance.end_step`` path.
+is ended by the ordinary ``Instance.update`` path.
 
 Ties: the simulator processes step ends of decode instances before other events at the same time
 (arrivals come first, as always), so "step ``j`` has ended at ``t``" is ``ends[j] <= t`` here and
@@ -150,7 +150,7 @@ class DecodeRun:
 
     def sync(self, now: float) -> None:
         """Bring the instance to ``now``: the running step's KV grown, the steps ended before it
-        counted (the last step is left to ``end_step``)."""
+        counted (the last step is left to ``Instance.update``)."""
         self.grow(now)
         self.count()
 
@@ -199,7 +199,7 @@ class DecodeRun:
             if times.token_times is not None:
                 times.token_times.extend(ends[a + 1:done + 1])
         inst = self.inst
-        if inst.record_decode:          # the last step counted, as Instance.end_step records it
+        if inst.record_decode:          # the last step counted, as Instance.update records it
             b, k = len(self.batch), done - 1
             inst.last_decode = (b, self.total + b * k, self.longest + k, gaps[-1])
         inst.steps += m
