@@ -725,7 +725,6 @@ class ProcessCluster:
                 self._instance_down(h)
             return
         h.restarting = False
-        self.runtime.on_back(h)
         self.log(f"laneserve: instance {h.instance_id} ({h.role}) is back (restart {h.gen})")
 
     def health(self) -> dict[str, Any]:

@@ -27,8 +27,9 @@ from pathlib import Path
 
 from laneserve.commands.argtypes import at_least, fraction
 from laneserve.commands.flag_names import renamed
-
 from laneserve.commands.vllm_flags import add_vllm_flags, apply_vllm_flags
+from laneserve.runtime.cluster import (DEFAULT_DECODE_POLICY, DEFAULT_DECODE_ROUTER, DEFAULT_PREFILL_POLICY,
+                                       DEFAULT_ROUTER)
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -92,12 +93,13 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     c.add_argument("--in-process", action="store_true",
                    help="with --colocated: instances as threads of the API process (one process; a hard "
                         "crash takes the server down and a hung instance is not detected)")
-    c.add_argument("--prefill-policy", default="adaptive",
-                   help="prefill policy spec (default adaptive; laneserve sim --list)")
-    c.add_argument("--decode-policy", default="adaptive", help="decode policy spec (default adaptive)")
-    c.add_argument("--router-policy", dest="router", default="round-robin", help="prefill router")
+    c.add_argument("--prefill-policy", default=DEFAULT_PREFILL_POLICY,
+                   help=f"prefill policy spec (default {DEFAULT_PREFILL_POLICY}; laneserve sim --list)")
+    c.add_argument("--decode-policy", default=DEFAULT_DECODE_POLICY,
+                   help=f"decode policy spec (default {DEFAULT_DECODE_POLICY})")
+    c.add_argument("--router-policy", dest="router", default=DEFAULT_ROUTER, help="prefill router")
     renamed(c, "--router", canonical="--router-policy", dest="router")
-    c.add_argument("--decode-router-policy", dest="decode_router", default="auto",
+    c.add_argument("--decode-router-policy", dest="decode_router", default=DEFAULT_DECODE_ROUTER,
                    help="decode router (default auto: the decode policy's own, tpot-aware for adaptive, "
                         "else least-loaded)")
     renamed(c, "--decode-router", canonical="--decode-router-policy", dest="decode_router")

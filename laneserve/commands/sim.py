@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from laneserve.commands.flag_names import add_slo_target_flags, renamed
+from laneserve.runtime.cluster import DEFAULT_DECODE_ROUTER, DEFAULT_ROUTER
 
 
 DEFAULT_POLICIES = "adaptive+adaptive,fcfs+continuous,cp-edf-2k+continuous,cp-edf-8k+continuous"
@@ -59,9 +60,9 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_POLICIES})")
     c.add_argument("--prefill", type=int, default=1, help="prefill instances (or colocated instances)")
     c.add_argument("--decode", type=int, default=1, help="decode instances")
-    c.add_argument("--router-policy", dest="router", default="round-robin", help="prefill router")
+    c.add_argument("--router-policy", dest="router", default=DEFAULT_ROUTER, help="prefill router")
     renamed(c, "--router", canonical="--router-policy", dest="router")
-    c.add_argument("--decode-router-policy", dest="decode_router", default="auto",
+    c.add_argument("--decode-router-policy", dest="decode_router", default=DEFAULT_DECODE_ROUTER,
                    help="decode router (auto: the decode policy's own, adaptive -> tpot-aware; else least-loaded)")
     renamed(c, "--decode-router", canonical="--decode-router-policy", dest="decode_router")
     c.add_argument("--host-kv-tokens", type=int, default=0,

@@ -144,7 +144,6 @@ class ClusterRuntime:
         self.router, self.decode_router = make_routers(deployment, step_model)
         self.front: Sequence[Any] = front
         self.back: Sequence[Any] = back
-        self.lost: set[int] = set()       # instance ids reported lost (until they come back)
 
     def attach(self, front: Sequence[Any], back: Sequence[Any]) -> None:
         self.front, self.back = front, back
@@ -188,14 +187,9 @@ class ClusterRuntime:
         return dest
 
     def on_lost(self, instance: Any, held: Sequence[Any] = ()) -> list[Any]:
-        """``instance`` stopped: it no longer accepts (its ``accepting`` is the driver's: a dead
-        process, a stopped thread), so neither router chooses it; returns the items of ``held``
-        (the driver's requests in flight, anything with ``instance`` or ``request``) that were on
-        it, for the driver to fail."""
-        self.lost.add(instance.instance_id)
+        """``instance`` stopped (crashed, hung, its node gone): the items of ``held`` (the driver's
+        requests in flight: anything with an ``instance`` id) that were on it, for the driver to
+        fail. Neither router chooses it again while its ``accepting`` is false (the driver's: a
+        dead process, a restarting one)."""
         iid = instance.instance_id
         return [h for h in held if getattr(h, "instance", None) == iid]
-
-    def on_back(self, instance: Any) -> None:
-        """``instance`` (a restarted incarnation) accepts again."""
-        self.lost.discard(instance.instance_id)
