@@ -348,18 +348,22 @@ def test_engine_adaptive_intake_takes_the_newest_offer_and_loses_nothing():
 
 def test_adaptive_holds_the_mechanisms_instead_of_deriving_from_the_reproductions():
     """Editing a reproduction's class cannot change the default: adaptive derives from the generic
-    bases only and holds the same mechanism components as the reproductions."""
+    bases and the components' wiring only (defined beside the components, which the reproductions
+    mix in too), never from a reproduction, and holds the same mechanism components."""
     from laneserve.policies.decode.adaptive import AdaptiveDecode
     from laneserve.policies.decode.aligned_guard import AlignmentGuard
-    from laneserve.policies.decode.aligner import LengthAligner
+    from laneserve.policies.decode.aligner import AlignedWiring, LengthAligner
+    from laneserve.policies.decode.alignedserve import AlignedServeDecode
     from laneserve.policies.decode.base import DecodeScheduler
     from laneserve.policies.prefill.adaptive import AdaptivePrefill
     from laneserve.policies.prefill.base import PrefillScheduler
+    from laneserve.policies.prefill.sedf import SEDFPrefill
     from laneserve.policies.prefill.sedf_ordering import SEDFOrdering
-    from laneserve.policies.prefill.sedf_tasks import PreemptiveTasks
+    from laneserve.policies.prefill.sedf_tasks import PreemptiveTasks, SEDFWiring
     from laneserve.policies.prefill.slo_batching import SLOAwareBatching
-    assert AdaptivePrefill.__bases__ == (PrefillScheduler,)
-    assert AdaptiveDecode.__bases__ == (DecodeScheduler,)
+    assert AdaptivePrefill.__bases__ == SEDFPrefill.__bases__ == (SEDFWiring, PrefillScheduler)
+    assert AdaptiveDecode.__bases__ == AlignedServeDecode.__bases__ == (AlignedWiring, DecodeScheduler)
+    assert SEDFPrefill not in AdaptivePrefill.__mro__ and AlignedServeDecode not in AdaptiveDecode.__mro__
     for name in ("adaptive", "sedf"):
         pol = make("prefill", name, KVCacheManager(1000))
         assert type(pol.ordering) is SEDFOrdering and type(pol.batcher) is SLOAwareBatching

@@ -68,11 +68,9 @@ from typing import Literal
 
 from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.plan import StepPlan, StepResult
-from laneserve.core.request import Request
 from laneserve.policies.base import StepOutcome
 from laneserve.policies.decode.aligned_guard import AlignmentGuard
-from laneserve.policies.decode.aligned_stats import AlignedStats
-from laneserve.policies.decode.aligner import LengthAligner, SwitchEvict, check_alignment_options
+from laneserve.policies.decode.aligner import AlignedWiring, LengthAligner, SwitchEvict, check_alignment_options
 from laneserve.policies.decode.base import DecodeOptions, DecodeScheduler
 from laneserve.policies.decode.intake import OfferIntake
 from laneserve.policies.decode.kairos import KairosDecode, selection_pays
@@ -116,7 +114,7 @@ class AdaptiveDecodeOptions(DecodeOptions):
 
 
 @register("decode", "adaptive")
-class AdaptiveDecode(DecodeScheduler):
+class AdaptiveDecode(AlignedWiring, DecodeScheduler):
     name = "adaptive"
     needs_host_pool = False          # aligns only with a host pool the user gives (--host-kv-tokens)
     #: the decode router of ``decode_router="auto"``: placement that keeps long contexts from
@@ -140,24 +138,6 @@ class AdaptiveDecode(DecodeScheduler):
                                      attention="ragged", guard=False) if o.slack_guided else None
         self._kernel_selects = True                  # until a cost model says which kernel
         self.intake = OfferIntake(o.intake, o.max_offer_wait)
-
-    # ---- the aligner's state, as the scheduler's (tests, benchmarks) ------------------------
-    @property
-    def pool(self) -> HostKVPool:
-        return self.aligner.pool
-
-    @property
-    def stats(self) -> AlignedStats:
-        return self.aligner.stats
-
-    @property
-    def aligning(self) -> bool:
-        return self.aligner.aligning
-
-    @property
-    def kv_lands_in_host(self) -> bool:        # type: ignore[override]
-        """Incoming KV goes to the host pool while aligning, to the device otherwise."""
-        return self.aligner.aligning
 
     # ---- slack-sized batches (6.) ----------------------------------------------------------
     def _batch_limit(self) -> int:
@@ -218,66 +198,8 @@ class AdaptiveDecode(DecodeScheduler):
                 and not (plan.prefills or plan.swap_in or plan.swap_out)):
             sel.lut.observe(len(plan.decodes), sel.batch_length(plan.decodes), result.duration)
             sel.stats.lut_updates += 1
-        self.aligner.observe(plan, result)
-        outcome = super().update(plan, result, now)
+        outcome = super().update(plan, result, now)        # the aligner observes the step (AlignedWiring)
         for req in outcome.finished:
             self.intake.finished(req)
         return outcome
 
-    # ---- the aligner (1.): the figures its guard reads follow every request held ------------
-    def add_request(self, req: Request, now: float) -> None:
-        super().add_request(req, now)
-        self.aligner.hold(req)
-
-    def release(self, request_id: int) -> None:
-        req = self.requests.get(request_id)
-        if req is not None:
-            self.aligner.forget(req)
-        super().release(request_id)
-
-    def abort(self, request_id: int, now: float, reason: str = "abort") -> Request | None:
-        req = self.requests.get(request_id)
-        if req is not None:
-            self.aligner.forget(req)
-        return super().abort(request_id, now, reason)
-
-    def _advance_decode(self, req: Request, sampled: dict[int, int] | None,
-                        stop_hit: set[int] | None, now: float, outcome: StepOutcome) -> None:
-        super()._advance_decode(req, sampled, stop_hit, now, outcome)
-        if req.request_id in self.requests:          # (not aborted mid-step)
-            self.aligner.grew(req)
-
-    # ---- the aligner (1.): arrivals, queues and decisions -----------------------------------
-    def can_reserve(self, req: Request) -> bool:
-        if not self.aligner.aligning:
-            return super().can_reserve(req)
-        return self.aligner.can_reserve(req)
-
-    def reserve(self, req: Request) -> list[int]:
-        if not self.aligner.aligning:
-            return super().reserve(req)
-        return self.aligner.reserve(req)
-
-    def _enqueue(self, req: Request, now: float) -> None:
-        self.aligner.enqueue(req, now)
-
-    def _remove(self, req: Request) -> None:
-        self.aligner.remove(req)
-
-    @property
-    def num_waiting(self) -> int:
-        return self.aligner.num_waiting
-
-    def schedule(self, now: float) -> StepPlan | None:
-        return self.aligner.schedule(now)
-
-    def next_wakeup(self) -> float | None:
-        return self.aligner.next_wakeup()
-
-    def _after_update(self, plan: StepPlan, outcome: StepOutcome, now: float) -> None:
-        super()._after_update(plan, outcome, now)
-        self.aligner.after_step(plan)
-
-    def check_invariants(self) -> None:
-        """Every request's KV lives in exactly one tier (:meth:`.LengthAligner.check_invariants`)."""
-        self.aligner.check_invariants()

@@ -72,13 +72,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from laneserve.core.kv import HostKVPool, KVCacheManager
-from laneserve.core.plan import StepPlan, StepResult
-from laneserve.core.request import Request
-from laneserve.policies.base import StepOutcome
+from laneserve.core.plan import StepPlan
 from laneserve.policies.decode.aligned_guard import AlignmentGuard
 from laneserve.policies.decode.aligned_prefetch import PrefetchStager
-from laneserve.policies.decode.aligned_stats import AlignedStats
-from laneserve.policies.decode.aligner import LengthAligner, SwitchEvict, check_alignment_options
+from laneserve.policies.decode.aligner import AlignedWiring, LengthAligner, SwitchEvict, check_alignment_options
 from laneserve.policies.decode.base import DecodeOptions, DecodeScheduler
 from laneserve.policies.registry import register
 
@@ -108,7 +105,7 @@ class AlignedServeOptions(DecodeOptions):
 
 @register("decode", "alignedserve", aliases={"aligned": {}, "alignedserve-nop": {"prefetch": False, "guard": False},
                                              "alignedserve-literal": {"guard": False}})
-class AlignedServeDecode(DecodeScheduler):
+class AlignedServeDecode(AlignedWiring, DecodeScheduler):
     name = "alignedserve"
     needs_host_pool = True
     can_align = True
@@ -130,28 +127,10 @@ class AlignedServeDecode(DecodeScheduler):
                                  align_memory_fraction=o.align_memory_fraction) if o.guard else None
         self.aligner = LengthAligner(self, o, host_pool, guard)
 
-    # ---- the aligner's state, as the scheduler's (tests, benchmarks) ------------------------
-    @property
-    def pool(self) -> HostKVPool:
-        return self.aligner.pool
-
-    @property
-    def stats(self) -> AlignedStats:
-        return self.aligner.stats
-
+    # ---- the aligner's state, as the scheduler's (tests, benchmarks; the rest: AlignedWiring) --
     @property
     def stager(self) -> PrefetchStager:
         return self.aligner.stager
-
-    @property
-    def aligning(self) -> bool:
-        return self.aligner.aligning
-
-    # ---- do no harm: is alignment worth it now? ---------------------------------------------
-    @property
-    def kv_lands_in_host(self) -> bool:        # type: ignore[override]
-        """Incoming KV goes to the host pool while aligning, to the device otherwise."""
-        return self.aligner.aligning
 
     def bind_cost_model(self, cost_model) -> None:
         self.aligner.bind_cost_model(cost_model)
@@ -165,65 +144,3 @@ class AlignedServeDecode(DecodeScheduler):
     def _continuous_step(self, now: float) -> StepPlan | None:
         return self.aligner.continuous_step(now)
 
-    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
-        self.aligner.observe(plan, result)
-        return super().update(plan, result, now)
-
-    # ---- the guard's running figures follow every request held ------------------------------
-    def add_request(self, req: Request, now: float) -> None:
-        super().add_request(req, now)
-        self.aligner.hold(req)
-
-    def release(self, request_id: int) -> None:
-        req = self.requests.get(request_id)
-        if req is not None:
-            self.aligner.forget(req)
-        super().release(request_id)
-
-    def abort(self, request_id: int, now: float, reason: str = "abort") -> Request | None:
-        req = self.requests.get(request_id)
-        if req is not None:
-            self.aligner.forget(req)
-        return super().abort(request_id, now, reason)
-
-    def _advance_decode(self, req: Request, sampled: dict[int, int] | None,
-                        stop_hit: set[int] | None, now: float, outcome: StepOutcome) -> None:
-        super()._advance_decode(req, sampled, stop_hit, now, outcome)
-        if req.request_id in self.requests:          # (not aborted mid-step)
-            self.aligner.grew(req)
-
-    # ---- arrival: the KV lands in the host pool while aligning ------------------------------
-    def can_reserve(self, req: Request) -> bool:
-        if not self.aligner.aligning:
-            return super().can_reserve(req)
-        return self.aligner.can_reserve(req)
-
-    def reserve(self, req: Request) -> list[int]:
-        if not self.aligner.aligning:
-            return super().reserve(req)
-        return self.aligner.reserve(req)
-
-    def _enqueue(self, req: Request, now: float) -> None:
-        self.aligner.enqueue(req, now)
-
-    # ---- queues and decisions ---------------------------------------------------------------
-    def _remove(self, req: Request) -> None:
-        self.aligner.remove(req)
-
-    @property
-    def num_waiting(self) -> int:
-        return self.aligner.num_waiting
-
-    def schedule(self, now: float) -> StepPlan | None:
-        return self.aligner.schedule(now)
-
-    def next_wakeup(self) -> float | None:
-        return self.aligner.next_wakeup()
-
-    def _after_update(self, plan: StepPlan, outcome: StepOutcome, now: float) -> None:
-        super()._after_update(plan, outcome, now)
-        self.aligner.after_step(plan)
-
-    def check_invariants(self) -> None:
-        """Every request's KV lives in exactly one tier (:meth:`.LengthAligner.check_invariants`)."""
-        self.aligner.check_invariants()

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from laneserve.core.kv import HostKVPool, blocks_for
 from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Phase, Request
+from laneserve.policies.base import StepOutcome
 from laneserve.policies.decode.aligned_guard import AlignmentGuard
 from laneserve.policies.decode.aligned_prefetch import PrefetchStager
 from laneserve.policies.decode.aligned_stats import AlignedBatch, AlignedStats
@@ -479,3 +480,93 @@ class LengthAligner:
             assert held.context == sum(r.context_len for r in reqs)
             assert held.longest(reqs) == max((r.context_len for r in reqs), default=0)
             assert held.min_tpot() == min((r.slo.tpot for r in reqs if r.slo.tpot is not None), default=None)
+
+
+class AlignedWiring:
+    """The scheduler side of a :class:`LengthAligner`, for a decode policy that holds one as
+    ``self.aligner`` (mixed in before :class:`~.base.DecodeScheduler`: ``AlignedServeDecode`` and
+    adaptive decode). The guard's running figures follow every request held; arrivals, queues,
+    decisions and the end of each step are the aligner's. A policy adds only what is its own."""
+
+    aligner: LengthAligner
+
+    # ---- the aligner's state, as the scheduler's (tests, benchmarks) ------------------------
+    @property
+    def pool(self):
+        return self.aligner.pool
+
+    @property
+    def stats(self):
+        return self.aligner.stats
+
+    @property
+    def aligning(self) -> bool:
+        return self.aligner.aligning
+
+    @property
+    def kv_lands_in_host(self) -> bool:        # type: ignore[override]
+        """Incoming KV goes to the host pool while aligning, to the device otherwise."""
+        return self.aligner.aligning
+
+    # ---- the guard's running figures follow every request held ------------------------------
+    def add_request(self, req: Request, now: float) -> None:
+        super().add_request(req, now)
+        self.aligner.hold(req)
+
+    def release(self, request_id: int) -> None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.aligner.forget(req)
+        super().release(request_id)
+
+    def abort(self, request_id: int, now: float, reason: str = "abort") -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.aligner.forget(req)
+        return super().abort(request_id, now, reason)
+
+    def _advance_decode(self, req: Request, sampled: dict[int, int] | None,
+                        stop_hit: set[int] | None, now: float, outcome: StepOutcome) -> None:
+        super()._advance_decode(req, sampled, stop_hit, now, outcome)
+        if req.request_id in self.requests:          # (not aborted mid-step)
+            self.aligner.grew(req)
+
+    # ---- arrival: the KV lands in the host pool while aligning ------------------------------
+    def can_reserve(self, req: Request) -> bool:
+        if not self.aligner.aligning:
+            return super().can_reserve(req)
+        return self.aligner.can_reserve(req)
+
+    def reserve(self, req: Request) -> list[int]:
+        if not self.aligner.aligning:
+            return super().reserve(req)
+        return self.aligner.reserve(req)
+
+    def _enqueue(self, req: Request, now: float) -> None:
+        self.aligner.enqueue(req, now)
+
+    # ---- queues and decisions ---------------------------------------------------------------
+    def _remove(self, req: Request) -> None:
+        self.aligner.remove(req)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.aligner.num_waiting
+
+    def schedule(self, now: float) -> StepPlan | None:
+        return self.aligner.schedule(now)
+
+    def next_wakeup(self) -> float | None:
+        return self.aligner.next_wakeup()
+
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
+        self.aligner.observe(plan, result)
+        return super().update(plan, result, now)
+
+    def _after_update(self, plan: StepPlan, outcome: StepOutcome, now: float) -> None:
+        super()._after_update(plan, outcome, now)
+        self.aligner.after_step(plan)
+
+    def check_invariants(self) -> None:
+        """Every request's KV lives in exactly one tier (:meth:`LengthAligner.check_invariants`)."""
+        self.aligner.check_invariants()

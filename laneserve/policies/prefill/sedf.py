@@ -45,15 +45,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from laneserve.core.plan import StepPlan, StepResult
-from laneserve.core.request import Request
-from laneserve.policies.base import StepOutcome
 from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
 from laneserve.policies.prefill.priority import Ordering
 from laneserve.policies.prefill.sedf_ordering import SEDFOrdering
 from laneserve.policies.prefill.sedf_tasks import (GRANULARITIES, Granularity, PreemptiveTasks,  # noqa: F401
-                                                   PrefillTask, check_sedf_options)
-from laneserve.policies.prefill.slo_batching import SLOAwareBatching
+                                                   PrefillTask, SEDFWiring, check_sedf_options)
 from laneserve.policies.registry import register
 
 
@@ -80,7 +76,7 @@ class SEDFOptions(PrefillOptions):
     "sedf-layer": {"preemption": "layer"}, "sedf-chunk": {"preemption": "chunk"},
     "sedf-nopreempt": {"preemption": "none"},
 })
-class SEDFPrefill(PrefillScheduler):
+class SEDFPrefill(SEDFWiring, PrefillScheduler):
     name = "sedf"
     Options = SEDFOptions
     options: SEDFOptions
@@ -91,82 +87,6 @@ class SEDFPrefill(PrefillScheduler):
                  cost_model: Any = None, **opts) -> None:
         super().__init__(kv, options, **opts)
         o = self.options
-        self.preemption = o.preemption
-        self.chunk_size = o.chunk
-        self.max_suspension = o.max_suspension
         self.name = (f"{o.ordering}" + ("" if o.batching else "-nobatch") + f"-g{o.token_budget}"
                      + ("" if o.preemption == "operator" else f"-{o.preemption}"))
-        self.ordering = self.ordering_class(self, o.ordering, chunk=o.chunk if o.preemption == "chunk" else None,
-                                            predictor=predictor, cost_model=cost_model)
-        self.batcher = SLOAwareBatching(self, self.ordering, enabled=o.batching, granularity=o.preemption,
-                                        chunk=o.chunk)
-        self.tasks = PreemptiveTasks(self, self.ordering, self.batcher, granularity=o.preemption,
-                                     max_suspension=o.max_suspension)
-
-    def bind_cost_model(self, cost_model: Any) -> None:
-        """Fit the TTFT polynomial to the instance's cost model unless a predictor was given."""
-        self.ordering.bind_cost_model(cost_model)
-
-    # ---- the components' state, as the scheduler's (tests, benchmarks) ----------------------
-    @property
-    def predict(self):
-        return self.ordering.predict
-
-    @property
-    def waiting(self) -> dict[int, Request]:
-        return self.ordering.waiting
-
-    @property
-    def parked(self) -> dict[int, PrefillTask]:
-        return self.tasks.parked
-
-    @property
-    def running(self) -> PrefillTask | None:
-        return self.tasks.running
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.tasks.num_preemptions
-
-    @property
-    def num_forced_resumes(self) -> int:
-        return self.tasks.num_forced_resumes
-
-    @property
-    def suspensions(self) -> list[float]:
-        return self.tasks.suspensions
-
-    @property
-    def _queue(self):
-        return self.ordering.queue
-
-    # ---- queues ----------------------------------------------------------------------------
-    def _push(self, req: Request, now: float) -> None:
-        self.ordering.wait(req)
-
-    def _remove(self, req: Request) -> None:
-        self.ordering.unwait(req.request_id)
-        self.tasks.drop(req)
-
-    @property
-    def num_running(self) -> int:
-        return self.tasks.num_running
-
-    # ---- Algorithm 2 -----------------------------------------------------------------------
-    def next_wakeup(self) -> float | None:
-        return self.tasks.next_wakeup()
-
-    def should_preempt(self, running: StepPlan, now: float) -> bool:
-        return self.tasks.should_preempt(running, now)
-
-    def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
-        return self.tasks.schedule(now, self.token_budget if token_budget is None else token_budget)
-
-    # ---- results ---------------------------------------------------------------------------
-    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutcome:
-        self.tasks.on_step(plan, result, now)
-        return super().update(plan, result, now)
-
-    def _after_update(self, plan: StepPlan, outcome: StepOutcome, now: float) -> None:
-        super()._after_update(plan, outcome, now)
-        self.tasks.after_step(plan)
+        self.compose_sedf(o, self.ordering_class, predictor=predictor, cost_model=cost_model)

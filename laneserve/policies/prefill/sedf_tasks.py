@@ -184,3 +184,95 @@ class PreemptiveTasks:
             req = c.request
             if not req.prefill_done and req.request_id in pending:
                 self.ordering.wait(req)
+
+
+class SEDFWiring:
+    """The scheduler side of S-EDF's components, for a prefill policy composed of them (mixed in
+    before :class:`~.base.PrefillScheduler`: ``sedf`` and adaptive prefill). :meth:`compose_sedf`
+    builds the ordering (``self.ordering``), SLO-aware batching (``self.batcher``, restricted to
+    ``lanes`` when given) and the preemptible tasks (``self.tasks``); queues, Algorithm 2 and the
+    step results are theirs. A policy adds only what is its own."""
+
+    ordering: SEDFOrdering
+    batcher: SLOAwareBatching
+    tasks: PreemptiveTasks
+
+    def compose_sedf(self, o: Any, ordering_class: type[SEDFOrdering] = SEDFOrdering, *, predictor: Any = None,
+                     cost_model: Any = None, lanes: Any = None) -> None:
+        self.preemption = o.preemption
+        self.chunk_size = o.chunk
+        self.max_suspension = o.max_suspension
+        self.ordering = ordering_class(self, o.ordering, chunk=o.chunk if o.preemption == "chunk" else None,
+                                       predictor=predictor, cost_model=cost_model)
+        self.batcher = SLOAwareBatching(self, self.ordering, enabled=o.batching, granularity=o.preemption,
+                                        chunk=o.chunk, lanes=lanes)
+        self.tasks = PreemptiveTasks(self, self.ordering, self.batcher, granularity=o.preemption,
+                                     max_suspension=o.max_suspension)
+
+    def bind_cost_model(self, cost_model: Any) -> None:
+        """Fit the TTFT polynomial to the instance's cost model unless a predictor was given."""
+        self.ordering.bind_cost_model(cost_model)
+
+    # ---- the components' state, as the scheduler's (tests, benchmarks) ----------------------
+    @property
+    def predict(self):
+        return self.ordering.predict
+
+    @property
+    def waiting(self) -> dict[int, Request]:
+        return self.ordering.waiting
+
+    @property
+    def parked(self) -> dict[int, PrefillTask]:
+        return self.tasks.parked
+
+    @property
+    def running(self) -> PrefillTask | None:
+        return self.tasks.running
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.tasks.num_preemptions
+
+    @property
+    def num_forced_resumes(self) -> int:
+        return self.tasks.num_forced_resumes
+
+    @property
+    def suspensions(self) -> list[float]:
+        return self.tasks.suspensions
+
+    @property
+    def _queue(self):
+        return self.ordering.queue
+
+    # ---- queues ----------------------------------------------------------------------------
+    def _push(self, req: Request, now: float) -> None:
+        self.ordering.wait(req)
+
+    def _remove(self, req: Request) -> None:
+        self.ordering.unwait(req.request_id)
+        self.tasks.drop(req)
+
+    @property
+    def num_running(self) -> int:
+        return self.tasks.num_running
+
+    # ---- Algorithm 2 -----------------------------------------------------------------------
+    def next_wakeup(self) -> float | None:
+        return self.tasks.next_wakeup()
+
+    def should_preempt(self, running: StepPlan, now: float) -> bool:
+        return self.tasks.should_preempt(running, now)
+
+    def schedule(self, now: float, token_budget: int | None = None) -> StepPlan | None:
+        return self.tasks.schedule(now, self.token_budget if token_budget is None else token_budget)
+
+    # ---- results ---------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult, now: float):
+        self.tasks.on_step(plan, result, now)
+        return super().update(plan, result, now)
+
+    def _after_update(self, plan: StepPlan, outcome: Any, now: float) -> None:
+        super()._after_update(plan, outcome, now)
+        self.tasks.after_step(plan)
