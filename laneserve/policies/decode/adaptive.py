@@ -70,8 +70,8 @@ from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.plan import StepPlan, StepResult
 from laneserve.policies.base import StepOutcome
 from laneserve.policies.decode.aligned_guard import AlignmentGuard
-from laneserve.policies.decode.aligner import AlignedWiring, LengthAligner, SwitchEvict, check_alignment_options
-from laneserve.policies.decode.base import DecodeOptions, DecodeScheduler
+from laneserve.policies.decode.aligner import AlignedWiring, AlignmentOptions, LengthAligner
+from laneserve.policies.decode.base import DecodeScheduler
 from laneserve.policies.decode.intake import OfferIntake
 from laneserve.policies.decode.kairos import KairosDecode, selection_pays
 from laneserve.policies.options import above, at_least, option_error
@@ -80,23 +80,10 @@ from laneserve.policies.routing import DecodeSummary
 
 
 @dataclass(frozen=True, slots=True)
-class AdaptiveDecodeOptions(DecodeOptions):
-    # the aligner's and its guard's (.aligner, .aligned_guard), with alignedserve's defaults
-    threshold: float = 0.4
-    n_min: int = 36
-    starvation_bound: float | None = 30.0
-    prefetch: bool = True
-    prefetch_tokens_per_s: float | None = None
-    staging_tokens: int | None = None
-    dynamic: bool = True
-    prefetch_window: int = 32
-    headroom: float = 0.02
-    leaf_width: int = 64
-    switch_evict: SwitchEvict = "all"
-    guard: bool = True             # always on here (kept so that the option reads as alignedserve's)
-    tpot_margin: float = 0.2
-    cb_memory_fraction: float = 0.8
-    align_memory_fraction: float = 0.95
+class AdaptiveDecodeOptions(AlignmentOptions):
+    """The aligner's and its guard's options (:class:`~.aligner.AlignmentOptions`: AlignedServe's
+    defaults; ``guard`` is always on here), then adaptive's own."""
+
     # adaptive's own
     slack_guided: bool = True      # Kairos' slack-guided selection when not everyone fits
     align: bool = True             # align batches when a host pool is given and alignment pays
@@ -105,8 +92,7 @@ class AdaptiveDecodeOptions(DecodeOptions):
     batch_ceiling: int = 1024      # past max_batch_size, a step may hold up to this many while TPOT allows
 
     def validate(self) -> None:
-        DecodeOptions.validate(self)
-        check_alignment_options(self)
+        AlignmentOptions.validate(self)
         if not self.guard:
             raise option_error("guard", "is always on in adaptive decode", self.guard)
         above(self, "max_offer_wait", 0)

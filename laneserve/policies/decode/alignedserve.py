@@ -75,32 +75,14 @@ from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.plan import StepPlan
 from laneserve.policies.decode.aligned_guard import AlignmentGuard
 from laneserve.policies.decode.aligned_prefetch import PrefetchStager
-from laneserve.policies.decode.aligner import AlignedWiring, LengthAligner, SwitchEvict, check_alignment_options
-from laneserve.policies.decode.base import DecodeOptions, DecodeScheduler
+from laneserve.policies.decode.aligner import AlignedWiring, AlignmentOptions, LengthAligner
+from laneserve.policies.decode.base import DecodeScheduler
 from laneserve.policies.registry import register
 
 
 @dataclass(frozen=True, slots=True)
-class AlignedServeOptions(DecodeOptions):
-    threshold: float = 0.4
-    n_min: int = 36
-    starvation_bound: float | None = 30.0
-    prefetch: bool = True
-    prefetch_tokens_per_s: float | None = None
-    staging_tokens: int | None = None
-    dynamic: bool = True
-    prefetch_window: int = 32
-    headroom: float = 0.02
-    leaf_width: int = 64
-    switch_evict: SwitchEvict = "all"
-    guard: bool = True
-    tpot_margin: float = 0.2
-    cb_memory_fraction: float = 0.8
-    align_memory_fraction: float = 0.95
-
-    def validate(self) -> None:
-        DecodeOptions.validate(self)
-        check_alignment_options(self)
+class AlignedServeOptions(AlignmentOptions):
+    """AlignedServe's options: the aligner's and its guard's (:class:`~.aligner.AlignmentOptions`)."""
 
 
 @register("decode", "alignedserve", aliases={"aligned": {}, "alignedserve-nop": {"prefetch": False, "guard": False},

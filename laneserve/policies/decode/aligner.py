@@ -19,6 +19,7 @@ manager and its memory rules (``_admit``, ``_readmit_parked``, ``_prepare_step``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from laneserve.core.kv import HostKVPool, blocks_for
@@ -28,14 +29,41 @@ from laneserve.policies.base import StepOutcome
 from laneserve.policies.decode.aligned_guard import AlignmentGuard
 from laneserve.policies.decode.aligned_prefetch import PrefetchStager
 from laneserve.policies.decode.aligned_stats import AlignedBatch, AlignedStats
+from laneserve.policies.decode.base import DecodeOptions
 from laneserve.policies.decode.quadtree import KVLengthQuadTree, Selection
 from laneserve.policies.options import at_least, option_error
 
 SwitchEvict = Literal["all", "memory", "none"]
 
 
+@dataclass(frozen=True, slots=True)
+class AlignmentOptions(DecodeOptions):
+    """The options of the aligner and its guard, declared once for every policy that holds them
+    (``alignedserve``, adaptive decode), with AlignedServe's defaults."""
+
+    threshold: float = 0.4
+    n_min: int = 36
+    starvation_bound: float | None = 30.0
+    prefetch: bool = True
+    prefetch_tokens_per_s: float | None = None
+    staging_tokens: int | None = None
+    dynamic: bool = True
+    prefetch_window: int = 32
+    headroom: float = 0.02
+    leaf_width: int = 64
+    switch_evict: SwitchEvict = "all"
+    guard: bool = True
+    tpot_margin: float = 0.2
+    cb_memory_fraction: float = 0.8
+    align_memory_fraction: float = 0.95
+
+    def validate(self) -> None:
+        DecodeOptions.validate(self)
+        check_alignment_options(self)
+
+
 def check_alignment_options(o: Any) -> None:
-    """The checks of the options every aligning scheduler declares (AlignedServe's fields)."""
+    """The checks of the options every aligning scheduler declares (:class:`AlignmentOptions`)."""
     if not 0 < o.threshold <= 1:
         raise option_error("threshold", "is a fraction of the decode KV blocks, in (0, 1]", o.threshold)
     at_least(o, "n_min", 1)

@@ -38,22 +38,17 @@ from typing import Any
 
 from laneserve.core.request import Request
 from laneserve.policies.options import at_least, option_error
-from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
+from laneserve.policies.prefill.base import PrefillScheduler
 from laneserve.policies.prefill.bimodal_lanes import BimodalLanes
-from laneserve.policies.prefill.priority import Ordering
-from laneserve.policies.prefill.sedf_tasks import Granularity, SEDFWiring, check_sedf_options
+from laneserve.policies.prefill.sedf_tasks import SEDFMechanismOptions, SEDFWiring
 from laneserve.policies.registry import register
 
 
 @dataclass(frozen=True, slots=True)
-class AdaptivePrefillOptions(PrefillOptions):
-    # S-EDF's (the components of .sedf_tasks), with sedf's defaults
-    token_budget: int = 4096              # G, FlowPrefill's "moderate" budget (Figure 11)
-    ordering: Ordering = "sedf"
-    batching: bool = True                 # Algorithm 1 (False: one request per step)
-    preemption: Granularity = "operator"
-    chunk: int = 2048                     # step size with preemption="chunk"
-    max_suspension: float = 10.0          # seconds a parked task may wait before it is resumed
+class AdaptivePrefillOptions(SEDFMechanismOptions):
+    """S-EDF's components' options (:class:`~.sedf_tasks.SEDFMechanismOptions`, with sedf's
+    defaults), then the lanes'."""
+
     # the lanes (.bimodal_lanes)
     boundary: int = 256          # L_m, the short/long lane boundary (new tokens)
     window: int = 256            # recent arrivals whose lengths are watched
@@ -62,8 +57,7 @@ class AdaptivePrefillOptions(PrefillOptions):
     lanes: bool = True           # False: never split lanes (plain S-EDF)
 
     def validate(self) -> None:
-        PrefillOptions.validate(self)
-        check_sedf_options(self)
+        SEDFMechanismOptions.validate(self)
         at_least(self, "boundary", 1)
         at_least(self, "window", 1)
         if not 0 < self.min_share < 0.5:

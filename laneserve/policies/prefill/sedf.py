@@ -45,26 +45,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
-from laneserve.policies.prefill.priority import Ordering
+from laneserve.policies.prefill.base import PrefillScheduler
 from laneserve.policies.prefill.sedf_ordering import SEDFOrdering
 from laneserve.policies.prefill.sedf_tasks import (GRANULARITIES, Granularity, PreemptiveTasks,  # noqa: F401
-                                                   PrefillTask, SEDFWiring, check_sedf_options)
+                                                   PrefillTask, SEDFMechanismOptions, SEDFWiring,
+                                                   check_sedf_options)
 from laneserve.policies.registry import register
 
 
 @dataclass(frozen=True, slots=True)
-class SEDFOptions(PrefillOptions):
-    token_budget: int = 4096              # G, the paper's "moderate" budget (Figure 11)
-    ordering: Ordering = "sedf"
-    batching: bool = True                 # Algorithm 1 (False: one request per step)
-    preemption: Granularity = "operator"
-    chunk: int = 2048                     # step size with preemption="chunk"
-    max_suspension: float = 10.0          # seconds a parked task may wait before it is resumed
-
-    def validate(self) -> None:
-        PrefillOptions.validate(self)
-        check_sedf_options(self)
+class SEDFOptions(SEDFMechanismOptions):
+    """FlowPrefill's options: its components' (:class:`~.sedf_tasks.SEDFMechanismOptions`)."""
 
 
 @register("prefill", "sedf", aliases={

@@ -29,11 +29,30 @@ from typing import Any, Literal, get_args
 from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Phase, Request
 from laneserve.policies.options import above, at_least
+from laneserve.policies.prefill.base import PrefillOptions
+from laneserve.policies.prefill.priority import Ordering
 from laneserve.policies.prefill.sedf_ordering import SEDFOrdering
 from laneserve.policies.prefill.slo_batching import SLOAwareBatching
 
 Granularity = Literal["operator", "layer", "chunk", "none"]
 GRANULARITIES = get_args(Granularity)
+
+
+@dataclass(frozen=True, slots=True)
+class SEDFMechanismOptions(PrefillOptions):
+    """The options of S-EDF's components, declared once for every policy composed of them
+    (``sedf``, adaptive prefill), with FlowPrefill's defaults."""
+
+    token_budget: int = 4096              # G, the paper's "moderate" budget (Figure 11)
+    ordering: Ordering = "sedf"
+    batching: bool = True                 # Algorithm 1 (False: one request per step)
+    preemption: Granularity = "operator"
+    chunk: int = 2048                     # step size with preemption="chunk"
+    max_suspension: float = 10.0          # seconds a parked task may wait before it is resumed
+
+    def validate(self) -> None:
+        PrefillOptions.validate(self)
+        check_sedf_options(self)
 
 
 def check_sedf_options(o: Any) -> None:
