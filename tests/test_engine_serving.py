@@ -98,6 +98,12 @@ def test_local_pd_cluster_matches_single_engine():
         assert r.times.transfer_start <= r.times.transfer_end <= r.times.finished
     for inst in (*cluster.prefill, *cluster.decode):
         assert inst.scheduler.kv.num_free_blocks == inst.scheduler.kv.num_blocks
+    # the default deployment: adaptive both sides, decode placed by the tpot-aware router, which
+    # read the decode instances' summaries across threads and learned from their steps
+    assert cluster.deployment.decode_router_name() == "tpot-aware"
+    router = cluster.runtime.decode_router
+    assert router.name == "tpot-aware" and router.learner.observations > 0
+    assert {r.decode_instance for r in done} <= {inst.instance_id for inst in cluster.decode}
 
 
 def test_profile_feeds_a_fitted_cost_model():

@@ -37,20 +37,53 @@ def _learned_step_model(config: EngineConfig):
     return learner, learner
 
 
+class _DecodeView:
+    """A decode instance as the routers of other threads read it: its load figures live, its
+    decode summary as of its own thread's last look (the summary walks the requests its thread
+    changes). ``lock`` orders the offers other threads make against its thread's intake."""
+
+    def __init__(self, instance: EngineInstance) -> None:
+        self.instance = instance
+        self.lock = threading.Lock()
+        self.summary = instance.decode_summary()
+
+    def publish(self) -> None:
+        with self.lock:
+            self.summary = self.instance.decode_summary()
+
+    def decode_summary(self):
+        return self.summary
+
+    def __getattr__(self, name: str):
+        return getattr(self.instance, name)
+
+
 class _Worker:
-    def __init__(self, instance: EngineInstance, cluster: LocalCluster) -> None:
+    def __init__(self, instance: EngineInstance, cluster: LocalCluster, view: _DecodeView | None = None) -> None:
         self.instance = instance
         self.cluster = cluster
+        self.view = view                  # decode instances: what the routers read
         self.wake = threading.Event()
         self.thread = threading.Thread(target=self._loop, name=f"instance-{instance.instance_id}", daemon=True)
         self.error: BaseException | None = None
+
+    def _take_kv(self) -> None:
+        inst, cluster, view = self.instance, self.cluster, self.view
+        if view is None:                  # nothing is offered to it from other threads
+            inst.take_kv(lambda payload: payload, on_drop=lambda req, _: cluster._finished(req))
+            return
+        with view.lock:
+            inst.take_kv(lambda payload: payload, on_drop=lambda req, _: cluster._finished(req))
+        view.publish()
 
     def _loop(self) -> None:
         inst, cluster = self.instance, self.cluster
         try:
             while not cluster.stopping:
-                inst.take_kv(lambda payload: payload, on_drop=lambda req, _: cluster._finished(req))
+                self._take_kv()
                 outcome = inst.step()
+                if outcome is not None and self.view is not None:
+                    self.view.publish()
                 if outcome is None:
                     due = inst.next_due()
                     timeout = 0.05 if due is None else max(0.0, min(0.05, due - inst.clock.now()))
@@ -77,8 +110,9 @@ class _LocalLink:
         req.times.transfer_start = now
         return source.hand_off(req, lambda r: source.executor.export_kv(r.request_id, r.num_computed_tokens))
 
-    def deliver(self, req: Request, dest: EngineInstance, payload, now: float) -> None:
-        dest.offer_kv(req, payload)
+    def deliver(self, req: Request, dest: _DecodeView, payload, now: float) -> None:
+        with dest.lock:
+            dest.instance.offer_kv(req, payload)
         self.cluster.workers[dest.instance_id].wake.set()
 
     def discard(self, req: Request, payload) -> None:
@@ -125,11 +159,13 @@ class LocalCluster:
         instances = [instance(i, role, spec) for i, (role, spec) in enumerate(deployment.roles())]
         self.prefill = instances[:deployment.num_prefill]
         self.decode = instances[deployment.num_prefill:]
-        self.runtime = ClusterRuntime(deployment, _LocalLink(self), front=self.prefill, back=self.decode,
+        views = [_DecodeView(inst) for inst in self.decode]
+        self.runtime = ClusterRuntime(deployment, _LocalLink(self), front=self.prefill, back=views,
                                       step_model=lambda: _learned_step_model(config))
         for inst in self.decode:           # a decode router that predicts steps reads their last one
             inst.record_decode = self.runtime.reads_step_times
-        self.workers = {inst.instance_id: _Worker(inst, self) for inst in instances}
+        self.workers = {inst.instance_id: _Worker(inst, self) for inst in self.prefill}
+        self.workers.update({v.instance_id: _Worker(v.instance, self, v) for v in views})
         self.stopping = False
         self._done: list[Request] = []
         self._done_lock = threading.Lock()
