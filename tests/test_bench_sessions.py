@@ -16,7 +16,7 @@ from laneserve.core import SLO, RequestSpec
 from laneserve.core.prefix_cache import prefix_blocks
 from laneserve.costmodel.linear import LinearCostModel
 from laneserve.sim import ClusterConfig, Simulator
-from server_support import TIMEOUT, serving
+from server_support import TIMEOUT
 
 INF = float("inf")
 
@@ -133,9 +133,10 @@ def test_stream_parser_reads_chat_deltas_and_cached_tokens():
 
 # ---- live: a 1P+1D smoke server ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server():
-    with serving("--prefill", "1", "--decode", "1", "--kv-tokens", "16384") as srv:
-        yield srv
+def server(shared_server):
+    srv = shared_server("--prefill", "1", "--decode", "1", "--kv-tokens", "16384")    # tests/conftest.py
+    srv.wait_ready()
+    return srv
 
 
 def _prompt_ids(server, model, messages):

@@ -14,7 +14,6 @@ from laneserve.cli import build_parser, main
 from laneserve.commands import bench
 from laneserve.core import RequestSpec
 from laneserve.workloads import bench_datasets as bd
-from server_support import serving
 
 #: ``vllm bench serve`` command lines as vLLM's documentation gives them (docs/benchmarking/cli.md,
 #: the ``vllm bench serve`` CLI reference and the benchmark-serving examples), placeholders kept
@@ -163,9 +162,10 @@ def test_vllm_goodput_and_failure_reasons():
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serving("--colocated", "--kv-tokens", "16384") as s:
-        yield s
+def server(shared_server):
+    srv = shared_server("--colocated", "--kv-tokens", "16384")    # tests/conftest.py
+    srv.wait_ready()
+    return srv
 
 
 def test_recorded_line_runs_end_to_end_and_writes_vllms_result_file(server, tmp_path, monkeypatch, capsys):

@@ -1,7 +1,8 @@
 """Instances as Ray actors across nodes, on a multi-node Ray cluster simulated on this
 machine (``ray.cluster_utils.Cluster``): a head, one node offering ``laneserve_prefill``, one
-offering ``laneserve_decode``. One cluster and two servers for the module: ``laneserve serve
---ray-address`` on the cluster and the single-machine ZeroMQ deployment (1P+1D) to compare with.
+offering ``laneserve_decode``. One cluster and two servers: ``laneserve serve --ray-address``
+on the cluster for the module, and the single-machine ZeroMQ deployment (1P+1D) to compare with,
+the session's (tests/conftest.py).
 The node-loss test runs last: it removes the decode node and adds a new one. Every wait is
 bounded and fails when what it waits for does not happen."""
 
@@ -27,9 +28,10 @@ PROMPTS = ["hello the world", "the model serve token " * 40, "a b c d e f g h i 
 
 
 @pytest.fixture(scope="module")
-def env():
-    zmqsrv = Server("--prefill", "1", "--decode", "1", "--kv-tokens", "16384")    # loads while the cluster starts
-    servers = [zmqsrv]
+def env(shared_server):
+    # the session's 1P+1D server (tests/conftest.py): loads while the cluster starts, if not up already
+    zmqsrv = shared_server("--prefill", "1", "--decode", "1", "--kv-tokens", "16384")
+    servers = []
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": STORE})
     try:
         nodes = {"prefill": cluster.add_node(num_cpus=0, resources={"laneserve_prefill": 1}, object_store_memory=STORE),
@@ -39,7 +41,7 @@ def env():
         raysrv = Server("--ray-address", cluster.address, "--kv-tokens", "16384", "--heartbeat-timeout", "2",
                         "--max-restarts", "3")
         servers.append(raysrv)
-        for s in servers:
+        for s in (zmqsrv, raysrv):
             s.wait_ready()
         yield {"cluster": cluster, "nodes": nodes, "ray": raysrv, "zmq": zmqsrv}
     finally:

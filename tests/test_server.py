@@ -3,9 +3,9 @@ against a live 1P+1D deployment of the smoke model, token identity with a coloca
 server, every kind of bad input, client disconnects (KV back to free on both instances),
 admission control, and crashed instances (real engine and stub instances).
 
-Three servers start once for the module, in parallel: 1P+1D (engine processes), colocated (one
-instance process) and a 1P+2D deployment of STUB instances (no torch; tokens paced at 20 ms) for the crash
-tests. Every wait is bounded."""
+Three servers start in parallel: for the module, 1P+1D (engine processes) and a 1P+2D deployment of
+STUB instances (no torch; tokens paced at 20 ms) for the crash tests; and colocated (one instance),
+the session's (tests/conftest.py: no test here changes it). Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -26,19 +26,19 @@ MAX_INFLIGHT = 6
 
 
 @pytest.fixture(scope="module")
-def servers():
+def servers(shared_server):
     pd = Server("--prefill", "1", "--decode", "1", "--max-inflight", str(MAX_INFLIGHT), "--kv-tokens", "16384",
                 "--slo-class", "interactive:ttft_ms=200,tpot_ms=40,priority=-1")
-    colo = Server("--colocated", "--kv-tokens", "16384")
+    colo = shared_server("--colocated", "--kv-tokens", "16384")     # the session's (tests/conftest.py)
     stub = Server("--stub", "--prefill", "1", "--decode", "2", "--stub-token-delay", "0.02", "--max-restarts", "0")
     try:
         for s in (stub, pd, colo):
             s.wait_ready()
         yield {"pd": pd, "colo": colo, "stub": stub}
     finally:
-        for s in (pd, colo, stub):
+        for s in (pd, stub):
             s.interrupt()
-        for s in (pd, colo, stub):
+        for s in (pd, stub):
             s.stop()
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from server_support import TIMEOUT, serving, wait_all_free
+from server_support import TIMEOUT, wait_all_free
 from test_server_openai import _PERSON, _check
 
 openai = pytest.importorskip("openai")
@@ -19,9 +19,10 @@ PROMPT = "serve the model token serve the model token prefill decode serve"
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serving("--colocated", "--kv-tokens", "16384") as srv:
-        yield srv
+def server(shared_server):
+    srv = shared_server("--colocated", "--kv-tokens", "16384")    # tests/conftest.py
+    srv.wait_ready()
+    return srv
 
 
 @pytest.mark.parametrize("seed", [1, 2])

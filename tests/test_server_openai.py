@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 from engine_support import OutputPenalty
-from server_support import TIMEOUT, WEATHER_TOOLS, serving, wait_all_free
+from server_support import TIMEOUT, WEATHER_TOOLS, wait_all_free
 
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -30,9 +30,10 @@ PENALTY_PROMPT = "hello the world hello the world"
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serving("--prefill", "1", "--decode", "1", "--kv-tokens", "16384") as srv:
-        yield srv
+def server(shared_server):
+    srv = shared_server("--prefill", "1", "--decode", "1", "--kv-tokens", "16384")    # tests/conftest.py
+    srv.wait_ready()
+    return srv
 
 
 @functools.cache

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from server_support import TIMEOUT, WEATHER_TOOLS, serving, wait_all_free, wait_for
+from server_support import TIMEOUT, WEATHER_TOOLS, wait_all_free, wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -19,9 +19,10 @@ OTHER = "hello the world hello"
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serving("--prefill", "1", "--decode", "1", "--kv-tokens", "16384") as srv:
-        yield srv
+def server(shared_server):
+    srv = shared_server("--prefill", "1", "--decode", "1", "--kv-tokens", "16384")    # tests/conftest.py
+    srv.wait_ready()
+    return srv
 
 
 @pytest.fixture(scope="module")

@@ -429,7 +429,11 @@ class ProcessCluster:
         self._closed = True
         self.draining = True
         for h in self.instances:
-            if h.alive and h.process_alive():
+            if h.alive and isinstance(h.proc, subprocess.Popen) and not h.ready and h.proc.poll() is None:
+                # still loading (a shutdown during start-up): it holds no request, and would read the
+                # Stop only once loaded, seconds from now; its files go with kv_dir below
+                h.proc.kill()
+            elif h.alive and h.process_alive():
                 # bounded: a PUSH to an instance that never connected (it failed to start) waits for ever
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(h.sock.send(encode(Stop())), 1.0)

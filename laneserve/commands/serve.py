@@ -338,10 +338,39 @@ def _server_state(args: argparse.Namespace, cluster, name: str, model):
                        request_budget=RequestBudget(args.max_request_share, args.max_response_bytes))
 
 
+def _in_daemon_thread(fn, *args):
+    """An asyncio future of ``fn(*args)`` run in a daemon thread: a server stopped while it runs
+    (during start-up) exits without waiting for it, where ``asyncio.to_thread``'s executor thread
+    would be joined first (seconds, for a tokenizer whose import of transformers is under way)."""
+    import asyncio
+    import contextlib
+    import threading
+
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(value, exc) -> None:
+        if not future.done():
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(value)
+
+    def run() -> None:
+        try:
+            value, exc = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            value, exc = None, e
+        with contextlib.suppress(RuntimeError):          # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, value, exc)
+
+    threading.Thread(target=run, daemon=True, name="laneserve-tokenizer").start()
+    return future
+
+
 def _lifecycle(args: argparse.Namespace, state, cluster, spec, model, name: str, log):
     """(Lifecycle, the app's lifespan): start the instances and load the tokenizer once the port
     answers; on the way out drain, close the cluster and the render and parse pools."""
-    import asyncio
     import contextlib
 
     from laneserve.server.lifecycle import Lifecycle
@@ -350,7 +379,7 @@ def _lifecycle(args: argparse.Namespace, state, cluster, spec, model, name: str,
         tok_path = Path(args.tokenizer or model) if (args.tokenizer or model) else None
         # processes load while this one loads the tokenizer; in-process instances import transformers
         # in their threads, and its lazy imports are not thread-safe, so load it after them
-        tok_task = None if spec.in_process else asyncio.create_task(asyncio.to_thread(_load_tokenizer, tok_path))
+        tok_task = None if spec.in_process else _in_daemon_thread(_load_tokenizer, tok_path)
         try:
             await cluster.start()
             state.tokenizer = await tok_task if tok_task is not None else _load_tokenizer(tok_path)
