@@ -1,0 +1,58 @@
+"""Router-side cost of the typed wire codec: decoding one step's ``Tokens`` message (one item per
+request with news) against a bare msgpack unpack of the same items as a map (the format before the
+typed messages), in the same process. Also the cost of encoding it on the instance.
+
+    python benchmarks/wire_codec.py      # writes benchmarks/results/wire_codec.{json,md}
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import timeit
+from pathlib import Path
+
+import msgpack
+
+from laneserve.cluster.messages import TokenItem, Tokens, decode, encode
+
+OUT = Path(__file__).resolve().parent / "results"
+BATCHES = (1, 16, 64, 256)
+REPEATS = 5
+
+
+def per_call(fn, number: int) -> float:
+    """Best of REPEATS timings, seconds per call."""
+    return min(timeit.repeat(fn, number=number, repeat=REPEATS)) / number
+
+
+def main() -> int:
+    rows = []
+    for n in BATCHES:
+        msg = Tokens(items=tuple(TokenItem(1000 + i, [17 + i]) for i in range(n)), inst=1, gen=0)
+        data = encode(msg)
+        bare = msgpack.packb({"k": "tok", "inst": 1, "gen": 0,
+                              "items": [[1000 + i, [17 + i], None, None, None] for i in range(n)]})
+        number = max(200, 20000 // n)
+        unpack = per_call(lambda bare=bare: msgpack.unpackb(bare, raw=False, strict_map_key=False), number)
+        dec = per_call(lambda data=data: decode(data), number)
+        enc = per_call(lambda msg=msg: encode(msg), number)
+        rows.append({"items": n, "bare_unpack_us": unpack * 1e6, "decode_us": dec * 1e6,
+                     "decode_per_item_us": dec * 1e6 / n, "encode_us": enc * 1e6,
+                     "decode_over_bare": dec / unpack})
+    OUT.mkdir(exist_ok=True)
+    (OUT / "wire_codec.json").write_text(json.dumps(rows, indent=1) + "\n")
+    lines = ["# wire_codec", "", "Command: `python benchmarks/wire_codec.py`  ",
+             f"Machine: {platform.machine()}, Python {platform.python_version()}, best of {REPEATS} timings", "",
+             "| items | bare msgpack unpack (us) | typed decode (us) | per item (us) | encode (us) | decode / bare |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['items']} | {r['bare_unpack_us']:.1f} | {r['decode_us']:.1f} | {r['decode_per_item_us']:.2f} "
+              f"| {r['encode_us']:.1f} | {r['decode_over_bare']:.1f}x |" for r in rows]
+    (OUT / "wire_codec.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
