@@ -26,15 +26,7 @@ from laneserve.engine.instance import EngineInstance
 from laneserve.engine.kv_cache import make_kv_manager
 from laneserve.policies import registry
 from laneserve.runtime.cluster import (DEFAULT_DECODE_POLICY, DEFAULT_DECODE_ROUTER, DEFAULT_PREFILL_POLICY,
-                                       DEFAULT_ROUTER, ClusterRuntime, Deployment)
-
-
-def _learned_step_model(config: EngineConfig):
-    """(model, learner) for a decode router that predicts step times: a model learned from the
-    decode instances' completed steps, for the engine's attention kernel."""
-    from laneserve.policies.predictors import LearnedCostModel
-    learner = LearnedCostModel(attention=config.attention or "ragged")
-    return learner, learner
+                                       DEFAULT_ROUTER, ClusterRuntime, Deployment, learned_step_model)
 
 
 class _DecodeView:
@@ -42,12 +34,15 @@ class _DecodeView:
     decode summary as of its own thread's last look (the summary walks the requests its thread
     changes). ``lock`` orders the offers other threads make against its thread's intake."""
 
-    def __init__(self, instance: EngineInstance) -> None:
+    def __init__(self, instance: EngineInstance, summaries: bool) -> None:
         self.instance = instance
         self.lock = threading.Lock()
+        self.summaries = summaries        # a router reads them (tpot-aware): kept up to date
         self.summary = instance.decode_summary()
 
     def publish(self) -> None:
+        if not self.summaries:
+            return
         with self.lock:
             self.summary = self.instance.decode_summary()
 
@@ -159,9 +154,10 @@ class LocalCluster:
         instances = [instance(i, role, spec) for i, (role, spec) in enumerate(deployment.roles())]
         self.prefill = instances[:deployment.num_prefill]
         self.decode = instances[deployment.num_prefill:]
-        views = [_DecodeView(inst) for inst in self.decode]
-        self.runtime = ClusterRuntime(deployment, _LocalLink(self), front=self.prefill, back=views,
-                                      step_model=lambda: _learned_step_model(config))
+        self.runtime = ClusterRuntime(deployment, _LocalLink(self), front=self.prefill,
+                                      step_model=lambda: learned_step_model(config.attention))
+        views = [_DecodeView(inst, self.runtime.reads_step_times) for inst in self.decode]
+        self.runtime.attach(self.prefill, views)
         for inst in self.decode:           # a decode router that predicts steps reads their last one
             inst.record_decode = self.runtime.reads_step_times
         self.workers = {inst.instance_id: _Worker(inst, self) for inst in self.prefill}

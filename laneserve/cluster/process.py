@@ -58,9 +58,8 @@ from laneserve.core.prefix_summary import PrefixSummary
 from laneserve.core.request import Phase, Request
 from laneserve.core.sampling import SamplingParams
 from laneserve.core.slo import SLO
-from laneserve.policies.predictors import LearnedCostModel
 from laneserve.runtime.cluster import (DEFAULT_DECODE_POLICY, DEFAULT_DECODE_ROUTER, DEFAULT_PREFILL_POLICY,
-                                       DEFAULT_ROUTER, ClusterRuntime, Deployment, NoDestination)
+                                       DEFAULT_ROUTER, ClusterRuntime, Deployment, NoDestination, learned_step_model)
 from laneserve.policies.routing import DecodeSummary
 
 log = logging.getLogger("laneserve.cluster")
@@ -113,10 +112,6 @@ class ClusterSpec:
         return Deployment(mode="colocated" if self.colocated else "disaggregated", num_prefill=self.num_prefill,
                           num_decode=self.num_decode, prefill_policy=self.prefill_policy,
                           decode_policy=self.decode_policy, router=self.router, decode_router=self.decode_router)
-
-    @property
-    def colocated_policy(self) -> str:
-        return self.deployment.front_policy
 
 
 @dataclass(slots=True)
@@ -305,12 +300,8 @@ class ProcessCluster:
         self.on_instance_down: Callable[[InstanceHandle], None] | None = None
         # admission, the hand-off and both routers: the cluster runtime's (the instances attach
         # once started); a decode router that predicts steps learns from the decode instances' own
-        self.runtime = ClusterRuntime(spec.deployment, _RouterLink(self), step_model=self._learned_step_model)
-
-    def _learned_step_model(self) -> tuple[LearnedCostModel, LearnedCostModel]:
-        attention = self.spec.engine.get("attention")
-        learner = LearnedCostModel(attention=attention if attention not in (None, "auto") else "ragged")
-        return learner, learner
+        self.runtime = ClusterRuntime(spec.deployment, _RouterLink(self),
+                                      step_model=lambda: learned_step_model(spec.engine.get("attention")))
 
     @property
     def router(self):
@@ -495,7 +486,7 @@ class ProcessCluster:
         now = self.clock.now()
         desc = RequestDesc(rids[0], prompt_ids, sampling, now if arrival is None else arrival, slo, slo_class, priority)
         req = desc.request()                  # the router's copy, for its policies
-        h = self._route_prefill(req, now)
+        h = self.runtime.admit(req, now)       # the prefill (or colocated) instance
         msg = encode(Add(desc, tuple(rids[1:])))   # may raise
         group = rids if len(rids) > 1 else None
         tracks = [Track(r, req, asyncio.Queue(), instance=h.instance_id, prefill_instance=h.instance_id, group=group,
@@ -504,10 +495,6 @@ class ProcessCluster:
             self.tracks[t.rid] = t
         self._send(h, msg, tokens=len(prompt_ids))
         return tracks
-
-    def _route_prefill(self, req: Request, now: float) -> InstanceHandle:
-        """The prefill (or colocated) instance the cluster runtime admits new request ``req`` to."""
-        return self.runtime.admit(req, now)
 
     def abort(self, rid: int) -> None:
         """Cancel ``rid`` on the instance that holds it (its KV is freed there)."""

@@ -239,9 +239,9 @@ def sim_config(args: argparse.Namespace, state: dict | None):
                 prefill_kv_tokens=kv, decode_kv_tokens=kv, kv_link="host",
                 host_kv_tokens=st.get("host_kv_tokens", 0))
     if colocated:
-        return ClusterConfig(mode="colocated", num_colocated=base["num_prefill"],
-                             colocated_policy=f"colocated:prefill={prefill},decode={decode}",
-                             router=base["router"], prefill_kv_tokens=kv, decode_kv_tokens=kv)
+        return ClusterConfig(mode="colocated", num_colocated=base["num_prefill"], prefill_policy=prefill,
+                             decode_policy=decode, router=base["router"], prefill_kv_tokens=kv,
+                             decode_kv_tokens=kv)
     return ClusterConfig(prefill_policy=prefill, decode_policy=decode or "continuous", **base)
 
 

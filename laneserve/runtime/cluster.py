@@ -111,6 +111,15 @@ def make_routers(deployment: Deployment, step_model: Callable[[], tuple[Any, Any
     return router, decode_router
 
 
+def learned_step_model(attention: str | None = None) -> tuple[Any, Any]:
+    """(model, learner) for a decode router that predicts step times on an engine: one model
+    learned from the decode instances' completed steps, for the engine's attention kernel (unset
+    or ``auto``: ragged)."""
+    from laneserve.policies.predictors import LearnedCostModel
+    learner = LearnedCostModel(attention=attention if attention not in (None, "auto") else "ragged")
+    return learner, learner
+
+
 class KVLink(Protocol):
     """How a prefilled request's KV travels: the driver's half of a hand-off."""
 
