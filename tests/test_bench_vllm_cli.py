@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -64,7 +65,7 @@ def test_recorded_vllm_bench_serve_lines_parse_with_vllms_meaning():
     sharegpt, custom, chat, rnd, goodput, sonnet, bursty, tok, openai = parsed
     assert (sharegpt.backend, sharegpt.dataset_name, sharegpt.num_requests) == ("vllm", "sharegpt", 10)
     assert custom.port == 9001 and custom.save_result and custom.max_concurrency == 1
-    assert (custom.temperature, custom.top_p, custom.result_dir) == (0.3, 0.75, "./log/")
+    assert (custom.temperature, custom.top_p, custom.result_dir) == (0.3, 0.75, Path("./log/"))
     assert chat.backend == "openai-chat" and chat.endpoint == "/v1/chat/completions"
     assert (rnd.random_input_len, rnd.random_output_len, rnd.num_requests) == (1024, 128, 1000)
     assert bench.parse_goodput(goodput.goodput) == {"ttft": 0.5, "tpot": 0.05, "e2el": 4.0}

@@ -92,4 +92,4 @@ def test_sim_serve_and_bench_share_the_names_of_rates_and_routers():
     assert parse(["sim", "--rates", "3", "--router", "round-robin"]).rates == "3"
     serve = parse(["serve", "--router", "least-loaded", "--decode-router", "least-loaded"])
     assert (serve.router, serve.decode_router) == ("least-loaded", "least-loaded")
-    assert parse(["bench", "--request-rate", "1,2"]).request_rate == "1,2"
+    assert parse(["bench", "--request-rate", "1,2"]).request_rate == [1.0, 2.0]

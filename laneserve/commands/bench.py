@@ -59,6 +59,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from laneserve.commands.argtypes import (MAX_COUNT, MAX_TOKENS, at_least, fraction, http_url, number,
+                                         number_list, output_file, output_folder, positive)
 from laneserve.commands.flag_names import add_slo_target_flags
 
 
@@ -86,9 +88,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
     """The server, its model and tokenizer, and the request format."""
-    p.add_argument("--base-url", default=None, help="server URL (default http://HOST:PORT)")
+    p.add_argument("--base-url", type=http_url, default=None, help="server URL (default http://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=at_least(1, int, 65535), default=8000)
     p.add_argument("--endpoint", default=None,
                    help="default /v1/completions (/v1/chat/completions with --backend openai-chat or --sessions)")
     p.add_argument("--backend", choices=BACKENDS, default="openai",
@@ -114,35 +116,35 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
                           "--dataset-path)")
     w.add_argument("--dataset-path", default=None, help="the sharegpt / sonnet / custom dataset file")
     w.add_argument("--workload-opt", action="append", default=[], metavar="KEY=VALUE")
-    w.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int, default=100,
+    w.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=at_least(1, int, MAX_COUNT), default=100,
                    help="requests (prompts) to send (default 100)")
-    w.add_argument("--request-rate", default="inf",
+    w.add_argument("--request-rate", type=number_list(float, low=0, low_open=True, allow_inf=True), default=[math.inf],
                    help="mean request rate(s), comma-separated; 'inf' = all at once (default)")
-    w.add_argument("--burstiness", type=float, default=1.0,
+    w.add_argument("--burstiness", type=positive(float), default=1.0,
                    help="dataset arrivals: gamma shape (1 = Poisson, < 1 burstier, > 1 more even)")
-    w.add_argument("--max-concurrency", type=int, default=None)
+    w.add_argument("--max-concurrency", type=at_least(1, int, MAX_COUNT), default=None)
     add_slo_target_flags(w, "every request")
-    w.add_argument("--slo-scale", type=float, default=1.0)
+    w.add_argument("--slo-scale", type=positive(float), default=1.0)
     w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--vocab-size", type=int, default=None, help="prompt token ids below this (default: server's)")
+    w.add_argument("--vocab-size", type=at_least(2, int, 2**31 - 1), default=None, help="prompt token ids below this (default: server's)")
     w.add_argument("--no-laneserve-extensions", action="store_true",
                    help="plain OpenAI requests (no slo/slo_class/return_token_ids fields)")
 
 
 def _add_dataset_flags(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("dataset lengths (vllm bench serve's)")
-    d.add_argument("--input-len", type=int, default=None, help="sets --random-input-len")
-    d.add_argument("--output-len", type=int, default=None, help="sets every dataset's output length")
-    d.add_argument("--random-input-len", type=int, default=1024)
-    d.add_argument("--random-output-len", type=int, default=128)
-    d.add_argument("--random-range-ratio", type=float, default=0.0,
+    d.add_argument("--input-len", type=at_least(1, int, MAX_TOKENS), default=None, help="sets --random-input-len")
+    d.add_argument("--output-len", type=at_least(1, int, MAX_TOKENS), default=None, help="sets every dataset's output length")
+    d.add_argument("--random-input-len", type=at_least(1, int, MAX_TOKENS), default=1024)
+    d.add_argument("--random-output-len", type=at_least(1, int, MAX_TOKENS), default=128)
+    d.add_argument("--random-range-ratio", type=number(float, low=0, high=1), default=0.0,
                    help="lengths uniform in [len * (1 - r), len * (1 + r)]")
-    d.add_argument("--random-prefix-len", type=int, default=0, help="a shared prefix of this many tokens")
-    d.add_argument("--sonnet-input-len", type=int, default=550)
-    d.add_argument("--sonnet-output-len", type=int, default=150)
-    d.add_argument("--sonnet-prefix-len", type=int, default=200)
-    d.add_argument("--sharegpt-output-len", type=int, default=None, help="default: each reply's own length")
-    d.add_argument("--custom-output-len", type=int, default=256)
+    d.add_argument("--random-prefix-len", type=at_least(0, int, MAX_TOKENS), default=0, help="a shared prefix of this many tokens")
+    d.add_argument("--sonnet-input-len", type=at_least(1, int, MAX_TOKENS), default=550)
+    d.add_argument("--sonnet-output-len", type=at_least(1, int, MAX_TOKENS), default=150)
+    d.add_argument("--sonnet-prefix-len", type=at_least(0, int, MAX_TOKENS), default=200)
+    d.add_argument("--sharegpt-output-len", type=at_least(1, int, MAX_TOKENS), default=None, help="default: each reply's own length")
+    d.add_argument("--custom-output-len", type=at_least(1, int, MAX_TOKENS), default=256)
     d.add_argument("--skip-chat-template", action="store_true",
                    help="prompts are sent as they are (laneserve bench never applies a chat template itself)")
 
@@ -151,19 +153,19 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
     q = p.add_argument_group("request fields")
     q.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos (always on for --workload, --trace and --dataset-name random)")
-    q.add_argument("--temperature", type=float, default=None, help="default 0 (greedy)")
-    q.add_argument("--top-p", type=float, default=None)
-    q.add_argument("--top-k", type=int, default=None)
+    q.add_argument("--temperature", type=number(float, low=0), default=None, help="default 0 (greedy)")
+    q.add_argument("--top-p", type=fraction, default=None)
+    q.add_argument("--top-k", type=at_least(-1, int, 2**31 - 1), default=None)
 
 
 def _add_session_flags(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("multi-turn sessions (with --sessions; --request-rate is then sessions/s)")
-    m.add_argument("--num-sessions", type=int, default=10)
-    m.add_argument("--max-turns", type=int, default=4, help="turns per session at most")
-    m.add_argument("--think-time", type=float, default=1.0, help="seconds between a reply and the next turn")
+    m.add_argument("--num-sessions", type=at_least(1, int, MAX_COUNT), default=10)
+    m.add_argument("--max-turns", type=at_least(1, int, MAX_COUNT), default=4, help="turns per session at most")
+    m.add_argument("--think-time", type=number(float, low=0, high=86400), default=1.0, help="seconds between a reply and the next turn")
     m.add_argument("--think-time-dist", default="exponential", help="'exponential' (mean --think-time) or 'fixed'")
-    m.add_argument("--session-max-tokens", type=int, default=128, help="reply length cap (tokens)")
-    m.add_argument("--max-context", type=int, default=None,
+    m.add_argument("--session-max-tokens", type=at_least(1, int, MAX_TOKENS), default=128, help="reply length cap (tokens)")
+    m.add_argument("--max-context", type=at_least(1, int, MAX_TOKENS), default=None,
                    help="end a conversation before the turn whose estimated context exceeds this")
     m.add_argument("--quicktok-encoding", default="llama3",
                    help="quicktok encoding for token estimates where no --tokenizer is given")
@@ -171,7 +173,7 @@ def _add_session_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
-    o.add_argument("--target", type=float, default=0.9, help="attainment target for goodput")
+    o.add_argument("--target", type=fraction, default=0.9, help="attainment target for goodput")
     o.add_argument("--goodput", nargs="+", metavar="METRIC:MS", default=None,
                    help="vLLM's goodput SLOs, e.g. ttft:500 tpot:50 e2el:4000 (also the requests' SLOs "
                         "unless --ttft-slo-ms / --tpot-slo-ms)")
@@ -179,9 +181,9 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                    help=f"metrics shown with percentiles, comma-separated ({','.join(PERCENTILE_METRICS)}; "
                         "default: all)")
     o.add_argument("--metric-percentiles", default=None, help="percentiles shown, e.g. 50,90,99 (default 90,99)")
-    o.add_argument("--output-json", "--result-file", dest="output_json", type=Path, default=None)
+    o.add_argument("--output-json", "--result-file", dest="output_json", type=output_file, default=None)
     o.add_argument("--save-result", action="store_true", help="write vLLM's result JSON (one file per rate)")
-    o.add_argument("--result-dir", default=None, help="folder of --save-result's file (default: here)")
+    o.add_argument("--result-dir", type=output_folder, default=None, help="folder of --save-result's file (default: here)")
     o.add_argument("--result-filename", default=None,
                    help="--save-result's file name (default LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json)")
     o.add_argument("--label", default=None, help="result file prefix (default: --backend)")
@@ -189,7 +191,7 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     o.add_argument("--save-detailed", action="store_true",
                    help="per-request lists in the result file (always there: ttfts, itls, errors ...)")
     o.add_argument("--no-progress", "--disable-tqdm", dest="no_progress", action="store_true")
-    o.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    o.add_argument("--timeout", type=positive(float, 7 * 86400), default=600.0, help="per-request timeout (s)")
 
 
 def _add_sim_flags(p: argparse.ArgumentParser) -> None:
@@ -201,15 +203,23 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
                    help="without FILE: vLLM's server profiler (not in laneserve: a warning); with FILE: "
                         "--sim-profile FILE")
     s.add_argument("--sim-policies", default=None, help="PREFILL+DECODE for the simulator (default: the server's)")
-    s.add_argument("--sim-prefill", type=int, default=None)
-    s.add_argument("--sim-decode", type=int, default=None)
-    s.add_argument("--sim-kv-tokens", type=int, default=None)
+    s.add_argument("--sim-prefill", type=at_least(1, int, 4096), default=None)
+    s.add_argument("--sim-decode", type=at_least(1, int, 4096), default=None)
+    s.add_argument("--sim-kv-tokens", type=at_least(1, int, 2**40), default=None)
 
 
-def _rates(text: str) -> list[float]:
-    rates = [float(x) for x in text.split(",") if x.strip()]
-    if not rates or any(not (r > 0) for r in rates):
-        raise ValueError("--request-rate must be > 0 (or inf)")
+#: the longest arrival schedule one rate may ask for: a rate so low that its requests would take longer
+#: than this to send is refused rather than left running for days
+MAX_SCHEDULE_S = 24 * 3600.0
+
+
+def _check_rates(rates: list[float], count: int, what: str) -> list[float]:
+    """The ``--request-rate`` values (already finite > 0, or inf), refused where ``count`` arrivals at
+    that rate would take longer than :data:`MAX_SCHEDULE_S` to send."""
+    for rate in rates:
+        if count / rate > MAX_SCHEDULE_S:
+            raise ValueError(f"--request-rate {rate:g}: {count} {what} would take {count / rate:.3g} s to send; "
+                             f"a run is bounded at {MAX_SCHEDULE_S:g} s (raise the rate or send fewer)")
     return rates
 
 
@@ -288,10 +298,14 @@ def _run_sessions(args: argparse.Namespace, cfg, plans) -> tuple[dict, list]:
 def _server_models(base_url: str) -> dict:
     """The first entry of the server's ``/v1/models`` ({} when it cannot be read)."""
     import httpx
+    url = base_url.rstrip("/") + "/v1/models"
     try:
-        data = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10).json()
-        return dict(data["data"][0])
-    except Exception:  # noqa: BLE001 - unreachable or not OpenAI-shaped: the run reports the failures
+        resp = httpx.get(url, timeout=10)
+    except httpx.HTTPError as exc:        # nothing listening, a bad host, a timeout: no run can go on
+        raise ConnectionError(f"cannot reach the server at {base_url} ({type(exc).__name__}: {exc})") from None
+    try:
+        return dict(resp.json()["data"][0])
+    except Exception:  # noqa: BLE001 - not OpenAI-shaped: the run reports the failures
         return {}
 
 
@@ -541,15 +555,12 @@ def _prepare(args: argparse.Namespace, base_url: str, endpoint: str, log) -> _Pr
     """Check the flags, ask the server about itself, and build the requests; ValueError,
     OSError or ImportError on bad input."""
     from laneserve.bench.loadgen import is_chat
-    rates = _rates(args.request_rate)
-    if not args.burstiness > 0:
-        raise ValueError("--burstiness must be > 0")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ValueError("--max-concurrency must be >= 1")
+    rates = _check_rates(args.request_rate, args.num_sessions if args.sessions else args.num_requests,
+                         "sessions" if args.sessions else "requests")
     goodput = parse_goodput(args.goodput)
     percentiles, shown_metrics, shown_pcts = _percentiles(args)
     metadata = _metadata(args)
-    info = {} if args.sessions else _server_models(base_url)
+    info = _server_models(base_url)
     state = _server_state(base_url)
     prep = _Prepared(rates, goodput, percentiles, shown_metrics, shown_pcts, metadata, info, state)
     if args.sessions:

@@ -32,13 +32,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from laneserve.commands.argtypes import positive
+
+_positive_seconds = positive(float)        # the old --ttft-slo / --tpot-slo, in seconds
+
 
 def milliseconds(text: str) -> float:
-    """A duration given in milliseconds, as seconds (what the commands use inside)."""
-    try:
-        return float(text) / 1e3
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
+    """A duration given in milliseconds (finite, above 0), as seconds (what the commands use inside)."""
+    return _positive_seconds(text) / 1e3
 
 
 class _Renamed(argparse.Action):
@@ -71,4 +72,4 @@ def add_slo_target_flags(group, whom: str) -> None:
         group.add_argument(f"--{name}-slo-ms", dest=f"{name}_slo", type=milliseconds, default=None, metavar="MS",
                            help=f"{name.upper()} target in milliseconds for {whom}")
         renamed(group, f"--{name}-slo", canonical=f"--{name}-slo-ms (milliseconds)", dest=f"{name}_slo",
-                type=float)
+                type=_positive_seconds)

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from laneserve.commands.argtypes import (MAX_COUNT, MAX_GPUS, MAX_TOKENS, at_least, fraction, number_list,
+                                         output_folder, positive)
 from laneserve.commands.flag_names import add_slo_target_flags, renamed
 
 
@@ -38,53 +40,50 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--workload", default="azure_conv", help="bundled workload (laneserve sim --list)")
     w.add_argument("--workload-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="option of the bundled workload (repeatable)")
-    w.add_argument("--num-requests", type=int, default=500, help="first N requests (default 500; 0 = all)")
+    w.add_argument("--num-requests", type=at_least(0, int, MAX_COUNT), default=500, help="first N requests (default 500; 0 = all)")
     w.add_argument("--arrival", default=None, metavar="poisson|gamma",
                    help="replace the arrival process (default: the workload's own arrivals, rescaled)")
-    w.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma arrivals (> 1: bursty)")
+    w.add_argument("--cv", type=positive(float, 100), default=1.0, help="coefficient of variation of gamma arrivals (> 1: bursty)")
     w.add_argument("--seed", type=int, default=0, help="seed of --arrival")
     add_slo_target_flags(w, "every request")
     w.add_argument("--slo-class", action="append", default=[], metavar="NAME:ttft_ms=X,tpot_ms=Y[,target=F]",
                    help="SLO (and attainment target) of one request class (repeatable)")
-    w.add_argument("--target", type=float, default=0.9,
+    w.add_argument("--target", type=fraction, default=0.9,
                    help="fraction of each class's requests that must meet TTFT and TPOT (default 0.9)")
     g = p.add_argument_group("objective")
     obj = g.add_mutually_exclusive_group()
-    obj.add_argument("--request-rate", dest="rate", type=float, metavar="RATE",
+    obj.add_argument("--request-rate", dest="rate", type=positive(float, 1e6), metavar="RATE",
                      help="target request rate (req/s): minimise GPUs (default: the workload's own mean rate)")
-    renamed(obj, "--rate", canonical="--request-rate", dest="rate", type=float)
-    obj.add_argument("--budget", type=int, help="GPU budget: maximise goodput within it")
+    renamed(obj, "--rate", canonical="--request-rate", dest="rate", type=positive(float, 1e6))
+    obj.add_argument("--budget", type=at_least(1, int, MAX_GPUS),
+                     help=f"GPU budget: maximise goodput within it (at most {MAX_GPUS})")
     s = p.add_argument_group("search space")
     s.add_argument("--model", default="llama-3.1-8b", help="model spec (laneserve sim --list)")
     s.add_argument("--gpus", default="h100", help="comma-separated GPU types to consider (h100,h200,a100)")
     s.add_argument("--engine", default="vllm", help="cost model: vllm (default) | sglang | trtllm | legacy | laneserve")
-    s.add_argument("--tp", default="1,2,4,8", help="tensor-parallel degrees per role (default 1,2,4,8)")
+    s.add_argument("--tp", type=number_list(int, low=1, high=64), default="1,2,4,8", help="tensor-parallel degrees per role (default 1,2,4,8)")
     s.add_argument("--layouts", default="colocated,disaggregated", help="colocated and/or disaggregated")
     s.add_argument("--presets", default="adaptive,fcfs,cp-edf,colocated",
                    help="policy presets: adaptive, fcfs, cp-edf (disaggregated), colocated")
-    s.add_argument("--max-batch", default="64,256", help="decode batch caps to try (default 64,256)")
-    s.add_argument("--chunks", default="2048", help="prefill chunk sizes / token budgets to try (default 2048)")
-    s.add_argument("--max-gpus", type=int, default=64, help="largest layout considered with --request-rate")
-    s.add_argument("--max-sims", type=int, default=150, help="at most this many layouts simulated")
+    s.add_argument("--max-batch", type=number_list(int, low=1, high=65536), default="64,256", help="decode batch caps to try (default 64,256)")
+    s.add_argument("--chunks", type=number_list(int, low=1, high=MAX_TOKENS), default="2048", help="prefill chunk sizes / token budgets to try (default 2048)")
+    s.add_argument("--max-gpus", type=at_least(1, int, MAX_GPUS), default=64, help="largest layout considered with --request-rate")
+    s.add_argument("--max-sims", type=at_least(1, int, 100_000), default=150, help="at most this many layouts simulated")
     s.add_argument("--router-policy", dest="router", default="round-robin", help="prefill router of every layout")
     renamed(s, "--router", canonical="--router-policy", dest="router")
-    s.add_argument("--prune-slack", type=float, default=1.0,
+    s.add_argument("--prune-slack", type=positive(float, 1000), default=1.0,
                    help="prune a layout when its bound x this is below the rate needed (> 1: prune less)")
     o = p.add_argument_group("output")
-    o.add_argument("--top", type=int, default=15, help="rows of the ranked table printed")
-    o.add_argument("--output", type=Path, default=Path("out/plan"), help="folder for JSON/markdown/PNG")
+    o.add_argument("--top", type=at_least(1, int), default=15, help="rows of the ranked table printed")
+    o.add_argument("--output", type=output_folder, default="out/plan", help="folder for JSON/markdown/PNG")
     o.add_argument("--name", default="plan", help="file name stem of the report")
     o.add_argument("--model-path", default="<CHECKPOINT>", help="checkpoint folder in the printed serve command")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("--no-curve", action="store_true", help="skip the winner's attainment curve")
-    o.add_argument("--jobs", "-j", type=int, default=None, help="worker processes (default: all cores)")
+    o.add_argument("--jobs", "-j", type=at_least(1, int, 1024), default=None, help="worker processes (default: all cores)")
     o.add_argument("--ray-address", default=None, metavar="ADDRESS|auto",
                    help="simulate layouts as Ray tasks on this cluster instead of --jobs processes")
     p.set_defaults(func=run)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def parse_slo_class(text: str) -> tuple[str, float | None, float | None, float | None]:
@@ -95,9 +94,13 @@ def parse_slo_class(text: str) -> tuple[str, float | None, float | None, float |
     vals: dict[str, float] = {}
     for part in body.split(","):
         key, _, value = part.partition("=")
-        if key.strip() not in ("ttft_ms", "tpot_ms", "target") or not value:
+        key = key.strip()
+        if key not in ("ttft_ms", "tpot_ms", "target") or not value:
             raise ValueError(f"--slo-class {text!r}: unknown or empty key {key!r}")
-        vals[key.strip()] = float(value)
+        try:
+            vals[key] = (fraction if key == "target" else positive(float))(value)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"--slo-class {text!r}: {key}: {exc}") from None
     ttft = vals["ttft_ms"] / 1e3 if "ttft_ms" in vals else None
     tpot = vals["tpot_ms"] / 1e3 if "tpot_ms" in vals else None
     return name.strip(), ttft, tpot, vals.get("target")
@@ -116,7 +119,7 @@ def build_spec(args: argparse.Namespace):
     gpus = [g.strip().lower() for g in args.gpus.split(",") if g.strip()]
     if not gpus:
         raise ValueError("--gpus names no GPU")
-    tps = _ints(args.tp)
+    tps = args.tp
     if args.trace is not None and not args.slo_class:
         tp0 = next((tp for tp in sorted(tps) if fits(args.model, gpus[0], tp, args.engine)), None)
         if tp0 is None:
@@ -144,7 +147,7 @@ def build_spec(args: argparse.Namespace):
     spec = PlanSpec(workload=wl, model=args.model, gpus=gpus, engine=args.engine, rate=rate,
                     budget=args.budget, target=args.target, class_targets=targets, tps=tps,
                     presets=[x.strip() for x in args.presets.split(",") if x.strip()],
-                    max_batches=_ints(args.max_batch), chunks=_ints(args.chunks),
+                    max_batches=args.max_batch, chunks=args.chunks,
                     modes=[x.strip() for x in args.layouts.split(",") if x.strip()],
                     max_gpus=args.max_gpus, max_sims=args.max_sims, router=args.router,
                     prune_slack=args.prune_slack)

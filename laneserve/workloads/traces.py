@@ -21,6 +21,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import math
 from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
@@ -35,6 +36,20 @@ DATA_DIR = Path(__file__).with_name("data")
 AZURE_CONV_PATH = DATA_DIR / "azure_conv_2023.csv.gz"
 MOONCAKE_CONV_PATH = DATA_DIR / "mooncake_conversation.jsonl.gz"
 MOONCAKE_BLOCK_TOKENS = 512
+#: the most tokens one trace row may give a prompt or an output (ten million: past any model's
+#: context, and a typo such as 10^23 is caught at its row instead of deep inside a run)
+MAX_TRACE_TOKENS = 10_000_000
+
+
+def _check_counts(n_in: int, n_out: int) -> None:
+    if n_in < 0 or n_out < 0:
+        raise ValueError("negative token count")
+    if n_in > MAX_TRACE_TOKENS or n_out > MAX_TRACE_TOKENS:
+        raise ValueError(f"token count {max(n_in, n_out)} above the limit of {MAX_TRACE_TOKENS}")
+
+
+def _no_rows(path: str | Path) -> ValueError:
+    return ValueError(f"{path}: the trace has no request rows")
 
 
 def _read_lines(path: str | Path) -> list[str]:
@@ -90,16 +105,17 @@ def load_azure_csv(path: str | Path = AZURE_CONV_PATH, *, limit: int | None = No
         try:
             t = _parse_azure_timestamp(cols[col_t].strip(), day_cache)
             n_in, n_out = int(cols[col_in]), int(cols[col_out])
-            if n_in < 0 or n_out < 0:
-                raise ValueError("negative token count")
+            _check_counts(n_in, n_out)
         except (ValueError, IndexError) as e:
             raise ValueError(f"{path}:{lineno}: malformed Azure trace row {line!r}: {e}") from None
         if n_in < 1 or n_out < 1:
             clamped += 1
             n_in, n_out = max(n_in, 1), max(n_out, 1)
         rows.append((t, n_in, n_out))
+    if not rows:
+        raise _no_rows(path)
     rows.sort(key=lambda r: r[0])
-    w0, f0 = rows[0][0] if rows else (0, 0.0)
+    w0, f0 = rows[0][0]
     specs = tuple(RequestSpec(i, (w - w0) + (f - f0), n_in, n_out, slo)
                   for i, ((w, f), n_in, n_out) in enumerate(rows))
     meta = {"source": str(path), "format": "azure_csv", "clamped_rows": clamped,
@@ -129,9 +145,12 @@ def load_mooncake_jsonl(path: str | Path = MOONCAKE_CONV_PATH, *, limit: int | N
             r = decode(line)
             t, n_in, n_out = float(r["timestamp"]) / 1000.0, int(r["input_length"]), int(r["output_length"])
             hash_ids = tuple(int(h) for h in r.get("hash_ids") or ())
+            if not math.isfinite(t):
+                raise ValueError(f"timestamp {r['timestamp']!r} is not a finite number")
             if n_in < 1 or n_out < 1:
                 raise ValueError(f"input_length {n_in} / output_length {n_out} must be >= 1")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            _check_counts(n_in, n_out)
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
             raise ValueError(f"{path}:{lineno}: malformed Mooncake trace row: {e}") from None
         hits = 0
         for h in hash_ids:
@@ -140,8 +159,10 @@ def load_mooncake_jsonl(path: str | Path = MOONCAKE_CONV_PATH, *, limit: int | N
             hits += 1
         seen.update(hash_ids)
         rows.append((t, n_in, n_out, hash_ids, min(hits * block_tokens, n_in - 1)))
+    if not rows:
+        raise _no_rows(path)
     rows.sort(key=lambda r: r[0])
-    t0 = rows[0][0] if rows else 0.0
+    t0 = rows[0][0]
     specs = tuple(RequestSpec(i, t - t0, n_in, n_out, slo, prefix_len=prefix, hash_ids=hids)
                   for i, (t, n_in, n_out, hids, prefix) in enumerate(rows))
     meta = {"source": str(path), "format": "mooncake_jsonl", "block_tokens": block_tokens}
