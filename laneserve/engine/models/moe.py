@@ -92,12 +92,9 @@ def moe_gate_up(x: torch.Tensor, moe: MoEWeights) -> Routed:
     """The ``gate_up`` operator of a sparse layer (``x`` is the normed hidden state)."""
     weights, ids = route(x, moe)
     if _use_triton(x):
-        from laneserve.engine import moe_triton
+        from laneserve.engine.moe_triton import fused_gate_up
 
-        plan = moe_triton.block_plan(ids, moe.num_experts)
-        gu = moe_triton.grouped_gemm(x, moe.gate_up, plan, a_rows_per_token=moe.top_k)
-        gate, up = gu.chunk(2, dim=-1)
-        return Routed(F.silu(gate) * up, weights, ids, plan=plan)
+        return fused_gate_up(x, moe, weights, ids)
     return sorted_gate_up(x, moe, weights, ids)
 
 
@@ -105,12 +102,9 @@ def moe_down(routed: Routed, moe: MoEWeights) -> torch.Tensor:
     """The ``down`` operator: ``[T, hidden]``, the weighted sum over each token's experts (a
     partial sum under tensor parallelism)."""
     if routed.plan is not None:
-        from laneserve.engine import moe_triton
+        from laneserve.engine.moe_triton import fused_down
 
-        t, k = routed.ids.shape
-        out = moe_triton.grouped_gemm(routed.act, moe.down, routed.plan, a_rows_per_token=1,
-                                      weights=routed.weights)
-        return out.view(t, k, -1).sum(dim=1)
+        return fused_down(routed, moe)
     return sorted_down(routed, moe)
 
 
