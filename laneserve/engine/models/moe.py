@@ -109,32 +109,34 @@ def moe_down(routed: Routed, moe: MoEWeights) -> torch.Tensor:
 
 
 def sorted_gate_up(x: torch.Tensor, moe: MoEWeights, weights: torch.Tensor, ids: torch.Tensor) -> Routed:
-    """CPU path: sort the pairs by expert, one GEMM per non-empty expert over its contiguous rows."""
+    """CPU path: sort the pairs by expert, one GEMM per non-empty expert over its contiguous rows
+    (written in place into one buffer), then one SiLU(gate) * up over all pairs."""
     k = moe.top_k
     order = torch.argsort(ids.flatten(), stable=True)
     counts = torch.bincount(ids.flatten(), minlength=moe.num_experts).tolist()
     rows = x.index_select(0, order // k)
-    act = x.new_empty(order.numel(), moe.intermediate)
-    start = 0
-    for expert, n in enumerate(counts):
-        if n:
-            gate, up = F.linear(rows[start:start + n], moe.gate_up[expert]).chunk(2, dim=-1)
-            act[start:start + n] = F.silu(gate) * up
-            start += n
-    return Routed(act, weights, ids, order=order, counts=counts)
+    gate_up = x.new_empty(order.numel(), 2 * moe.intermediate)
+    _grouped_mm(rows, moe.gate_up, counts, gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return Routed(F.silu(gate) * up, weights, ids, order=order, counts=counts)
 
 
 def sorted_down(routed: Routed, moe: MoEWeights) -> torch.Tensor:
     t, k = routed.ids.shape
     act, order = routed.act, routed.order
     ys = act.new_empty(act.shape[0], moe.down.shape[1])
-    start = 0
-    for expert, n in enumerate(routed.counts):
-        if n:
-            ys[start:start + n] = F.linear(act[start:start + n], moe.down[expert])
-            start += n
-    ys = ys * routed.weights.flatten().index_select(0, order).unsqueeze(1)
+    _grouped_mm(act, moe.down, routed.counts, ys)
+    ys.mul_(routed.weights.flatten().index_select(0, order).unsqueeze(1))
     return ys.new_zeros(t, ys.shape[1]).index_add_(0, order // k, ys)
+
+
+def _grouped_mm(a: torch.Tensor, w: torch.Tensor, counts: list[int], out: torch.Tensor) -> None:
+    """``out[rows of e] = a[rows of e] @ w[e].T`` for each expert's contiguous run of rows."""
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            torch.mm(a[start:start + n], w[expert].t(), out=out[start:start + n])
+            start += n
 
 
 def reference_moe(x: torch.Tensor, moe: MoEWeights,
