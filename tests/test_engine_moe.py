@@ -104,6 +104,9 @@ def test_bad_moe_config_is_clear():
            "num_hidden_layers": 1, "num_attention_heads": 4, "num_experts": 4, "num_experts_per_tok": 5}
     with pytest.raises(UnsupportedModelError, match="num_experts_per_tok=5"):
         ModelConfig.from_dict(raw)
+    mixtral = {**raw, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        ModelConfig.from_dict({**mixtral, "sliding_window": 4096})
     dense = ModelConfig.from_dict({**raw, "architectures": ["Qwen3ForCausalLM"]})
     assert dense.num_experts == 0 and dense.moe_layers == ()
 

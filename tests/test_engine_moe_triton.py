@@ -78,5 +78,23 @@ def test_fused_moe_routed_decode_token():
     torch.testing.assert_close(got, reference_moe(x, moe), rtol=1e-5, atol=1e-5)
 
 
+def test_engine_on_the_fused_path_matches_transformers(monkeypatch):
+    """The whole model with every sparse layer on the Triton path (forced on CPU tensors)."""
+    import laneserve.engine.models.moe as moe_module
+    from engine_support import Driver, make_request, prompts
+    from test_engine_moe import executor, hf_greedy
+
+    monkeypatch.setattr(moe_module, "_use_triton", lambda x: True)
+    name = "qwen3moe-e8k2-norm"
+    ps = prompts([9, 4], seed=3)
+    reqs = [make_request(i, p, max_tokens=3) for i, p in enumerate(ps)]
+    ex = executor(name)
+    calls = []
+    real = moe_module.Routed
+    monkeypatch.setattr("laneserve.engine.moe_triton.Routed", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert Driver(ex).run(reqs) == [hf_greedy(name, p, 3) for p in ps]
+    assert len(calls) == 2 * 3            # 2 sparse layers x (1 prefill step + 2 decode steps)
+
+
 def _as_float(moe: MoEWeights) -> MoEWeights:
     return MoEWeights(moe.router.float(), moe.gate_up.float(), moe.down.float(), moe.top_k, moe.renormalize)

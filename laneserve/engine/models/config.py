@@ -93,7 +93,8 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
-        if raw.get("use_sliding_window") or (arch == "MistralForCausalLM" and raw.get("sliding_window")):
+        if raw.get("use_sliding_window") or (arch in ("MistralForCausalLM", "MixtralForCausalLM")
+                                             and raw.get("sliding_window")):
             raise UnsupportedModelError("sliding-window attention is not supported")
         if raw.get("pretraining_tp", 1) not in (1, None):
             raise UnsupportedModelError("pretraining_tp > 1 is not supported")
