@@ -45,3 +45,18 @@ def test_plan_accepts_qwen3_30b_a3b(tmp_path, capsys):
     data = json.loads((tmp_path / "moe.json").read_text())
     assert data["spec"]["model"] == "qwen3-30b-a3b"
     assert data["winner"]["meets"] and data["deploy"]["argv"][:2] == ["laneserve", "serve"]
+
+
+def test_activation_counts_one_row_per_routed_expert():
+    from dataclasses import replace
+
+    from laneserve.costmodel.analytic import AnalyticCostModel
+    from laneserve.costmodel.engines import EngineCostModel
+    from laneserve.costmodel import get_hardware_spec
+
+    moe = MODELS["qwen3-30b-a3b"]
+    dense = replace(moe, name="dense-twin", num_experts=0, experts_per_token=0)
+    assert (moe.mlp_rows_per_token, dense.mlp_rows_per_token) == (8, 1)
+    hw = get_hardware_spec("h100")
+    for build in (lambda m: AnalyticCostModel(m, hw), lambda m: EngineCostModel(m, hw, engine="vllm")):
+        assert build(moe).elementwise_times(4096)["down"] > 2 * build(dense).elementwise_times(4096)["down"]

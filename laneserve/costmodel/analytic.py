@@ -153,7 +153,8 @@ class AnalyticCostModel:
         rope = (self._q_local + self._kv_local) if m.rope else 0
         return {"qkv_proj": (2 if m.rope else 1) * floor + tokens * (m.hidden_size + rope) * per_elem,
                 "gate_up": floor + tokens * m.hidden_size * per_elem,
-                "down": 2 * floor + tokens * (m.intermediate_size // self.tp + m.hidden_size) * per_elem}
+                "down": 2 * floor + tokens * (m.mlp_rows_per_token * m.intermediate_size // self.tp
+                                              + m.hidden_size) * per_elem}
 
     def attention_kernel_time(self, blocks: int, max_keys: float, mean_keys: float) -> float:
         """Thread-block schedule of one FlashAttention kernel: ``blocks`` blocks (prefill: 128

@@ -46,6 +46,11 @@ class ModelSpec:
         return self.num_experts > 0
 
     @property
+    def mlp_rows_per_token(self) -> int:
+        """Rows of the MLP activation per token: one per routed expert in an MoE layer."""
+        return self.experts_per_token if self.is_moe else 1
+
+    @property
     def q_dim(self) -> int:
         return self.num_heads * self.head_dim
 
