@@ -58,13 +58,14 @@ def test_block_plan_pads_each_expert_to_whole_blocks():
     assert sorted(plan.sorted_pairs[plan.sorted_pairs < plan.num_pairs].tolist()) == list(range(42))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fused_moe_matches_expert_loop_with_uneven_loads(dtype):
+@pytest.mark.parametrize("dtype,block_m", [(torch.float32, 16), (torch.bfloat16, 16), (torch.float16, 16),
+                                           (torch.float32, 64)])
+def test_fused_moe_matches_expert_loop_with_uneven_loads(dtype, block_m):
     moe = _moe(6, 2, hidden=48, inter=40, dtype=dtype)
     x = torch.randn(21, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
     weights, ids = _uneven(21, 2)
     weights = weights.to(dtype)
-    routed = fused_gate_up(x, moe, weights, ids, block_m=16)
+    routed = fused_gate_up(x, moe, weights, ids, block_m=block_m)
     got = fused_down(routed, moe)
     want = reference_moe(x.float(), _as_float(moe), (weights.float(), ids))
     torch.testing.assert_close(got.float(), want, rtol=TOL[dtype], atol=TOL[dtype] * 4)
