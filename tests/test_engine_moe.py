@@ -87,7 +87,8 @@ def test_greedy_tokens_match_transformers(name):
     assert out == [hf_greedy(name, p, 6) for p in ps]
 
 
-def test_config_reads_sparse_layers():
+def test_config_reads_sparse_layers(caplog):
+    caplog.set_level("WARNING", logger="laneserve.engine.models.loader")
     cfg = load_model(checkpoint("qwen3moe-e6k3-sparse-step")).config
     assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size) == (6, 3, 32)
     assert cfg.moe_layers == (1, 3) and cfg.norm_topk_prob
@@ -97,6 +98,7 @@ def test_config_reads_sparse_layers():
     assert model.layers[1].moe.gate_up.shape == (8, 64, 64) and model.layers[1].gate_up is None
     mixtral = load_model(checkpoint("mixtral-e4k2")).config
     assert mixtral.moe_layers == (0, 1) and mixtral.norm_topk_prob and mixtral.num_experts == 4
+    assert "unused" not in caplog.text            # every checkpoint tensor was read
 
 
 def test_bad_moe_config_is_clear():
