@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import sys
 import timeit
 from pathlib import Path
@@ -22,7 +23,7 @@ from laneserve.engine.models.moe import MoEWeights, moe_down, moe_gate_up, refer
 OUT = Path(__file__).resolve().parent / "results"
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 512, 192
 BATCHES = (1, 8, 32, 128, 512)
-REPEATS = 5
+REPEATS = 11
 
 
 def layer(seed: int = 0) -> MoEWeights:
@@ -33,10 +34,15 @@ def layer(seed: int = 0) -> MoEWeights:
                       top_k=TOP_K, renormalize=True)
 
 
-def per_call(fn, number: int) -> float:
-    """Best of REPEATS timings, seconds per call."""
-    fn()
-    return min(timeit.repeat(fn, number=number, repeat=REPEATS)) / number
+def interleaved(a, b, number: int) -> tuple[float, float, float]:
+    """Seconds per call of ``a`` and ``b`` (best of REPEATS), timed alternately so both see the same
+    machine load, and the median of the per-round ratios ``b / a``."""
+    a(), b()
+    ta, tb = [], []
+    for _ in range(REPEATS):
+        ta.append(timeit.timeit(a, number=number) / number)
+        tb.append(timeit.timeit(b, number=number) / number)
+    return min(ta), min(tb), statistics.median(y / x for x, y in zip(ta, tb))
 
 
 def main() -> int:
@@ -46,19 +52,20 @@ def main() -> int:
     with torch.inference_mode():
         for n in BATCHES:
             x = torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(n))
-            grouped = per_call(lambda x=x: moe_down(moe_gate_up(x, moe), moe), 3)
-            loop = per_call(lambda x=x: reference_moe(x, moe), 3)
+            grouped, loop, ratio = interleaved(lambda x=x: moe_down(moe_gate_up(x, moe), moe),
+                                               lambda x=x: reference_moe(x, moe), 2)
             err = (moe_down(moe_gate_up(x, moe), moe) - reference_moe(x, moe)).abs().max().item()
             touched = int(torch.topk(x @ moe.router.T, TOP_K).indices.unique().numel())
             rows.append({"tokens": n, "experts_touched": touched, "grouped_ms": grouped * 1e3,
-                         "expert_loop_ms": loop * 1e3, "loop_over_grouped": loop / grouped, "max_abs_diff": err})
+                         "expert_loop_ms": loop * 1e3, "loop_over_grouped": ratio, "max_abs_diff": err})
     OUT.mkdir(exist_ok=True)
     meta = {"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN, "expert_intermediate": INTER, "dtype": "float32",
             "threads": 1, "torch": torch.__version__, "machine": f"{platform.machine()}, Python {platform.python_version()}"}
     (OUT / "moe_step.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = ["# moe_step", "", "Command: `PYTHONPATH=. python benchmarks/moe_step.py`  ",
              f"One MoE layer (router + gate/up + down), {EXPERTS} experts, top-{TOP_K}, hidden {HIDDEN}, "
-             f"expert intermediate {INTER}, fp32, 1 thread, best of {REPEATS} timings; {meta['machine']}, "
+             f"expert intermediate {INTER}, fp32, 1 thread; the two paths timed alternately, {REPEATS} rounds "
+             f"(times: best round; ratio: median of the rounds' ratios); {meta['machine']}, "
              f"torch {torch.__version__}", "",
              "| tokens | experts touched | grouped, sorted by expert (ms) | loop over all experts (ms) | loop / grouped "
              "| max abs diff |", "|---|---|---|---|---|---|"]
