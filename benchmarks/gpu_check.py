@@ -10,7 +10,11 @@
   (f) the prefill policies end to end on the engine (1 prefill + 1 decode instance in-process; a
       short/long mix: 24% long prompts of 6,144-8,192 tokens, the rest 64-512, one output token,
       TTFT SLO 0.15 s short / 3 s long, Poisson arrivals) beside the simulator fed this engine's own
-      GPU profile (``EngineProfiler``, what ``laneserve profile`` runs; saved next to the results).
+      GPU profile (``EngineProfiler``, what ``laneserve profile`` runs; saved next to the results);
+  (g) MoE layers shaped like Qwen3-30B-A3B's (128 experts of 2048 x 768, top-8, bf16, random): the
+      two MoE operators' step time at batch 1/32/128 against the bytes of the expert weights the
+      batch touches (a fraction of the copy bandwidth), the grouped Triton path against a loop over
+      the experts, its output against that loop, and one CUDA-graph capture and replay of it.
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py            # on a CUDA machine
     PYTHONPATH=. python3 benchmarks/gpu_check.py --dry-run  # every section on CPU at tiny sizes
@@ -546,6 +550,88 @@ def section_f(args) -> dict:
             "attention": engine_attention(args), "rows": rows}
 
 
+QWEN3_30B_A3B_MOE = dict(experts=128, top_k=8, hidden=2048, inter=768, layers=2)
+TINY_MOE = dict(experts=8, top_k=2, hidden=64, inter=32, layers=2)
+
+
+def moe_layers(shape: dict, device: str, dtype: torch.dtype) -> list:
+    from laneserve.engine.models.moe import MoEWeights
+    g = torch.Generator(device=device).manual_seed(0)
+    e, h, i = shape["experts"], shape["hidden"], shape["inter"]
+    return [MoEWeights(router=torch.randn(e, h, device=device, generator=g, dtype=dtype),
+                       gate_up=torch.randn(e, 2 * i, h, device=device, generator=g, dtype=dtype) / h ** 0.5,
+                       down=torch.randn(e, h, i, device=device, generator=g, dtype=dtype) / i ** 0.5,
+                       top_k=shape["top_k"], renormalize=True) for _ in range(shape["layers"])]
+
+
+def time_moe(fn, layers: list, x: torch.Tensor, device: str, reps: int) -> float:
+    """Seconds per layer of ``fn(x, layer)``, cycling the layers so no expert stays in cache."""
+    for w in layers:
+        fn(x, w)
+    sync(device)
+    t0 = time.perf_counter()
+    for r in range(reps):
+        fn(x, layers[r % len(layers)])
+    sync(device)
+    return (time.perf_counter() - t0) / reps
+
+
+def moe_graph_check(layer, x: torch.Tensor, fused) -> dict:
+    """Capture the two MoE operators in one CUDA graph and replay them on new inputs."""
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused(static_x, layer)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fused(static_x, layer)
+    static_x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    err = (static_out.float() - fused(static_x, layer).float()).abs().max().item()
+    return {"graph_captured": True, "graph_replay_max_abs_diff": err}
+
+
+def section_g(args) -> dict:
+    from laneserve.engine.models.moe import moe_down, moe_gate_up, reference_moe, route
+    shape = TINY_MOE if args.dry_run else QWEN3_30B_A3B_MOE
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    layers = moe_layers(shape, args.device, dtype)
+    expert_bytes = 3 * shape["hidden"] * shape["inter"] * layers[0].down.element_size()
+    bw = copy_bandwidth(args.device, 0.05 if args.dry_run else 2.0)
+    reps = 3 if args.dry_run else 20
+
+    def fused(x, w):
+        return moe_down(moe_gate_up(x, w), w)
+
+    rows = []
+    with torch.inference_mode():
+        for n in (1, 32, 128):
+            x = torch.randn(n, shape["hidden"], device=args.device, dtype=dtype)
+            touched = torch.topk(x @ layers[0].router.T, shape["top_k"]).indices.unique().numel()
+            step = time_moe(fused, layers, x, args.device, reps)
+            loop = time_moe(reference_moe, layers, x, args.device, max(2, reps // 4))
+            weights, ids = route(x, layers[0])       # the same routing: fp32 could flip near ties
+            ref = reference_moe(x.float(), _float_moe(layers[0]), (weights.float(), ids))
+            rows.append({"tokens": n, "experts_touched": touched, "step_ms": step * 1e3,
+                         "expert_loop_ms": loop * 1e3, "loop_over_fused": loop / step,
+                         "expert_gb": touched * expert_bytes / 1e9,
+                         "fraction_of_copy_bw": touched * expert_bytes / step / bw,
+                         "max_abs_diff_vs_fp32": (fused(x, layers[0]).float() - ref).abs().max().item()})
+            print(rows[-1], flush=True)
+        graph = (moe_graph_check(layers[0], torch.randn(32, shape["hidden"], device=args.device, dtype=dtype), fused)
+                 if args.device.startswith("cuda") else {"graph_captured": None})
+    path = "triton grouped GEMM" if args.device.startswith("cuda") else "sorted per-expert GEMMs (CPU)"
+    return {"shape": shape, "dtype": str(dtype), "path": path, "copy_bandwidth_gb_s": bw / 1e9, **graph, "rows": rows}
+
+
+def _float_moe(w):
+    from laneserve.engine.models.moe import MoEWeights
+    return MoEWeights(w.router.float(), w.gate_up.float(), w.down.float(), w.top_k, w.renormalize)
+
+
 SECTIONS = {
     "a": ("greedy tokens vs HF generate, fp32, every attention path, graphs on/off", section_a),
     "b": ("decode step time, Llama-3.1-8B-shaped, ~1K context, fraction of copy bandwidth", section_b),
@@ -553,13 +639,14 @@ SECTIONS = {
     "d": ("preemption latency of an 8K prefill per granularity", section_d),
     "e": ("offline throughput, default settings vs HF generate", section_e),
     "f": ("prefill policies end to end vs the simulator fed this GPU's profile", section_f),
+    "g": ("MoE layers (Qwen3-30B-A3B-shaped): step time vs expert bytes, fused vs expert loop", section_g),
 }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="every section on CPU at tiny sizes")
-    parser.add_argument("--sections", default="abcdef")
+    parser.add_argument("--sections", default="abcdefg")
     parser.add_argument("--requests", type=int, default=120, help="(f) requests per policy (the issue's mix: 240)")
     parser.add_argument("--budget", type=float, default=300.0, help="seconds; (f) skips policies past it")
     parser.add_argument("--results-dir", default=str(HERE / "results"))

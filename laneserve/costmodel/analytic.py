@@ -123,13 +123,15 @@ class AnalyticCostModel:
     def expert_gemm_time(self, tokens: float, d_in: int, d_out: int, *, split_out: bool = True) -> float:
         """An MoE expert GEMM over ``tokens`` tokens: ``experts_per_token`` rows per token spread
         over the experts they touch (expected distinct experts of uniform routing), each expert's
-        weights read once; a dense model has one expert that every token uses."""
+        weights read once, all in one grouped launch (one ``gemm_overhead_s``, as a fused-MoE
+        kernel runs them); a dense model has one expert that every token uses."""
         m = self.model
         if not m.is_moe or tokens <= 0:
             return self.gemm_time(tokens, d_in, d_out, split_out=split_out)
         e, k = m.num_experts, m.experts_per_token
         active = e * (1.0 - (1.0 - k / e) ** tokens)
-        return active * self.gemm_time(tokens * k / active, d_in, d_out, split_out=split_out)
+        launch = self.hw.gemm_overhead_s
+        return active * (self.gemm_time(tokens * k / active, d_in, d_out, split_out=split_out) - launch) + launch
 
     def linear_op_times(self, tokens: float) -> dict[str, float]:
         """The GEMM part of each linear operator of one layer."""
@@ -151,7 +153,8 @@ class AnalyticCostModel:
         rope = (self._q_local + self._kv_local) if m.rope else 0
         return {"qkv_proj": (2 if m.rope else 1) * floor + tokens * (m.hidden_size + rope) * per_elem,
                 "gate_up": floor + tokens * m.hidden_size * per_elem,
-                "down": 2 * floor + tokens * (m.intermediate_size // self.tp + m.hidden_size) * per_elem}
+                "down": 2 * floor + tokens * (m.mlp_rows_per_token * m.intermediate_size // self.tp
+                                              + m.hidden_size) * per_elem}
 
     def attention_kernel_time(self, blocks: int, max_keys: float, mean_keys: float) -> float:
         """Thread-block schedule of one FlashAttention kernel: ``blocks`` blocks (prefill: 128

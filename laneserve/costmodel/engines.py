@@ -237,7 +237,8 @@ class EngineCostModel(AnalyticCostModel):
         after ``gate_up`` (rotary is inside the attention kernel)."""
         m, c, bw = self.model, self.constants, self.hw.hbm_bandwidth
         norm = c.norm_floor_s + tokens * m.hidden_size * c.norm_bytes_per_element / bw
-        act = c.act_floor_s + tokens * (m.intermediate_size // self.tp) * c.act_bytes_per_element / bw
+        act = (c.act_floor_s + tokens * m.mlp_rows_per_token * (m.intermediate_size // self.tp)
+               * c.act_bytes_per_element / bw)
         return {"qkv_proj": norm, "gate_up": norm, "down": act}
 
     def allreduce_time(self, tokens: float) -> float:

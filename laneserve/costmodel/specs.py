@@ -46,6 +46,11 @@ class ModelSpec:
         return self.num_experts > 0
 
     @property
+    def mlp_rows_per_token(self) -> int:
+        """Rows of the MLP activation per token: one per routed expert in an MoE layer."""
+        return self.experts_per_token if self.is_moe else 1
+
+    @property
     def q_dim(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -307,6 +312,11 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec(name="mixtral-8x7b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
               head_dim=128, intermediate_size=14336, vocab_size=32000, max_context=32768,
               num_experts=8, experts_per_token=2),
+    # Qwen3-30B-A3B: every layer sparse, 128 experts of moe_intermediate_size 768, 8 routed per
+    # token (30.5B weights, 3.3B active with the embeddings)
+    ModelSpec(name="qwen3-30b-a3b", num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4,
+              head_dim=128, intermediate_size=768, vocab_size=151936, max_context=40960,
+              num_experts=128, experts_per_token=8),
     ModelSpec(name="opt-13b", num_layers=40, hidden_size=5120, num_heads=40, num_kv_heads=40,
               head_dim=128, intermediate_size=20480, vocab_size=50272, max_context=2048,
               gated_mlp=False, activation="relu", rope=False, tied_embeddings=True),

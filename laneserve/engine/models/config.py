@@ -1,5 +1,5 @@
 """Model configuration read from a Hugging Face ``config.json`` (Llama family: Llama 2/3,
-Qwen2/2.5, Qwen3, Mistral without sliding window).
+Qwen2/2.5, Qwen3, Mistral without sliding window; the MoE members Qwen3-MoE and Mixtral).
 
 transformers 5.x writes the rotary settings under ``rope_parameters`` (``rope_theta``,
 ``rope_type`` and the scaling keys); 4.x wrote ``rope_theta`` and ``rope_scaling`` at the top
@@ -23,6 +23,7 @@ class ArchSpec:
 
     qkv_bias_default: bool = False   # Qwen2 always has q/k/v biases
     qk_norm: bool = False            # Qwen3 RMS-normalises q and k per head
+    moe: bool = False                # sparse MLP layers (models/moe_config.py)
 
 
 #: architecture name (config.json ``architectures[0]``) -> its spec
@@ -31,6 +32,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MistralForCausalLM": ArchSpec(),
     "Qwen2ForCausalLM": ArchSpec(qkv_bias_default=True),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
+    "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe=True),
+    "MixtralForCausalLM": ArchSpec(moe=True),
 }
 
 
@@ -58,6 +61,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     checkpoint_dtype: str = "float32"
+    #: mixture of experts (0 experts = dense): the sparse layers' indices, each routing a token to
+    #: ``experts_per_token`` of ``num_experts`` MLPs of ``moe_intermediate_size``
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -83,7 +93,8 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
-        if raw.get("use_sliding_window") or (arch == "MistralForCausalLM" and raw.get("sliding_window")):
+        if raw.get("use_sliding_window") or (arch in ("MistralForCausalLM", "MixtralForCausalLM")
+                                             and raw.get("sliding_window")):
             raise UnsupportedModelError("sliding-window attention is not supported")
         if raw.get("pretraining_tp", 1) not in (1, None):
             raise UnsupportedModelError("pretraining_tp > 1 is not supported")
@@ -117,6 +128,7 @@ class ModelConfig:
             eos_token_ids=tuple(dict.fromkeys(eos)), bos_token_id=raw.get("bos_token_id"),
             checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             extra={k: raw[k] for k in ("name_or_path",) if k in raw},
+            **(_moe_options(arch, raw) if spec.moe else {}),
         )
 
     @classmethod
@@ -129,6 +141,15 @@ class ModelConfig:
         gen_path = folder / "generation_config.json"
         generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
         return cls.from_dict(raw, generation)
+
+
+def _moe_options(arch: str, raw: dict) -> dict:
+    from laneserve.engine.models.moe_config import moe_options
+
+    try:
+        return moe_options(arch, raw)
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{arch}: {exc}") from exc
 
 
 def _as_ids(value: object) -> list[int]:

@@ -11,6 +11,8 @@ Per layer the operators are those of ``laneserve.costmodel.base.LAYER_OPERATORS`
 * ``gate_up``   post-attention RMSNorm, fused gate/up projection, SiLU(gate) * up.
 * ``down``      down projection + residual. The final norm + LM head run after the last one.
 
+A sparse (MoE) layer runs its router and experts as the same two operators (``models/moe.py``).
+
 All tokens of a step (several prefill chunks and decodes) are rows of one ``[T, hidden]`` tensor;
 only attention looks at sequence boundaries.
 """
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from laneserve.engine.attention import AttentionBackend
 from laneserve.engine.kv_cache import PagedKVCache
 from laneserve.engine.models.config import ModelConfig
+from laneserve.engine.models.moe import MoEWeights, moe_down, moe_gate_up
 from laneserve.engine.models.rope import Rotary, apply_rotary
 
 
@@ -39,10 +42,11 @@ class LayerWeights:
     o_proj: torch.Tensor
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor              # [2 * intermediate, hidden]
+    gate_up: torch.Tensor | None       # [2 * intermediate, hidden] (None in a sparse layer)
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: torch.Tensor | None
     down_bias: torch.Tensor | None
+    moe: MoEWeights | None = None      # a sparse layer's router and experts (models/moe.py)
 
 
 @dataclass(slots=True)
@@ -123,12 +127,16 @@ class LlamaModel:
             yield "o_proj"
             # gate_up
             x = F.rms_norm(h, (hidden_size,), w.post_norm, eps)
-            gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-            act = F.silu(gate) * up
-            del x, gate, up
+            if w.moe is not None:
+                act = moe_gate_up(x, w.moe)
+            else:
+                gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+                act = F.silu(gate) * up
+                del gate, up
+            del x
             yield "gate_up"
             # down (+ final norm and LM head after the last layer)
-            h = h + F.linear(act, w.down, w.down_bias)
+            h = h + (moe_down(act, w.moe) if w.moe is not None else F.linear(act, w.down, w.down_bias))
             del act
             if index == len(self.layers) - 1:
                 break

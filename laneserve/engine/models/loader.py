@@ -13,6 +13,7 @@ import torch
 
 from laneserve.engine.models.config import ModelConfig
 from laneserve.engine.models.llama import LayerWeights, LlamaModel
+from laneserve.engine.models.moe import moe_from_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
+        moe = moe_from_checkpoint(take, p, cfg) if i in cfg.moe_layers else None
+        dense = moe is None
         layers.append(LayerWeights(
             input_norm=take(p + "input_layernorm.weight"),
             qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
@@ -102,10 +105,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
             o_proj=take(a + "o_proj.weight"),
             o_bias=take(a + "o_proj.bias", cfg.o_bias) if cfg.o_bias else None,
             post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight"),
-            gate_up_bias=cat(m + "gate_proj.bias", m + "up_proj.bias", required=cfg.mlp_bias) if cfg.mlp_bias else None,
-            down=take(m + "down_proj.weight"),
-            down_bias=take(m + "down_proj.bias", cfg.mlp_bias) if cfg.mlp_bias else None,
+            gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight") if dense else None,
+            gate_up_bias=cat(m + "gate_proj.bias", m + "up_proj.bias", required=cfg.mlp_bias) if cfg.mlp_bias and dense else None,
+            down=take(m + "down_proj.weight") if dense else None,
+            down_bias=take(m + "down_proj.bias", cfg.mlp_bias) if cfg.mlp_bias and dense else None,
+            moe=moe,
         ))
     embed = take("model.embed_tokens.weight")
     final_norm = take("model.norm.weight")
