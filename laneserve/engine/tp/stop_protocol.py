@@ -1,0 +1,230 @@
+"""Operator-level preemption across the ranks of a tensor-parallel group: a stop decided by rank 0
+takes effect on every rank at the *same* operator boundary.
+
+Why it is needed: with tensor parallelism ``o_proj`` and ``down`` end in an all-reduce. If rank 1
+parks after operator 12 while rank 0 already launched operator 13 (an all-reduce), rank 0 waits in
+that all-reduce for a partner that will not come until the step resumes, and the step never ends:
+a deadlock. Every rank must launch exactly the same operators before it parks.
+
+The protocol ("rank 0 publishes *stop at boundary k*, with k at or past every rank's position"):
+
+* Boundaries are counted over the group's life: every rank calls :meth:`StopProtocol.boundary` at
+  each boundary where the plan allows a stop (the plan decides, so the sequence of boundaries is the
+  same on every rank) and the counter ``c`` advances by one per call. ``c`` names the same boundary
+  on every rank, across plans, parks and resumptions.
+* Each rank publishes its counter in shared memory (``pos[r] = c``: one aligned 8-byte store),
+  then reads the stop word (one load). That is the whole hot path when no stop is pending: no
+  collective, no system call, no wait on another rank.
+* Rank 0, at its boundary ``p0`` with a stop wanted (:meth:`request_stop` or ``boundary(want_stop=
+  True)``): stores PENDING into the stop word, reads every ``pos[r]`` (``v_r``), and publishes
+  ``k = max(p0, v_r + 1 for r != 0)``. A rank that reads PENDING waits at its boundary until ``k``
+  is published (rank 0 does nothing blocking in between, so that wait is short and bounded).
+  Because each side stores before it loads (with a full fence in between, below), either rank r
+  saw PENDING at boundary ``v_r + 1`` at the latest, or rank 0 read its position: no rank can be
+  past ``k`` when it learns ``k``. Every rank then runs on to boundary ``k`` and parks there.
+* ``k`` past rank 0's last stoppable boundary of the current plan (a rank has already finished the
+  plan): rank 0 publishes NONE instead, nobody parks, the step completes on every rank.
+* A published ``k`` stays in the word after the stop (every counter is past it then, so it is
+  never met again). Before publishing a new one, rank 0 waits until every rank acknowledged the
+  previous ``k`` (``ack[r] = k`` when it parks), which each rank does without needing rank 0.
+
+Why this protocol rather than the ranks agreeing at each boundary (an all-reduce of a flag per
+operator, FlowPrefill's "synchronized iteration counter"): that agreement costs a collective per
+boundary on the hot path (on a GPU, a host round trip per operator, which also defeats the
+asynchronous launch queue), while the publish protocol costs two memory accesses per boundary
+and pays a short wait only when a stop is actually taken. Its price is that the stop may land a
+few operators later than rank 0's own position when another rank is ahead.
+
+Positions are operators *launched* (host side), not operators observed completed: what must be
+identical across ranks is the set of operators each rank launches before parking, and the host
+decides that; a completed count lags the launches on an asynchronous device (CUDA, the emulated
+device), so a ``k`` computed from it could lie behind operators a rank already launched. The
+executor's in-flight bound (``preempt_max_inflight``) still decides how far the device may lag
+the host when the stop is checked; parking drains the device, and since every rank launched the
+same operators, every collective among them completes.
+
+The fence: CPython gives no atomics, but acquiring and releasing a ``threading.Lock`` is an
+atomic read-modify-write (``sem_wait``/``sem_post``), a full barrier on x86 and an ordering point
+on ARM; a private, never-contended lock per rank orders the store before the load. Shared memory
+is a small file in ``/dev/shm`` mapped by every rank (threads may share an in-process board).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+NONE = -1          # no stop published
+PENDING = -2       # rank 0 is choosing k: ranks wait at their boundary
+_WORD = 0          # slot of the stop word; then pos[0..n-1], then ack[0..n-1]
+
+
+class StopProtocolError(RuntimeError):
+    """The protocol was violated or a bounded wait ran out (a rank died or hangs)."""
+
+
+class StopBoard:
+    """The shared words of one group: the stop word, each rank's position and acknowledgement.
+
+    ``StopBoard(n)`` lives in this process (ranks as threads); ``StopBoard.create(n)`` maps a new
+    file in shared memory whose ``name`` other processes pass to ``StopBoard.attach``; the
+    creator's :meth:`close` unlinks it."""
+
+    def __init__(self, world_size: int, *, _buffer=None, _path: Path | None = None, _owner: bool = False) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.path, self._owner = _path, _owner
+        self._buffer = _buffer if _buffer is not None else bytearray(self.nbytes(world_size))
+        self.words = memoryview(self._buffer).cast("q")
+        if _owner or _path is None:
+            self.words[_WORD] = NONE
+            for r in range(world_size):
+                self.words[1 + r] = -1
+                self.words[1 + world_size + r] = NONE
+
+    @staticmethod
+    def nbytes(world_size: int) -> int:
+        return 8 * (1 + 2 * world_size)
+
+    @classmethod
+    def create(cls, world_size: int, directory: str | Path | None = None) -> StopBoard:
+        from laneserve.cluster.transport import default_shm_dir
+        path = Path(directory or default_shm_dir()) / f"laneserve-stop-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        with open(path, "w+b") as f:
+            f.truncate(cls.nbytes(world_size))
+            buf = mmap.mmap(f.fileno(), cls.nbytes(world_size))
+        return cls(world_size, _buffer=buf, _path=path, _owner=True)
+
+    @classmethod
+    def attach(cls, name: str | Path, world_size: int) -> StopBoard:
+        path = Path(name)
+        with open(path, "r+b") as f:
+            buf = mmap.mmap(f.fileno(), cls.nbytes(world_size))
+        return cls(world_size, _buffer=buf, _path=path)
+
+    @property
+    def name(self) -> str | None:
+        return str(self.path) if self.path is not None else None
+
+    def close(self) -> None:
+        """Unmap (and unlink, on the creator). Idempotent."""
+        words, self.words = self.words, None
+        if words is not None:
+            words.release()
+            if isinstance(self._buffer, mmap.mmap):
+                self._buffer.close()
+        if self._owner and self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self._owner = False
+
+
+class StopProtocol:
+    """One rank's end of the protocol (module docstring). Per plan run (a fresh step or a resumed
+    one): ``begin(num_boundaries)``, then ``boundary(op_index)`` at each stoppable boundary, which
+    returns True (identical on every rank) where the rank must park. Rank 0 asks for a stop with
+    :meth:`request_stop` (any thread) or ``boundary(..., want_stop=True)``.
+
+    ``timeout`` bounds every wait (raises :class:`StopProtocolError`): a rank never hangs on a
+    dead partner. ``parked_at`` is the op index of the last park (for tests and logs)."""
+
+    def __init__(self, board: StopBoard, rank: int, *, timeout: float = 60.0, poll: float = 20e-6) -> None:
+        if not 0 <= rank < board.world_size:
+            raise ValueError(f"rank {rank} outside a group of {board.world_size}")
+        self.board, self.rank, self.timeout, self.poll = board, rank, timeout, poll
+        self.counter = -1                # the last boundary this rank reached (lifetime count)
+        self.last = -1                   # the counter of the current plan's last stoppable boundary
+        self.parked_at: int | None = None
+        self._fence_lock = threading.Lock()
+        self._wanted = False
+        self._last_k = NONE              # rank 0: the last k it published
+        self._parked_k = NONE            # the last k this rank parked at
+
+    # ---- plan runs ------------------------------------------------------------------------
+    def begin(self, num_boundaries: int) -> None:
+        """A plan starts or resumes with ``num_boundaries`` stoppable boundaries before its end."""
+        if num_boundaries < 0:
+            raise ValueError(f"num_boundaries must be >= 0, got {num_boundaries}")
+        self.last = self.counter + num_boundaries
+
+    def request_stop(self) -> None:
+        """Rank 0: stop the current plan at the first boundary every rank can still reach."""
+        if self.rank != 0:
+            raise ValueError("only rank 0 decides a stop")
+        self._wanted = True
+
+    def boundary(self, op_index: int = -1, want_stop: bool = False) -> bool:
+        """This rank reached a stoppable boundary (after launching operator ``op_index``): True
+        when the group parks here."""
+        if self.counter >= self.last:
+            raise StopProtocolError(f"rank {self.rank}: more boundaries than begin() announced")
+        self.counter += 1
+        c, words = self.counter, self.board.words
+        words[1 + self.rank] = c
+        self._fence()
+        if self.rank == 0 and (want_stop or self._wanted):
+            self._wanted = False
+            self._decide(c)
+        word = words[_WORD]
+        if word == PENDING:
+            word = self._await_decision()
+        if word == c:
+            words[1 + self.board.world_size + self.rank] = c
+            self._parked_k, self.parked_at = c, op_index
+            return True
+        if c > word > self._parked_k:
+            raise StopProtocolError(f"rank {self.rank} is at boundary {c}, past the stop at {word}")
+        return False
+
+    # ---- rank 0 -----------------------------------------------------------------------------
+    def _decide(self, p0: int) -> None:
+        words, n = self.board.words, self.board.world_size
+        if self._last_k != NONE:
+            self._wait(lambda: all(words[1 + n + r] == self._last_k for r in range(n)),
+                       f"every rank to acknowledge the stop at {self._last_k}")
+        words[_WORD] = PENDING
+        self._fence()
+        k = max([p0] + [words[1 + r] + 1 for r in range(1, n)])
+        if k > self.last:                # a rank finished this plan already: nobody parks
+            words[_WORD] = NONE
+            self._last_k = NONE
+        else:
+            words[_WORD] = k
+            self._last_k = k
+
+    # ---- waits ------------------------------------------------------------------------------
+    def _await_decision(self) -> int:
+        words = self.board.words
+        self._wait(lambda: words[_WORD] != PENDING, "rank 0 to publish the stop boundary")
+        return words[_WORD]
+
+    def _wait(self, done, what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise StopProtocolError(f"rank {self.rank} waited {self.timeout:g} s for {what}")
+            time.sleep(self.poll)
+
+    def _fence(self) -> None:
+        lock = self._fence_lock
+        lock.acquire()
+        lock.release()
+
+
+def stoppable_boundaries(ops_done: int, total: int, granularity: str) -> int:
+    """How many stoppable boundaries a plan passes from ``ops_done`` finished operators to its end
+    (as the executor checks them: after operator ``i`` for ``ops_done < i < total``, every operator
+    at "operator" granularity, every 5th at "layer", none at "chunk")."""
+    if granularity == "chunk":
+        return 0
+    if granularity not in ("operator", "layer"):
+        raise ValueError(f"unknown preempt_granularity {granularity!r}")
+    every = 1 if granularity == "operator" else 5
+    return sum(1 for i in range(ops_done + 1, total) if i % every == 0)

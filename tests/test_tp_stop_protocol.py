@@ -1,0 +1,214 @@
+"""The cross-rank stop protocol (laneserve/engine/tp/stop_protocol.py) on emulated asynchronous
+devices with per-rank skew: every rank parks after the same operator, nobody hangs (every wait is
+bounded and fails the test), the resumed plan gives the unstopped result on every rank; and the
+protocol with the agreement removed is caught.
+
+Ranks are threads with a barrier all-reduce for the 1,000 random stop points, and spawned
+processes with gloo all-reduces and the board in shared memory for a few."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from laneserve.engine.tp.stop_protocol import (StopBoard, StopProtocol, StopProtocolError,
+                                               stoppable_boundaries)
+from tp_stop_support import TOTAL, FakeAllReduce, NaiveStop, Rank, process_rank
+
+WORLD = 4
+WAIT_S = 60.0          # bounded waits of the correct protocol: reaching one fails the test
+DELAYS = (0.0, 2e-5, 1e-4, 3e-4)
+
+
+class Group:
+    """``WORLD`` rank threads, each serving commands from its own queue."""
+
+    def __init__(self, make_protocol, timeout: float, world: int = WORLD) -> None:
+        self.world = world
+        self.all_reduce = FakeAllReduce(world, timeout)
+        self.ranks = [Rank(r, make_protocol(r), self.all_reduce) for r in range(world)]
+        self.inbox = [queue.SimpleQueue() for _ in range(world)]
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=self._serve, args=(r,), daemon=True) for r in range(world)]
+        for t in self.threads:
+            t.start()
+
+    def _serve(self, r: int) -> None:
+        rank = self.ranks[r]
+        while (cmd := self.inbox[r].get()) is not None:
+            fresh, bound, stop_at = cmd
+            try:
+                if fresh:
+                    rank.start()
+                self.outbox.put((r, *rank.advance(bound, stop_at), rank.ops_done))
+            except BaseException as exc:  # noqa: BLE001 - the test reads it
+                self.outbox.put((r, "error", exc, rank.ops_done))
+
+    def run(self, fresh: bool, bound: int, stop_at: int | None, wait: float) -> dict:
+        for q in self.inbox:
+            q.put((fresh, bound, stop_at))
+        out = {}
+        for _ in range(self.world):
+            try:
+                r, state, value, launched = self.outbox.get(timeout=wait)
+            except queue.Empty:
+                return {"hang": True, **out}
+            out[r] = (state, value, launched)
+        return out
+
+    def close(self) -> None:
+        for q in self.inbox:
+            q.put(None)
+        for t in self.threads:
+            t.join(5)
+        for rank in self.ranks:
+            rank.close()
+
+
+def _reference(world: int = WORLD) -> torch.Tensor:
+    """The plan's result without a stop (identical on every rank)."""
+    board = StopBoard(world)
+    group = Group(lambda r: StopProtocol(board, r), WAIT_S, world)
+    try:
+        out = group.run(True, 2, None, WAIT_S)
+        assert all(out[r][0] == "done" and torch.equal(out[r][1], out[0][1]) for r in range(world))
+        return out[0][1]
+    finally:
+        group.close()
+
+
+def test_stoppable_boundaries_match_the_executor():
+    assert stoppable_boundaries(0, 20, "operator") == 19
+    assert stoppable_boundaries(7, 20, "operator") == 12
+    assert stoppable_boundaries(0, 20, "layer") == 3      # after 5, 10, 15
+    assert stoppable_boundaries(0, 20, "chunk") == 0
+    with pytest.raises(ValueError, match="granularity"):
+        stoppable_boundaries(0, 20, "token")
+
+
+def test_thousand_random_stop_points_park_every_rank_at_one_operator():
+    reference = _reference()
+    board = StopBoard(WORLD)
+    group = Group(lambda r: StopProtocol(board, r, timeout=WAIT_S), WAIT_S)
+    rng = random.Random(38)
+    parked_trials = 0
+    try:
+        for trial in range(1000):
+            delays = list(DELAYS)
+            rng.shuffle(delays)                   # the slow rank changes from trial to trial
+            for rank, d in zip(group.ranks, delays):
+                rank.stream.op_delay = d
+            stop_at, bound = rng.randrange(1, TOTAL), rng.choice((0, 1, 2, 3))
+            out = group.run(True, bound, stop_at, WAIT_S)
+            assert "hang" not in out, f"trial {trial}: a rank hung ({out})"
+            states = {r: out[r][0] for r in range(WORLD)}
+            assert "error" not in states.values(), f"trial {trial}: {out}"
+            if states[0] == "parked":
+                parked_trials += 1
+                ops = {out[r][1] for r in range(WORLD)}
+                launched = {out[r][2] for r in range(WORLD)}
+                assert set(states.values()) == {"parked"}, f"trial {trial}: {states}"
+                assert len(ops) == 1 and ops == launched, f"trial {trial}: parked at {out}"
+                assert ops.pop() >= stop_at
+                out = group.run(False, bound, None, WAIT_S)
+                assert "hang" not in out, f"trial {trial}: a rank hung on resume"
+            for r in range(WORLD):
+                assert out[r][0] == "done", f"trial {trial}: rank {r} {out[r]}"
+                assert torch.equal(out[r][1], reference), f"trial {trial}: rank {r} differs"
+    finally:
+        group.close()
+    assert parked_trials >= 500               # most stops land inside the plan
+
+
+def test_agreement_removed_is_caught():
+    """Each rank parking where it sees the flag: ranks park at different operators, or one waits
+    in an all-reduce its parked partner never joins (the barrier's bounded wait breaks)."""
+    rng = random.Random(7)
+    caught = 0
+    for trial in range(10):
+        flag = threading.Event()
+        group = Group(lambda r, flag=flag: NaiveStop(flag, r), timeout=0.5)
+        try:
+            for rank, d in zip(group.ranks, (3e-4, 0.0, 0.0, 0.0)):   # rank 0 the slow one
+                rank.stream.op_delay = d
+            out = group.run(True, rng.choice((0, 2)), rng.randrange(1, TOTAL - 2), WAIT_S)
+            ops = {out[r][1] for r in range(WORLD) if r in out and out[r][0] == "parked"}
+            errors = [r for r in range(WORLD) if r in out and out[r][0] == "error"]
+            if "hang" in out or errors or len(ops) > 1:
+                caught += 1
+        finally:
+            group.all_reduce.barrier.abort()      # release a rank stuck in the deadlock
+            group.close()
+    assert caught >= 5
+
+
+def test_rank_waiting_for_a_decision_that_never_comes_fails():
+    board = StopBoard(2)
+    board.words[0] = -2                        # rank 0 died while choosing k
+    proto = StopProtocol(board, 1, timeout=0.05, poll=0.001)
+    proto.begin(3)
+    with pytest.raises(StopProtocolError, match="publish the stop boundary"):
+        proto.boundary(1)
+
+
+def test_bad_use_is_refused():
+    board = StopBoard(2)
+    with pytest.raises(ValueError, match="rank 2 outside a group of 2"):
+        StopProtocol(board, 2)
+    with pytest.raises(ValueError, match="only rank 0"):
+        StopProtocol(board, 1).request_stop()
+    proto = StopProtocol(board, 0)
+    proto.begin(1)
+    assert proto.boundary(1) is False
+    with pytest.raises(StopProtocolError, match="more boundaries"):
+        proto.boundary(2)
+
+
+def test_a_stop_past_the_plan_is_dropped_on_every_rank():
+    board = StopBoard(2)
+    r0, r1 = StopProtocol(board, 0), StopProtocol(board, 1)
+    r0.begin(3), r1.begin(3)
+    assert [r1.boundary(i) for i in (1, 2, 3)] == [False] * 3      # rank 1 finished the plan
+    r0.request_stop()
+    assert r0.boundary(1) is False and board.words[0] == -1        # nobody parks
+    assert [r0.boundary(i) for i in (2, 3)] == [False, False]
+
+
+def test_processes_with_gloo_park_together_and_resume_identically(tmp_path: Path):
+    world = 2
+    reference = _reference(world).tolist()
+    board = StopBoard.create(world)
+    trials = [(3, 1), (8, 2), (14, 0), (1, 3), (17, 1)]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=process_rank, args=(r, world, board.name, str(tmp_path / "store"),
+                                                     [3e-4, 0.0], trials, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=120) for _ in range(world))
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        board.close()
+    for r in range(world):
+        assert isinstance(got[r], list), f"rank {r}: {got[r]}"
+    assert not Path(board.path).exists()
+    for i, (stop_at, _bound) in enumerate(trials):
+        parked = {got[r][i][0] for r in range(world)}
+        launched = {got[r][i][1] for r in range(world)}
+        assert len(parked) == 1 and len(launched) == 1, f"trial {i}: {[got[r][i][:2] for r in range(world)]}"
+        op = parked.pop()
+        assert op is None or (op >= stop_at and launched == {op})
+        for r in range(world):
+            assert got[r][i][2] == reference, f"trial {i}: rank {r} differs from the unstopped run"
+    assert any(got[0][i][0] is not None for i in range(len(trials)))
