@@ -212,3 +212,75 @@ def test_processes_with_gloo_park_together_and_resume_identically(tmp_path: Path
         for r in range(world):
             assert got[r][i][2] == reference, f"trial {i}: rank {r} differs from the unstopped run"
     assert any(got[0][i][0] is not None for i in range(len(trials)))
+
+
+GATE_CASES = [(2, (2e-3, 0.0), "operator"), (5, (0.0, 2e-3), "operator"), (1, (0.0, 1e-3), "layer"),
+              (9, (0.0, 2e-3), "operator")]
+
+
+def test_gate_drives_real_executors_to_one_boundary():
+    """``StopProtocol.gate`` as each rank's ``should_stop`` in ``EngineExecutor.execute`` (two
+    replicas of a tiny Qwen3 on emulated devices of different speeds, one per thread): both park
+    after the same operator (or, when the other rank already finished the step, neither parks),
+    and the resumed step samples what an unstopped one does."""
+    from engine_support import Driver, make_executor, make_request, prompts
+
+    def request():
+        return make_request(0, prompts([21], seed=3)[0], 2, logprobs=3)
+
+    _plan, ref = Driver(make_executor("qwen3")).step([(request(), 21)], [], preemptible=True)
+    parked = 0
+    for stop_after, delays, granularity in GATE_CASES:
+        parked += _gate_case(ref, request, stop_after, delays, granularity)
+    assert parked >= 1
+
+
+def _gate_case(ref, request, stop_after, delays, granularity) -> bool:
+    from engine_support import Driver, make_executor
+    from laneserve.engine.device_stream import EmulatedAsyncStream
+
+    board = StopBoard(2)
+    protos = [StopProtocol(board, r, timeout=WAIT_S) for r in range(2)]
+    executors = [make_executor("qwen3") for _ in range(2)]
+    drivers = [Driver(ex) for ex in executors]
+    for ex, d in zip(executors, delays):
+        ex.stream = EmulatedAsyncStream(d)
+    asked = [0]
+
+    def wanted() -> bool:                       # rank 0's scheduler: stop at its stop_after-th check
+        asked[0] += 1
+        return asked[0] == stop_after
+
+    plans = [None, None]
+    outcome: dict = {}
+
+    def run(r: int) -> None:
+        ex, plan = executors[r], plans[r]
+        gate = protos[r].gate(plan.ops_done if plan else 0, ex.num_operators, granularity,
+                              wanted if r == 0 else None)
+        if plan is None:
+            plans[r], outcome[r] = drivers[r].step([(request(), 21)], [], preemptible=True,
+                                                   granularity=granularity, should_stop=gate)
+        else:
+            _p, outcome[r] = drivers[r].step([], [], plan=plan, should_stop=gate)
+
+    def both() -> None:
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+
+    both()
+    stopped = not outcome[0].completed
+    assert outcome[1].completed != stopped, f"one rank parked, the other did not: {outcome}"
+    launched = plans[0].ops_done + (0 if stopped else 1)      # a finished step launched its return too
+    assert plans[0].ops_done == plans[1].ops_done
+    assert executors[0].stream.launched == executors[1].stream.launched == launched
+    if stopped:
+        both()
+    for r in range(2):
+        assert outcome[r].completed and outcome[r].sampled == ref.sampled and outcome[r].logprobs == ref.logprobs
+        executors[r].stream.close()
+    return stopped

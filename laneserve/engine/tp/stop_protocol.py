@@ -56,6 +56,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 NONE = -1          # no stop published
@@ -153,6 +154,20 @@ class StopProtocol:
         if num_boundaries < 0:
             raise ValueError(f"num_boundaries must be >= 0, got {num_boundaries}")
         self.last = self.counter + num_boundaries
+
+    def gate(self, ops_done: int, total: int, granularity: str,
+             wanted: Callable[[], bool] | None = None) -> Callable[[], bool]:
+        """The ``should_stop`` to hand this rank's ``EngineExecutor.execute`` for one run of a
+        preemptible plan (``plan.ops_done`` operators done of ``total``): it announces the run
+        (:meth:`begin`) and calls :meth:`boundary` at each boundary the executor checks. On rank 0,
+        ``wanted()`` is the scheduler's own ``should_stop``."""
+        self.begin(stoppable_boundaries(ops_done, total, granularity))
+        if wanted is not None and self.rank != 0:
+            raise ValueError("only rank 0 decides a stop")
+
+        def should_stop() -> bool:
+            return self.boundary(want_stop=wanted is not None and wanted())
+        return should_stop
 
     def request_stop(self) -> None:
         """Rank 0: stop the current plan at the first boundary every rank can still reach."""
