@@ -62,6 +62,8 @@ from pathlib import Path
 NONE = -1          # no stop published
 PENDING = -2       # rank 0 is choosing k: ranks wait at their boundary
 _WORD = 0          # slot of the stop word; then pos[0..n-1], then ack[0..n-1]
+_LINE = 8          # 8-byte words per slot: each slot on its own 64-byte cache line, so one rank's
+                   # store does not evict the line another rank reads (no false sharing)
 
 
 class StopProtocolError(RuntimeError):
@@ -69,7 +71,8 @@ class StopProtocolError(RuntimeError):
 
 
 class StopBoard:
-    """The shared words of one group: the stop word, each rank's position and acknowledgement.
+    """The shared words of one group: the stop word, each rank's position and acknowledgement
+(``board.pos(r)``, ``board.ack(r)`` give their indices in ``words``).
 
     ``StopBoard(n)`` lives in this process (ranks as threads); ``StopBoard.create(n)`` maps a new
     file in shared memory whose ``name`` other processes pass to ``StopBoard.attach``; the
@@ -85,12 +88,18 @@ class StopBoard:
         if _owner or _path is None:
             self.words[_WORD] = NONE
             for r in range(world_size):
-                self.words[1 + r] = -1
-                self.words[1 + world_size + r] = NONE
+                self.words[self.pos(r)] = -1
+                self.words[self.ack(r)] = NONE
+
+    def pos(self, rank: int) -> int:
+        return (1 + rank) * _LINE
+
+    def ack(self, rank: int) -> int:
+        return (1 + self.world_size + rank) * _LINE
 
     @staticmethod
     def nbytes(world_size: int) -> int:
-        return 8 * (1 + 2 * world_size)
+        return 8 * _LINE * (1 + 2 * world_size)
 
     @classmethod
     def create(cls, world_size: int, directory: str | Path | None = None) -> StopBoard:
@@ -147,6 +156,7 @@ class StopProtocol:
         self._wanted = False
         self._last_k = NONE              # rank 0: the last k it published
         self._parked_k = NONE            # the last k this rank parked at
+        self._pos, self._ack = board.pos(rank), board.ack(rank)
 
     # ---- plan runs ------------------------------------------------------------------------
     def begin(self, num_boundaries: int) -> None:
@@ -182,8 +192,10 @@ class StopProtocol:
             raise StopProtocolError(f"rank {self.rank}: more boundaries than begin() announced")
         self.counter += 1
         c, words = self.counter, self.board.words
-        words[1 + self.rank] = c
-        self._fence()
+        words[self._pos] = c
+        lock = self._fence_lock          # the fence, inlined: the hot path
+        lock.acquire()
+        lock.release()
         if self.rank == 0 and (want_stop or self._wanted):
             self._wanted = False
             self._decide(c)
@@ -191,7 +203,7 @@ class StopProtocol:
         if word == PENDING:
             word = self._await_decision()
         if word == c:
-            words[1 + self.board.world_size + self.rank] = c
+            words[self._ack] = c
             self._parked_k, self.parked_at = c, op_index
             return True
         if c > word > self._parked_k:
@@ -200,13 +212,14 @@ class StopProtocol:
 
     # ---- rank 0 -----------------------------------------------------------------------------
     def _decide(self, p0: int) -> None:
-        words, n = self.board.words, self.board.world_size
+        board = self.board
+        words, n = board.words, board.world_size
         if self._last_k != NONE:
-            self._wait(lambda: all(words[1 + n + r] == self._last_k for r in range(n)),
+            self._wait(lambda: all(words[board.ack(r)] == self._last_k for r in range(n)),
                        f"every rank to acknowledge the stop at {self._last_k}")
         words[_WORD] = PENDING
         self._fence()
-        k = max([p0] + [words[1 + r] + 1 for r in range(1, n)])
+        k = max([p0] + [words[board.pos(r)] + 1 for r in range(1, n)])
         if k > self.last:                # a rank finished this plan already: nobody parks
             words[_WORD] = NONE
             self._last_k = NONE
