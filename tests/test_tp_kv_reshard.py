@@ -16,7 +16,7 @@ from laneserve.core import SLO
 from laneserve.core.request import Request
 from laneserve.engine.kv_cache import KVPayload
 from laneserve.engine.tp.kv_reshard import (Piece, ShardedKVPayload, discard_sharded, get_sharded, kv_for_rank,
-                                            kv_heads_of_rank, put_sharded, reshard_plan)
+                                            kv_heads_of_rank, put_sharded, read_for_rank, reshard_plan)
 from laneserve.runtime.cluster import ClusterRuntime, Deployment, NoDestination
 
 # (tp_src, tp_dst, num_kv_heads): the issue's pairs, with heads split, replicated on either side, MQA
@@ -167,3 +167,25 @@ def test_a_shard_that_cannot_be_read_drops_the_others(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="not a sharded KV descriptor"):
         get_sharded(transport, {"t": "shm"})
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+@pytest.mark.parametrize("tp_src, tp_dst, heads", PAIRS)
+def test_each_destination_rank_reads_its_heads_from_shared_memory(tmp_path: Path, transport, tp_src, tp_dst, heads):
+    """Destination ranks as processes beside the source: each reads only its pieces out of the
+    shards' shared memory (nothing consumed), then one discard frees every shard."""
+    transport_ = make_transport(transport, directory=tmp_path)
+    full = _full_kv(heads, seed=tp_src + 7 * tp_dst)
+    desc = put_sharded(transport_, 5, _source(full, tp_src))
+    for r in reversed(range(tp_dst)):              # any order, each shard read by any number of ranks
+        got = read_for_rank(desc, tp_dst, r)
+        assert got.num_tokens == full.shape[2]
+        assert torch.equal(got.kv, _expected(full, tp_dst, r)), f"rank {r}"
+    discard_sharded(transport_, desc)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ray_shards_are_not_read_per_rank():
+    desc = {"t": "sharded", "heads": 2, "n": 3, "shards": [{"t": "ray", "owner": "x", "key": "k"}]}
+    with pytest.raises(ValueError, match="'ray' shard is read once, by get_sharded"):
+        read_for_rank(desc, 2, 0)

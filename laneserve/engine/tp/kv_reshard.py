@@ -23,10 +23,15 @@ puts each shard with the transport and returns one msgpack-able descriptor (``"t
 listing the shards' descriptors; :func:`get_sharded` gets them back (each shard exactly once, as the
 transports' ``get`` consumes); :func:`discard_sharded` drops them all
 (``transport.discard_descriptor`` knows the kind, so a router discards it without torch).
+Where the destination's ranks are processes on the source's machine, each rank can instead read
+just its own heads straight out of the shards' shared memory (:func:`read_for_rank`, ``shm`` and
+``inline`` shards: nothing consumed), and one of them discards the descriptor once all imported.
 """
 
 from __future__ import annotations
 
+import mmap
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,6 +179,39 @@ def get_sharded(transport: Any, desc: dict[str, Any]) -> ShardedKVPayload:
             transport.discard(d)
         raise
     return ShardedKVPayload(int(desc["heads"]), shards)
+
+
+def read_for_rank(desc: dict[str, Any], tp_dst: int, rank: int) -> KVPayload:
+    """Destination rank ``rank``'s heads read directly from a sharded descriptor's ``shm`` (or
+    ``inline``) shards: only the pieces it owns are copied, the shards stay for the other ranks
+    (:func:`discard_sharded` them when every rank has read)."""
+    if desc.get("t") != "sharded":
+        raise ValueError(f"not a sharded KV descriptor: {desc.get('t')!r}")
+    heads, shards = int(desc["heads"]), desc["shards"]
+    pieces = reshard_plan(heads, len(shards), tp_dst)[rank]
+    parts = [_read_heads(shards[p.src_rank], p.src_start, p.count) for p in pieces]
+    return KVPayload(int(desc["n"]), torch.cat(parts, dim=3) if len(parts) > 1 else parts[0])
+
+
+def _read_heads(desc: dict[str, Any], start: int, count: int) -> torch.Tensor:
+    """Heads ``[start, start + count)`` of one shard, copied out of its shared memory (``shm``: a
+    read-only mapping of its file) or its message bytes (``inline``)."""
+    from laneserve.cluster.transport import _dtype, tensor_from_bytes
+    kind = desc.get("t")
+    if kind == "inline":
+        return tensor_from_bytes(desc["data"], desc["dtype"], desc["shape"])[:, :, :, start:start + count].clone()
+    if kind != "shm":
+        raise ValueError(f"a {kind!r} shard is read once, by get_sharded")
+    dtype, shape = _dtype(desc["dtype"]), tuple(desc["shape"])
+    if not desc["bytes"]:
+        return torch.empty(shape, dtype=dtype)[:, :, :, start:start + count]
+    with open(desc["path"], "rb") as f, mmap.mmap(f.fileno(), desc["bytes"], prot=mmap.PROT_READ) as mm:
+        with warnings.catch_warnings():          # a read-only buffer: the view is only read from
+            warnings.simplefilter("ignore", UserWarning)
+            view = torch.frombuffer(mm, dtype=dtype, count=desc["bytes"] // dtype.itemsize)
+        out = view.view(shape)[:, :, :, start:start + count].clone()
+        del view                                  # the mapping's last export, before it closes
+    return out
 
 
 def discard_sharded(transport: Any, desc: dict[str, Any] | None) -> None:
