@@ -189,3 +189,28 @@ def test_ray_shards_are_not_read_per_rank():
     desc = {"t": "sharded", "heads": 2, "n": 3, "shards": [{"t": "ray", "owner": "x", "key": "k"}]}
     with pytest.raises(ValueError, match="'ray' shard is read once, by get_sharded"):
         read_for_rank(desc, 2, 0)
+
+
+@pytest.mark.parametrize("tp_src", [1, 2, 4])
+def test_engine_decode_from_resharded_kv_matches_a_colocated_run(tmp_path: Path, tp_src):
+    """A real prefill's KV (tiny Llama, 2 KV heads) cut as the ranks of a TP-``tp_src`` prefill
+    instance hold it (TP4: each head on two ranks), handed off by the runtime over ``shm`` to a TP1
+    decode instance, decodes the tokens a colocated run gives."""
+    from engine_support import Driver, make_executor, make_request, prompts
+    ps = prompts([19, 7], seed=21)
+    colocated = Driver(make_executor("llama")).run([make_request(i, p, 6) for i, p in enumerate(ps)])
+    prefill, decode = make_executor("llama", block_size=8), make_executor("llama", block_size=16)
+    heads = prefill.model.config.num_kv_heads
+    reqs = [make_request(i, p, 6) for i, p in enumerate(ps)]
+    Driver(prefill).step([(r, r.prompt_len) for r in reqs], [])
+    link = TransportLink(make_transport("shm", directory=tmp_path), heads)
+    source, dest = Group(0, "prefill", tp_src), Group(1, "decode", 1)
+    runtime = ClusterRuntime(Deployment(decode_router="least-loaded"), link, front=[source], back=[dest])
+    for r in reqs:
+        source.kv[r.request_id] = prefill.export_kv(r.request_id, r.prompt_len).kv
+        prefill.kv.free(r.request_id)
+        runtime.on_prefilled(r, source, 0.0)
+        decode.kv.allocate(r.request_id, r.prompt_len)
+        decode.import_kv(r.request_id, KVPayload(r.prompt_len, dest.kv[r.request_id][0]))
+    assert list(tmp_path.iterdir()) == []
+    assert Driver(decode).run(reqs) == colocated
