@@ -284,3 +284,16 @@ def _gate_case(ref, request, stop_after, delays, granularity) -> bool:
         assert outcome[r].completed and outcome[r].sampled == ref.sampled and outcome[r].logprobs == ref.logprobs
         executors[r].stream.close()
     return stopped
+
+
+def test_leader_and_follower_are_the_boundary_of_rank_0_and_the_others():
+    """The stop-agreement shape a rank group calls (leader on rank 0 with its wish, follower on the
+    others): rank 0 wants a stop at its second boundary while rank 1 is at its third, so both park
+    at the fourth (the first boundary rank 1 can still reach after its published position)."""
+    board = StopBoard(2)
+    lead, follow = StopProtocol(board, 0), StopProtocol(board, 1)
+    lead.begin_plan(0, 10, "operator"), follow.begin_plan(0, 10, "operator")
+    assert [follow.follower() for _ in range(3)] == [False] * 3
+    assert [lead.leader(False), lead.leader(True), lead.leader(False), lead.leader(False)] == [False] * 3 + [True]
+    assert follow.follower() is True
+    assert lead.counter == follow.counter == 3           # both parked at boundary index 3 (the fourth)

@@ -179,6 +179,19 @@ class StopProtocol:
             return self.boundary(want_stop=wanted is not None and wanted())
         return should_stop
 
+    # the shape of a rank group's stop agreement: rank 0 leads with its wish, the others follow
+    def begin_plan(self, ops_done: int, total: int, granularity: str) -> None:
+        """:meth:`begin` for a run of a plan from ``ops_done`` of ``total`` operators."""
+        self.begin(stoppable_boundaries(ops_done, total, granularity))
+
+    def leader(self, wanted: bool) -> bool:
+        """Rank 0 at a boundary: its scheduler's wish in, the group's answer out."""
+        return self.boundary(want_stop=wanted)
+
+    def follower(self) -> bool:
+        """Ranks 1..N-1 at a boundary: the group's answer."""
+        return self.boundary()
+
     def request_stop(self) -> None:
         """Rank 0: stop the current plan at the first boundary every rank can still reach."""
         if self.rank != 0:
