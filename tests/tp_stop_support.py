@@ -122,7 +122,7 @@ class Rank:
                 inflight.append(stream.record())
                 while len(inflight) > bound - 1:
                     stream.wait(inflight.popleft())
-            want = self.rank == 0 and self.ops_done == stop_at
+            want = self.rank == 0 and stop_at is not None and self.ops_done >= stop_at   # wanted until it lands
             if proto.boundary(self.ops_done, want_stop=want):
                 stream.wait(stream.record())
                 return "parked", self.ops_done

@@ -24,6 +24,7 @@ The protocol ("rank 0 publishes *stop at boundary k*, with k at or past every ra
   past ``k`` when it learns ``k``. Every rank then runs on to boundary ``k`` and parks there.
 * ``k`` past rank 0's last stoppable boundary of the current plan (a rank has already finished the
   plan): rank 0 publishes NONE instead, nobody parks, the step completes on every rank.
+* A wish repeated while a published ``k`` is still ahead changes nothing: the stop is on its way.
 * A published ``k`` stays in the word after the stop (every counter is past it then, so it is
   never met again). Before publishing a new one, rank 0 waits until every rank acknowledged the
   previous ``k`` (``ack[r] = k`` when it parks), which each rank does without needing rank 0.
@@ -211,7 +212,8 @@ class StopProtocol:
         lock.release()
         if self.rank == 0 and (want_stop or self._wanted):
             self._wanted = False
-            self._decide(c)
+            if self._last_k < c:          # else a stop is already on its way (wished again meanwhile)
+                self._decide(c)
         word = words[_WORD]
         if word == PENDING:
             word = self._await_decision()
