@@ -257,7 +257,7 @@ def _gate_case(ref, request, stop_after, delays, granularity) -> bool:
     def run(r: int) -> None:
         ex, plan = executors[r], plans[r]
         gate = protos[r].gate(plan.ops_done if plan else 0, ex.num_operators, granularity,
-                              wanted if r == 0 else None)
+                              wanted if r == 0 and plan is None else None)     # the resumed run: no wish
         if plan is None:
             plans[r], outcome[r] = drivers[r].step([(request(), 21)], [], preemptible=True,
                                                    granularity=granularity, should_stop=gate)
