@@ -44,16 +44,24 @@ executor's in-flight bound (``preempt_max_inflight``) still decides how far the 
 the host when the stop is checked; parking drains the device, and since every rank launched the
 same operators, every collective among them completes.
 
-The fence: CPython gives no atomics, but acquiring and releasing a ``threading.Lock`` is an
-atomic read-modify-write (``sem_wait``/``sem_post``), a full barrier on x86 and an ordering point
-on ARM; a private, never-contended lock per rank orders the store before the load. Shared memory
+The fence (store before load, on both sides) is asymmetric where Linux offers it: the ranks' hot
+path has none, and rank 0, between storing PENDING and reading the positions, calls
+``membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)``, which makes every running thread of every
+registered process (each rank registers when its protocol end is built) pass a full memory
+barrier; a rank either published its position before that point, or reads PENDING after it.
+Correct on any architecture, and a stop pays about a microsecond for it. Without ``membarrier``
+(old kernels, seccomp) each boundary acquires and releases a private ``threading.Lock`` between
+its store and its load: a locked read-modify-write, a full barrier on x86-64 (not on ARM, where a
+board refuses that mode). The board records the mode so every rank uses the same. Shared memory
 is a small file in ``/dev/shm`` mapped by every rank (threads may share an in-process board).
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
+import sys
 import threading
 import time
 import uuid
@@ -63,6 +71,8 @@ from pathlib import Path
 NONE = -1          # no stop published
 PENDING = -2       # rank 0 is choosing k: ranks wait at their boundary
 _WORD = 0          # slot of the stop word; then pos[0..n-1], then ack[0..n-1]
+_FENCE = 1         # the board's fence mode (next to the stop word; written once by its creator)
+LOCK_FENCE, MEMBARRIER_FENCE = 0, 1
 _LINE = 8          # 8-byte words per slot: each slot on its own 64-byte cache line, so one rank's
                    # store does not evict the line another rank reads (no false sharing)
 
@@ -79,7 +89,8 @@ class StopBoard:
     file in shared memory whose ``name`` other processes pass to ``StopBoard.attach``; the
     creator's :meth:`close` unlinks it."""
 
-    def __init__(self, world_size: int, *, _buffer=None, _path: Path | None = None, _owner: bool = False) -> None:
+    def __init__(self, world_size: int, *, fence: str = "auto", _buffer=None, _path: Path | None = None,
+                 _owner: bool = False) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
@@ -87,10 +98,16 @@ class StopBoard:
         self._buffer = _buffer if _buffer is not None else bytearray(self.nbytes(world_size))
         self.words = memoryview(self._buffer).cast("q")
         if _owner or _path is None:
+            self.words[_FENCE] = _fence_mode(fence)
             self.words[_WORD] = NONE
             for r in range(world_size):
                 self.words[self.pos(r)] = -1
                 self.words[self.ack(r)] = NONE
+
+    @property
+    def fence(self) -> int:
+        """``LOCK_FENCE`` or ``MEMBARRIER_FENCE`` (chosen by the board's creator)."""
+        return self.words[_FENCE]
 
     def pos(self, rank: int) -> int:
         return (1 + rank) * _LINE
@@ -103,13 +120,13 @@ class StopBoard:
         return 8 * _LINE * (1 + 2 * world_size)
 
     @classmethod
-    def create(cls, world_size: int, directory: str | Path | None = None) -> StopBoard:
+    def create(cls, world_size: int, directory: str | Path | None = None, fence: str = "auto") -> StopBoard:
         from laneserve.cluster.transport import default_shm_dir
         path = Path(directory or default_shm_dir()) / f"laneserve-stop-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         with open(path, "w+b") as f:
             f.truncate(cls.nbytes(world_size))
             buf = mmap.mmap(f.fileno(), cls.nbytes(world_size))
-        return cls(world_size, _buffer=buf, _path=path, _owner=True)
+        return cls(world_size, fence=fence, _buffer=buf, _path=path, _owner=True)
 
     @classmethod
     def attach(cls, name: str | Path, world_size: int) -> StopBoard:
@@ -154,6 +171,9 @@ class StopProtocol:
         self.last = -1                   # the counter of the current plan's last stoppable boundary
         self.parked_at: int | None = None
         self._fence_lock = threading.Lock()
+        self._asymmetric = board.fence == MEMBARRIER_FENCE
+        if self._asymmetric:
+            _membarrier_register()
         self._wanted = False
         self._last_k = NONE              # rank 0: the last k it published
         self._parked_k = NONE            # the last k this rank parked at
@@ -207,9 +227,10 @@ class StopProtocol:
         self.counter += 1
         c, words = self.counter, self.board.words
         words[self._pos] = c
-        lock = self._fence_lock          # the fence, inlined: the hot path
-        lock.acquire()
-        lock.release()
+        if not self._asymmetric:
+            lock = self._fence_lock      # the fence, inlined: the hot path
+            lock.acquire()
+            lock.release()
         if self.rank == 0 and (want_stop or self._wanted):
             self._wanted = False
             if self._last_k < c:          # else a stop is already on its way (wished again meanwhile)
@@ -233,7 +254,10 @@ class StopProtocol:
             self._wait(lambda: all(words[board.ack(r)] == self._last_k for r in range(n)),
                        f"every rank to acknowledge the stop at {self._last_k}")
         words[_WORD] = PENDING
-        self._fence()
+        if self._asymmetric:
+            _membarrier(_MEMBARRIER_GLOBAL_EXPEDITED)
+        else:
+            self._fence()
         k = max([p0] + [words[board.pos(r)] + 1 for r in range(1, n)])
         if k > self.last:                # a rank finished this plan already: nobody parks
             words[_WORD] = NONE
@@ -271,3 +295,55 @@ def stoppable_boundaries(ops_done: int, total: int, granularity: str) -> int:
         raise ValueError(f"unknown preempt_granularity {granularity!r}")
     every = 1 if granularity == "operator" else 5
     return sum(1 for i in range(ops_done + 1, total) if i % every == 0)
+
+
+# ---- membarrier(2) -----------------------------------------------------------------------------
+_SYS_MEMBARRIER = {"x86_64": 324, "aarch64": 283}
+_MEMBARRIER_QUERY, _MEMBARRIER_GLOBAL_EXPEDITED, _MEMBARRIER_REGISTER_GLOBAL_EXPEDITED = 0, 2, 4
+_registered_pid: int | None = None
+
+
+@functools.cache
+def _syscall():
+    import ctypes
+    import platform
+    nr = _SYS_MEMBARRIER.get(platform.machine())
+    if nr is None or not sys.platform.startswith("linux"):
+        return None
+    return functools.partial(ctypes.CDLL(None, use_errno=True).syscall, nr)
+
+
+def _membarrier(cmd: int) -> int:
+    call = _syscall()
+    return -1 if call is None else call(cmd, 0, 0)
+
+
+def membarrier_available() -> bool:
+    """Whether this kernel offers the global expedited barrier (and lets this process use it)."""
+    mask = _membarrier(_MEMBARRIER_QUERY)
+    want = (1 << 1) | (1 << 2)           # GLOBAL_EXPEDITED and its registration
+    return mask >= 0 and mask & want == want
+
+
+def _membarrier_register() -> None:
+    global _registered_pid
+    if _registered_pid == os.getpid():
+        return
+    if _membarrier(_MEMBARRIER_REGISTER_GLOBAL_EXPEDITED) != 0:
+        raise StopProtocolError("the stop board uses membarrier, which this process cannot register for")
+    _registered_pid = os.getpid()
+
+
+def _fence_mode(fence: str) -> int:
+    if fence == "auto":
+        fence = "membarrier" if membarrier_available() else "lock"
+    if fence == "membarrier":
+        if not membarrier_available():
+            raise ValueError("membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED) is not available here")
+        return MEMBARRIER_FENCE
+    if fence == "lock":
+        import platform
+        if platform.machine() not in ("x86_64", "AMD64", "i686", "i386"):
+            raise ValueError(f"the lock fence is a full barrier only on x86, not on {platform.machine()}")
+        return LOCK_FENCE
+    raise ValueError(f"fence must be 'auto', 'membarrier' or 'lock', got {fence!r}")
