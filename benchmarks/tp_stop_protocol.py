@@ -33,7 +33,7 @@ def _best(fn) -> float:
     return best / N * 1e6
 
 
-def _rank(rank: int, board_name: str, store: str, out) -> None:
+def _rank(rank: int, boards: dict[str, str], store: str, out) -> None:
     import datetime
 
     import torch
@@ -42,8 +42,8 @@ def _rank(rank: int, board_name: str, store: str, out) -> None:
     from laneserve.engine.tp.stop_protocol import StopBoard, StopProtocol
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
-    board = StopBoard.attach(board_name, WORLD)
-    proto = StopProtocol(board, rank)
+    attached = {fence: StopBoard.attach(name, WORLD) for fence, name in boards.items()}
+    protos = {fence: StopProtocol(board, rank) for fence, board in attached.items()}
     flag = torch.zeros(1)
 
     def closure() -> None:
@@ -51,7 +51,7 @@ def _rank(rank: int, board_name: str, store: str, out) -> None:
         for _ in range(N):
             should_stop()
 
-    def published() -> None:
+    def published(proto) -> None:
         proto.begin(N)
         boundary = proto.boundary
         for i in range(N):
@@ -64,22 +64,26 @@ def _rank(rank: int, board_name: str, store: str, out) -> None:
     row = {}
     dist.barrier()
     row["closure_us"] = _best(closure)
-    dist.barrier()
-    row["published_us"] = _best(published)
+    for fence, proto in protos.items():
+        dist.barrier()
+        row[f"published_{fence}_us"] = _best(lambda proto=proto: published(proto))
     dist.barrier()
     row["allreduce_us"] = _best(agreed) * 10
     out.put((rank, row))
-    board.close()
+    for board in attached.values():
+        board.close()
     dist.destroy_process_group()
 
 
 def main() -> int:
-    from laneserve.engine.tp.stop_protocol import StopBoard
-    board = StopBoard.create(WORLD)
+    from laneserve.engine.tp.stop_protocol import StopBoard, membarrier_available
+    fences = ["membarrier", "lock"] if membarrier_available() else ["lock"]
+    made = {fence: StopBoard.create(WORLD, fence=fence) for fence in fences}
+    boards = {fence: b.name for fence, b in made.items()}
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, board.name, f"{tmp}/store", out)) for r in range(WORLD)]
+        procs = [ctx.Process(target=_rank, args=(r, boards, f"{tmp}/store", out)) for r in range(WORLD)]
         for p in procs:
             p.start()
         try:
@@ -89,11 +93,13 @@ def main() -> int:
                 p.join(60)
                 if p.is_alive():
                     p.kill()
-            board.close()
+            for b in made.values():
+                b.close()
     r0 = rows[0]
-    result = {"world": WORLD, "boundaries": N, "per_rank": rows,
-              "published_over_closure": r0["published_us"] / r0["closure_us"],
-              "allreduce_over_published": r0["allreduce_us"] / r0["published_us"]}
+    default = f"published_{fences[0]}_us"
+    result = {"world": WORLD, "boundaries": N, "default_fence": fences[0], "per_rank": rows,
+              "published_over_closure": r0[default] / r0["closure_us"],
+              "allreduce_over_published": r0["allreduce_us"] / r0[default]}
     OUT.mkdir(exist_ok=True)
     (OUT / "tp_stop_protocol.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# tp_stop_protocol", "", "Command: `python benchmarks/tp_stop_protocol.py`  ",
@@ -101,11 +107,13 @@ def main() -> int:
              f"best of {REPEATS} timings of {N} boundaries", "",
              "Per stoppable boundary with no stop pending (rank 0 / rank 1):", "",
              "| check | rank 0 (us) | rank 1 (us) |", "|---|---|---|"]
-    for key, what in (("closure_us", "plain `should_stop()` closure (TP1)"),
-                      ("published_us", "`StopProtocol.boundary` (publish + read the stop word)"),
-                      ("allreduce_us", "agreement: all-reduce of a stop flag")):
+    checks = [("closure_us", "plain `should_stop()` closure (TP1)")]
+    checks += [(f"published_{f}_us", f"`StopProtocol.boundary`, {f} fence (publish + read the stop word)")
+               for f in fences]
+    checks += [("allreduce_us", "agreement: all-reduce of a stop flag")]
+    for key, what in checks:
         lines.append(f"| {what} | {rows[0][key]:.2f} | {rows[1][key]:.2f} |")
-    lines += ["", f"Published protocol over the plain closure: {result['published_over_closure']:.1f}x; "
+    lines += ["", f"Default fence: {fences[0]}. Published protocol over the plain closure: {result['published_over_closure']:.1f}x; "
               f"the per-boundary all-reduce over the published protocol: {result['allreduce_over_published']:.0f}x."]
     (OUT / "tp_stop_protocol.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -174,6 +174,8 @@ class StopProtocol:
         self._asymmetric = board.fence == MEMBARRIER_FENCE
         if self._asymmetric:
             _membarrier_register()
+        self._lock = None if self._asymmetric else self._fence_lock
+        self._words = board.words
         self._wanted = False
         self._last_k = NONE              # rank 0: the last k it published
         self._parked_k = NONE            # the last k this rank parked at
@@ -222,20 +224,23 @@ class StopProtocol:
     def boundary(self, op_index: int = -1, want_stop: bool = False) -> bool:
         """This rank reached a stoppable boundary (after launching operator ``op_index``): True
         when the group parks here."""
-        if self.counter >= self.last:
+        c = self.counter + 1
+        if c > self.last:
             raise StopProtocolError(f"rank {self.rank}: more boundaries than begin() announced")
-        self.counter += 1
-        c, words = self.counter, self.board.words
+        self.counter = c
+        words = self._words
         words[self._pos] = c
-        if not self._asymmetric:
-            lock = self._fence_lock      # the fence, inlined: the hot path
+        lock = self._lock
+        if lock is not None:             # the lock fence, inlined: the hot path
             lock.acquire()
             lock.release()
-        if self.rank == 0 and (want_stop or self._wanted):
+        if (want_stop or self._wanted) and self.rank == 0:
             self._wanted = False
             if self._last_k < c:          # else a stop is already on its way (wished again meanwhile)
                 self._decide(c)
         word = words[_WORD]
+        if word == NONE or word == self._parked_k:      # the common case: no stop, or an old one
+            return False
         if word == PENDING:
             word = self._await_decision()
         if word == c:
