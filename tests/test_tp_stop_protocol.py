@@ -312,6 +312,12 @@ def test_the_board_fixes_one_fence_for_every_rank(tmp_path: Path):
         assert attached.fence == auto.fence == (MEMBARRIER_FENCE if membarrier_available() else LOCK_FENCE)
         attached.close()
         assert Path(auto.name).exists()                 # only the creator unlinks
+        again = StopBoard.attach(auto.name, 2)
+        auto.unlink()                                   # every rank attached: the name goes, the mappings stay
+        assert list(tmp_path.iterdir()) == []
+        again.words[0] = 7
+        assert auto.words[0] == 7
+        again.close()
     finally:
         auto.close()
     assert list(tmp_path.iterdir()) == []

@@ -139,6 +139,16 @@ class StopBoard:
     def name(self) -> str | None:
         return str(self.path) if self.path is not None else None
 
+    def unlink(self) -> None:
+        """Remove the file's name (creator only; the mappings stay valid): call it once every
+        rank attached, so that no shared memory outlives the group even if it crashes."""
+        if self._owner and self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self._owner = False
+
     def close(self) -> None:
         """Unmap (and unlink, on the creator). Idempotent."""
         words, self.words = self.words, None
@@ -146,12 +156,7 @@ class StopBoard:
             words.release()
             if isinstance(self._buffer, mmap.mmap):
                 self._buffer.close()
-        if self._owner and self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            self._owner = False
+        self.unlink()
 
 
 class StopProtocol:
@@ -161,7 +166,9 @@ class StopProtocol:
     :meth:`request_stop` (any thread) or ``boundary(..., want_stop=True)``.
 
     ``timeout`` bounds every wait (raises :class:`StopProtocolError`): a rank never hangs on a
-    dead partner. ``parked_at`` is the op index of the last park (for tests and logs)."""
+    dead partner. ``parked_at`` is the op index of the last park (for tests and logs). Build
+    every rank's end before the group's first step (before the ranks join their process group,
+    say): with the membarrier fence, building it registers the process."""
 
     def __init__(self, board: StopBoard, rank: int, *, timeout: float = 60.0, poll: float = 20e-6) -> None:
         if not 0 <= rank < board.world_size:
