@@ -106,7 +106,8 @@ def _chat(body, tokenizer, defaults):
 
 def test_tool_conversation_is_rendered_with_its_fields(tokenizer):
     defaults = ServerDefaults(SLO(), chat_template=TEMPLATE, tool_parser="hermes")
-    text = chat_prompt({"messages": CONVERSATION, "tools": TOOLS}, tokenizer=tokenizer, defaults=defaults)
+    text = chat_prompt({"messages": CONVERSATION, "tools": TOOLS}, tokenizer=tokenizer, defaults=defaults,
+                       max_model_len=2048)
     assert text == ('[tool get_weather]<user>weather?<assistant>(call call_1 get_weather '
                     + json.dumps(WEATHER) + ')<tool name=get_weather id=call_1>21 C')
     gi = _chat({"messages": CONVERSATION, "tools": TOOLS, "max_tokens": 4}, tokenizer, defaults)

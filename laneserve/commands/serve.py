@@ -158,10 +158,13 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
 def _add_robustness_flags(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("robustness and security")
     r.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /debug/* (default: the "
+                   help="require 'Authorization: Bearer KEY' on every path that does work (/v1/*, /tokenize, "
+                        "/detokenize, /debug/*; not /health, /version, /metrics, the docs) (default: the "
                         "LANESERVE_API_KEY environment variable; none = open)")
     r.add_argument("--api-key-all-paths", action="store_true",
-                   help="with an API key: require it on /health and /metrics too")
+                   help="with an API key: require it on every path, /health and /metrics included")
+    r.add_argument("--metrics-require-key", action="store_true",
+                   help="with an API key: require it on /metrics too")
     r.add_argument("--metrics-prefix", choices=("laneserve", "vllm", "both"), default="laneserve",
                    help="/metrics names: laneserve's, vLLM's (vllm:*, labels model_name and engine, for vLLM "
                         "dashboards), or both")
@@ -334,6 +337,7 @@ def _server_state(args: argparse.Namespace, cluster, name: str, model):
     return ServerState(cluster, name, str(model or ""), None, make_defaults(args),
                        ServerMetrics(name, getattr(args, "metrics_prefix", "laneserve")),
                        api_key=api_key, protect_all=args.api_key_all_paths,
+                       metrics_require_key=getattr(args, "metrics_require_key", False),
                        max_request_bytes=args.max_request_bytes, body_timeout=args.body_timeout,
                        request_budget=RequestBudget(args.max_request_share, args.max_response_bytes))
 

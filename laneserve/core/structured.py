@@ -41,6 +41,7 @@ Numeric bounds, ``multipleOf``, string lengths and patterns, ``minProperties``/`
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -156,16 +157,37 @@ def parse_tool_calls(spec: StructuredSpec, text: str) -> list[ToolCall]:
     """The calls in the complete output ``text`` of a ``tool``/``tools_required`` request. Raises
     ``ValueError`` when the text is not a complete call (the request hit ``max_tokens``)."""
     if spec.kind == "tool":
-        args = json.loads(text)
+        args = loads_strict(text)
         if not isinstance(args, dict):
             raise ValueError("tool arguments must be a JSON object")
-        return [ToolCall(json.loads(spec.value)["name"], json.dumps(args, ensure_ascii=False))]
+        return [ToolCall(json.loads(spec.value)["name"], json_text(args))]
     if spec.kind != "tools_required":
         raise ValueError(f"a {spec.kind!r} request carries no tool calls")
-    calls = json.loads(text)
+    calls = loads_strict(text)
     if not isinstance(calls, list) or not calls:
         raise ValueError("tool calls must be a non-empty JSON array")
-    return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+    return [ToolCall(c["name"], json_text(c["arguments"])) for c in calls]
+
+
+def json_text(value: Any) -> str:
+    """``value`` as JSON text that encodes as UTF-8: non-ASCII kept, but a lone surrogate (which a
+    ``\\ud800`` escape in a model's output decodes to) written back as its escape, not as a
+    character no UTF-8 encoder takes. NaN and infinities are refused (``ValueError``)."""
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    return text if text.isascii() or not _SURROGATE.search(text) else json.dumps(value, allow_nan=False)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def loads_strict(text: str) -> Any:
+    """JSON text parsed as JSON (RFC 8259): ``NaN``, ``Infinity`` and ``-Infinity`` are refused
+    (Python's ``json`` takes them; a client's JSON parser would then fail on what is sent)."""
+    return json.loads(text, parse_constant=no_json_constant)
+
+
+def no_json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def escape_regex(literal: str) -> str:

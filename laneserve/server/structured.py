@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from laneserve.core.structured import StructuredSpec, ToolCall, UnsupportedSpec, parse_tool_calls
+from laneserve.core.structured import StructuredSpec, ToolCall, UnsupportedSpec, json_text, parse_tool_calls
 
 
 def spec_from_request(body: Mapping[str, Any]) -> StructuredSpec | None:
@@ -64,10 +64,10 @@ def openai_tool_calls(spec: StructuredSpec, text: str) -> list[dict[str, Any]]:
 
 
 def _tool_call_json(call: ToolCall) -> dict[str, Any]:
-    return {"id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"id": call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def _call_id() -> str:
+def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -98,7 +98,7 @@ class ToolCallStream:
             first = self.calls == 0
             self.calls = 1
             if first:
-                return {"tool_calls": [{"index": 0, "id": _call_id(), "type": "function",
+                return {"tool_calls": [{"index": 0, "id": call_id(), "type": "function",
                                         "function": {"name": self.name, "arguments": text}}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
         self.text += text
@@ -115,9 +115,9 @@ class ToolCallStream:
             except ValueError:                  # the object is not complete yet
                 break
             self.pos = end
-            out.append({"index": self.calls, "id": _call_id(), "type": "function",
+            out.append({"index": self.calls, "id": call_id(), "type": "function",
                         "function": {"name": call["name"],
-                                     "arguments": json.dumps(call["arguments"], ensure_ascii=False)}})
+                                     "arguments": json_text(call["arguments"])}})
             self.calls += 1
         return {"tool_calls": out} if out else {}
 
