@@ -15,9 +15,10 @@ from laneserve.server.tool_parsers import AutoToolStream, get_parser, parser_nam
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
 CASES = [
-    # parser, text, content, [(name, arguments)]
+    # parser, text, content (the text before the first call as written, as vLLM and a stream send it),
+    # [(name, arguments)]
     ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(WEATHER)
-     + '}\n</tool_call>', "Let me look.", [("get_weather", WEATHER)]),
+     + '}\n</tool_call>', "Let me look.\n", [("get_weather", WEATHER)]),
     ("hermes", '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": '
      '{"x": [1, 2]}}</tool_call>', None, [("a", {}), ("b", {"x": [1, 2]})]),
     ("qwen", '<tool_call>\n{"name": "ping", "arguments": {"n": true}}', None, [("ping", {"n": True})]),
@@ -31,7 +32,7 @@ CASES = [
     ("llama3_json", '{"not": "a call"}', '{"not": "a call"}', []),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) + "}]", None,
      [("get_weather", WEATHER)]),
-    ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]' + json.dumps(WEATHER), "Sure.", [("get_weather", WEATHER)]),
+    ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]' + json.dumps(WEATHER), "Sure. ", [("get_weather", WEATHER)]),
     ("mistral", "[TOOL_CALLS] garbage", "[TOOL_CALLS] garbage", []),
 ]
 
@@ -65,7 +66,7 @@ def test_streamed_pieces_give_the_same_answer(name, text, content, calls, size):
     if calls:       # the text before the call went out as content; the call's own text never did
         marker = {"hermes": "<tool_call>", "qwen": "<tool_call>", "mistral": "[TOOL_CALLS]"}.get(name)
         assert marker is None or marker not in sent
-        assert sent.strip() == (content or "")
+        assert sent == (content or "")       # exactly the content the whole answer has
     else:
         assert sent == text
 

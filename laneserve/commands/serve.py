@@ -151,6 +151,9 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
                    help="SLO of requests that name none")
     a.add_argument("--slo-class", action="append", default=[], metavar="NAME:ttft_ms=X,tpot_ms=Y[,priority=P]",
                    help="a named SLO class with its defaults (repeatable)")
+    a.add_argument("--json-schema-open-objects", action="store_true",
+                   help="structured output: an object schema without additionalProperties takes further keys "
+                        "(JSON Schema's reading); by default it is closed, as vLLM's default backend does")
     a.add_argument("--default-max-tokens", type=at_least(1), default=256,
                    help="chat completions: max_tokens when the request sets none (capped by the context)")
 
@@ -214,7 +217,8 @@ def make_defaults(args: argparse.Namespace):
                           chat_template=getattr(args, "chat_template_text", None),
                           served_names=tuple(n for n in (getattr(args, "served_model_name", None),
                                                          *getattr(args, "served_model_aliases", ())) if n),
-                          max_model_len=getattr(args, "max_model_len", None))
+                          max_model_len=getattr(args, "max_model_len", None),
+                          open_json_objects=getattr(args, "json_schema_open_objects", False))
 
 
 def _load_tokenizer(path: Path | None):

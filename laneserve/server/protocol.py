@@ -210,6 +210,7 @@ class ServerDefaults:
     chat_template: str | None = None       # --chat-template: replaces the tokenizer's
     served_names: tuple[str, ...] = ()     # --served-model-name(s): the first answers, and is a request's default
     max_model_len: int | None = None       # --max-model-len: caps the model's context
+    open_json_objects: bool = False        # --json-schema-open-objects: no additionalProperties = any key
 
 
 @dataclass(slots=True)
@@ -479,12 +480,13 @@ def _min_tokens_fit(min_tokens: int, max_tokens: int, max_tokens_key: str) -> No
         raise BadRequest(f"'min_tokens' ({min_tokens}) must be <= {max_tokens_key} ({max_tokens})", "min_tokens")
 
 
-def _structured(body: dict, req: CompletionRequest | ChatCompletionRequest, tokenizer) -> StructuredSpec | None:
+def _structured(body: dict, req: CompletionRequest | ChatCompletionRequest, tokenizer,
+                defaults: ServerDefaults) -> StructuredSpec | None:
     """The request's structured-output constraint, compiled once over ``tokenizer`` to check it."""
     fields = {k: body[k] for k in STRUCTURED_FIELDS if k in body and k in type(req).model_fields}
     given = [k for k, v in fields.items() if v is not None]
     try:
-        spec = spec_from_request(fields)
+        spec = spec_from_request(fields, open_objects=defaults.open_json_objects)
     except UnsupportedSpec as exc:
         field_name = _named(str(exc), given)
         msg = str(exc) if field_name is None or field_name in str(exc) else f"'{field_name}': {exc}"
@@ -677,7 +679,7 @@ def parse_completion(body: Any, *, tokenizer, max_model_len: int, vocab_size: in
     if echo_only and req.stream:
         raise BadRequest("'max_tokens': 0 (echo only) is not supported with 'stream': true", "max_tokens")
     max_tokens = max_tokens or 1                # one token is generated and dropped
-    structured = _structured(body, req, tokenizer)
+    structured = _structured(body, req, tokenizer, defaults)
     checked = _check_common(req, vocab_size, headers, defaults, tokenizer is not None, req.logprobs, max_tokens,
                             "max_tokens", structured, best_of)
     checked.sampling["bad_words_ids"] = _bad_words(req.bad_words, tokenizer, vocab_size)
@@ -727,7 +729,7 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
         max_tokens, key = req.max_tokens, "max_tokens"
     if max_tokens == 0:
         raise BadRequest(f"'{key}' must be >= 1, got 0", key)
-    structured = _structured(body, req, tokenizer)
+    structured = _structured(body, req, tokenizer, defaults)
     n = req.n or 1
     checked = _check_common(req, vocab_size, headers, defaults, True, logprobs, max_tokens, key, structured, n)
     checked.sampling["bad_words_ids"] = _bad_words(req.bad_words, tokenizer, vocab_size)

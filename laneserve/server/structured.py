@@ -24,8 +24,15 @@ from typing import Any
 from laneserve.core.structured import StructuredSpec, ToolCall, UnsupportedSpec, json_text, parse_tool_calls
 
 
-def spec_from_request(body: Mapping[str, Any]) -> StructuredSpec | None:
-    """The structured-output constraint a completion or chat-completion request asks for."""
+def spec_from_request(body: Mapping[str, Any], *, open_objects: bool = False) -> StructuredSpec | None:
+    """The structured-output constraint a completion or chat-completion request asks for. Object
+    schemas that say nothing of further keys are closed (vLLM's default), unless ``open_objects``
+    (JSON Schema's own reading: any further key allowed)."""
+    spec = _spec(body)
+    return spec if spec is None or open_objects else spec.closed()
+
+
+def _spec(body: Mapping[str, Any]) -> StructuredSpec | None:
     found: list[tuple[str, StructuredSpec]] = []
     fmt = body.get("response_format")
     if fmt is not None:
