@@ -71,6 +71,44 @@ def test_streamed_pieces_give_the_same_answer(name, text, content, calls, size):
         assert sent == text
 
 
+# texts whose "calls" break the protocol: returned whole as content, never as tool_calls
+NOT_CALLS = [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"x": NaN}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"x": Infinity}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": "[1]"}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "launch_missiles", "arguments": {}}</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"x": -Infinity}}'),
+    ("llama3_json", '{"name": "nope", "parameters": {}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "", "arguments": {}}]'),
+    ("mistral", "[TOOL_CALLS]{\"a\": 1}"),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"x": NaN}'),
+]
+
+
+@pytest.mark.parametrize("name,text", NOT_CALLS)
+def test_calls_that_break_the_protocol_are_content(name, text):
+    names = frozenset({"get_weather", "ping"})
+    parsed = get_parser(name).extract(text, names)
+    assert parsed.calls == [] and parsed.content == text
+    stream = AutoToolStream(get_parser(name), names)
+    deltas = [stream.delta(text[i:i + 5], i + 5 >= len(text)) for i in range(0, len(text), 5)]
+    assert "".join(d.get("content", "") for d in deltas) == text
+    assert not any("tool_calls" in d for d in deltas) and not stream.called
+
+
+@pytest.mark.parametrize("name,text,value", [
+    ("hermes", '<tool_call>{"name": "ping", "arguments": {"s": "\\ud800 caf\u00e9"}}</tool_call>', "\ud800 caf\u00e9"),
+    ("llama3_json", '{"name": "ping", "parameters": {"s": "\\ud800"}}', "\ud800"),
+    ("mistral", '[TOOL_CALLS][{"name": "ping", "arguments": {"s": "x\\udc00"}}]', "x\udc00"),
+])
+def test_lone_surrogates_in_arguments_are_escaped(name, text, value):
+    (call,) = get_parser(name).extract(text, frozenset({"ping"})).calls
+    args = call["function"]["arguments"]
+    args.encode("utf-8")                                    # what the response encoder does: no error
+    assert json.loads(args) == {"s": value}
+
+
 def test_unknown_parser_names_list_the_known_ones():
     with pytest.raises(ValueError, match="hermes.*llama3_json.*mistral"):
         get_parser("nope")
