@@ -39,6 +39,7 @@ from starlette.requests import ClientDisconnect
 
 from laneserve.cluster.process import Overloaded, ProcessCluster, Track, Unavailable
 from laneserve.server import budget
+from laneserve.server.encode import encode_json
 from laneserve.server.detok import IncrementalDetokenizer, stop_reason, token_text
 from laneserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from laneserve.server.metrics import ServerMetrics
@@ -204,8 +205,11 @@ def _starting() -> JSONResponse:
                           headers={"Retry-After": "2"})
 
 
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+def _sse(obj: Any, big: bool = False) -> str:
+    """One server-sent event; ``big``: encoded in pieces (:mod:`laneserve.server.encode`), for a
+    chunk built in the render pool."""
+    text = encode_json(obj).decode() if big else json.dumps(obj, separators=(",", ":"))
+    return f"data: {text}\n\n"
 
 
 class _Run:
@@ -646,7 +650,7 @@ async def _complete(state: ServerState, request: Request, gi: GenerateInput, run
         body = {**_head(state, gi, False), "choices": choices, "usage": _usage(gi, chosen)}
         if gi.kind == "chat" and gi.prompt_logprobs is not None:     # vLLM: one prompt, beside the choices
             body["prompt_logprobs"] = chosen[0].vllm_prompt_logprobs()
-        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        return encode_json(body)        # in pieces: the event loop is never held for long
 
     content = await asyncio.get_running_loop().run_in_executor(state.render_pool, render)
     return Response(content, media_type="application/json")
@@ -743,6 +747,7 @@ class _StreamChunks:
 
     def chunk(self, run: _Run, toks: list[int], lp: list | None) -> str:
         gi = self.gi
+        big = self.heavy(run, toks)
         text = run.detok.delta(final=run.finish is not None)
         if run.index in self.echo_due:
             self.echo_due.discard(run.index)
@@ -775,7 +780,7 @@ class _StreamChunks:
         chunk = {**self.head, "choices": [choice]}
         if gi.continuous_usage:
             chunk["usage"] = _usage(gi, self.runs)
-        return _sse(chunk)
+        return _sse(chunk, big)
 
 
 async def _stream(state: ServerState, gi: GenerateInput, runs: list[_Run]):
