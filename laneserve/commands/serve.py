@@ -151,6 +151,8 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
                    help="SLO of requests that name none")
     a.add_argument("--slo-class", action="append", default=[], metavar="NAME:ttft_ms=X,tpot_ms=Y[,priority=P]",
                    help="a named SLO class with its defaults (repeatable)")
+    a.add_argument("--chat-template-timeout", type=at_least(0.01, float), default=2.0,
+                   help="seconds one chat-template render may take (a request whose render runs longer gets a 400)")
     a.add_argument("--json-schema-open-objects", action="store_true",
                    help="structured output: an object schema without additionalProperties takes further keys "
                         "(JSON Schema's reading); by default it is closed, as vLLM's default backend does")
@@ -218,7 +220,8 @@ def make_defaults(args: argparse.Namespace):
                           served_names=tuple(n for n in (getattr(args, "served_model_name", None),
                                                          *getattr(args, "served_model_aliases", ())) if n),
                           max_model_len=getattr(args, "max_model_len", None),
-                          open_json_objects=getattr(args, "json_schema_open_objects", False))
+                          open_json_objects=getattr(args, "json_schema_open_objects", False),
+                          render_timeout=getattr(args, "chat_template_timeout", 2.0))
 
 
 def _load_tokenizer(path: Path | None):
@@ -394,6 +397,8 @@ def _lifecycle(args: argparse.Namespace, state, cluster, spec, model, name: str,
         finally:
             if tok_task is not None and not tok_task.done():
                 tok_task.cancel()
+        from laneserve.server.templates import probe_render     # a broken template stops start-up here
+        probe_render(state.tokenizer, state.defaults.chat_template, state.defaults.render_timeout)
         mode = "colocated" if spec.colocated else f"{spec.num_prefill}P+{spec.num_decode}D"
         log(f"laneserve: serving {name!r} ({mode}, prefill={spec.prefill_policy}, decode={spec.decode_policy}, "
             f"router={spec.router}) on http://{args.host}:{args.port}")

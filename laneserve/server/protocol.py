@@ -76,6 +76,7 @@ from laneserve.server.schema import (MAX_BATCH_PROMPTS, MAX_CHARS_PER_TOKEN, MAX
                                      MAX_NAME_CHARS, MAX_SLO_MS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                      ChatCompletionRequest, CompletionRequest)
 from laneserve.server.structured import spec_from_request
+from laneserve.server.templates import DEFAULT_RENDER_TIMEOUT, TemplateOverrun, render_deadline
 
 __all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "MAX_BATCH_PROMPTS", "MAX_JSON_DEPTH", "MAX_MESSAGES", "MAX_STOP_STRINGS",
            "MAX_STOP_TOKEN_IDS", "BadRequest", "GenerateInput", "PromptInput", "ServerDefaults", "parse_body", "parse_chat",
@@ -211,6 +212,7 @@ class ServerDefaults:
     served_names: tuple[str, ...] = ()     # --served-model-name(s): the first answers, and is a request's default
     max_model_len: int | None = None       # --max-model-len: caps the model's context
     open_json_objects: bool = False        # --json-schema-open-objects: no additionalProperties = any key
+    render_timeout: float = DEFAULT_RENDER_TIMEOUT   # seconds one chat-template render may take
 
 
 @dataclass(slots=True)
@@ -739,7 +741,7 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
             raise BadRequest("'prompt_logprobs' is not supported with 'stream': true on chat completions",
                              "prompt_logprobs")
         checked.sampling["prompt_logprobs"] = req.prompt_logprobs
-    text = _render(req, msgs, kwargs, tokenizer, defaults)
+    text = _render(req, msgs, kwargs, tokenizer, defaults, max_model_len * MAX_CHARS_PER_TOKEN)
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     gi = _finish(req, "chat", checked, [PromptInput(ids, text)], max_model_len, vocab_size, kv_tokens, defaults,
                  max_tokens, key, n)
@@ -753,7 +755,7 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
 
 
 def _render(req: ChatCompletionRequest, msgs: list[dict[str, Any]], kwargs: dict[str, Any], tokenizer,
-            defaults: ServerDefaults) -> str:
+            defaults: ServerDefaults, max_chars: int | None = None) -> str:
     """The chat template applied: the request's tools, the served template (``--chat-template``),
     ``add_generation_prompt`` and ``continue_final_message`` (the reply continues the last
     message: no generation prompt, the message left open)."""
@@ -771,11 +773,17 @@ def _render(req: ChatCompletionRequest, msgs: list[dict[str, Any]], kwargs: dict
             raise BadRequest("'continue_final_message' needs an assistant message last", "continue_final_message")
         add_prompt, kwargs["continue_final_message"] = False, True
     try:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_prompt, **kwargs)
+        with render_deadline(defaults.render_timeout):
+            text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_prompt, **kwargs)
+    except TemplateOverrun as exc:
+        raise BadRequest(f"{exc} on these messages (a render is bounded; see --chat-template)", "messages") from None
     except Exception as exc:  # noqa: BLE001 - template errors are the client's input
         raise BadRequest(f"the chat template failed on these messages: {_show(str(exc), 200)}", "messages") from None
     if not isinstance(text, str):
         raise BadRequest("the chat template did not produce text", "messages")
+    if max_chars is not None and len(text) > max_chars:
+        raise BadRequest(f"the chat template rendered {len(text)} characters, more than can fit this model's "
+                         f"context ({max_chars} characters)", "messages")
     return text
 
 
@@ -870,4 +878,5 @@ def chat_prompt(body: Any, *, tokenizer, defaults: ServerDefaults, max_model_len
     msgs = _messages(req)
     _rendered_limit(req, msgs, max_model_len)
     _tool_names(req.tools or None)
-    return _render(req, msgs, _template_kwargs(req.chat_template_kwargs), tokenizer, defaults)
+    return _render(req, msgs, _template_kwargs(req.chat_template_kwargs), tokenizer, defaults,
+                   max_model_len * MAX_CHARS_PER_TOKEN)
