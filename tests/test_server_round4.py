@@ -164,6 +164,15 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_and_its_logprobs(server):
     assert all(isinstance(v, float) for v in lp.token_logprobs[1:])
     with pytest.raises(openai.BadRequestError):          # without echo, 0 tokens is still refused
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+    for logprobs in (None, 1):                            # streamed: the same text, the same logprobs
+        text, tokens = "", []
+        for chunk in client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0,
+                                               logprobs=logprobs, stream=True):
+            for c in chunk.choices:
+                text += c.text
+                tokens += c.logprobs.tokens if c.logprobs else []
+        assert text == prompt
+        assert tokens == (lp.tokens if logprobs else [])
 
 
 def test_empty_stream_options_without_stream_is_accepted(server):

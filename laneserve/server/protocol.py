@@ -678,8 +678,6 @@ def parse_completion(body: Any, *, tokenizer, max_model_len: int, vocab_size: in
     echo_only = max_tokens == 0                 # vLLM: echo with max_tokens 0 returns the prompt alone
     if echo_only and not req.echo:
         raise BadRequest("'max_tokens' must be >= 1 (0 only with 'echo': true), got 0", "max_tokens")
-    if echo_only and req.stream:
-        raise BadRequest("'max_tokens': 0 (echo only) is not supported with 'stream': true", "max_tokens")
     max_tokens = max_tokens or 1                # one token is generated and dropped
     structured = _structured(body, req, tokenizer, defaults)
     checked = _check_common(req, vocab_size, headers, defaults, tokenizer is not None, req.logprobs, max_tokens,
