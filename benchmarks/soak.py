@@ -163,18 +163,7 @@ class Soak:
                          weights=[42, 17, 12, 12, 8, 2, 2, 5])[0]
         try:
             if kind == "round4":
-                name = r.choice(sorted(ROUND4_OK))
-                path, body = round4_request(name, r, self.eos)
-                resp = await client.post(self.url + path, json=body)
-                if resp.status_code in (429, 503) and 200 in ROUND4_OK[name]:
-                    self.outcomes[f"refused_{resp.status_code}"] += 1
-                    return
-                right = round4_right(name, resp.status_code, resp.json())
-                self.outcomes[f"round4_{name}" if right else "round4_wrong"] += 1
-                self.outcomes["hostile_5xx"] += resp.status_code >= 500
-                if not right:
-                    self.lost.append(f"{i} round4 {name}: {resp.status_code} {resp.text[:120]}")
-                return
+                return await self._round4(client, i)
             if kind == "structured":
                 name, path, fields = r.choice(self.structured)
                 resp = await client.post(self.url + path, json=chat_body(MODEL, fields, max_tokens=48, seed=i))
@@ -233,6 +222,19 @@ class Soak:
         except httpx.HTTPError as exc:
             self.outcomes["lost"] += 1
             self.lost.append(f"{i} {kind}: {exc!r}")
+
+    async def _round4(self, client: httpx.AsyncClient, i: int) -> None:
+        name = self.rng.choice(sorted(ROUND4_OK))
+        path, body = round4_request(name, self.rng, self.eos)
+        resp = await client.post(self.url + path, json=body)
+        if resp.status_code in (429, 503) and 200 in ROUND4_OK[name]:
+            self.outcomes[f"refused_{resp.status_code}"] += 1         # admitted or not while an instance is down
+            return
+        right = round4_right(name, resp.status_code, resp.json())
+        self.outcomes[f"round4_{name}" if right else "round4_wrong"] += 1
+        self.outcomes["hostile_5xx"] += resp.status_code >= 500
+        if not right:
+            self.lost.append(f"{i} round4 {name}: {resp.status_code} {resp.text[:120]}")
 
     def _judge_json(self, resp: httpx.Response, i: int) -> None:
         if resp.status_code == 200 and resp.json().get("choices"):
