@@ -11,6 +11,12 @@ live 1P+1D deployment of the smoke model, mixing
   must be a 400 or a document satisfying its constraint), response amplification (echo + top-20
   logprobs + top-20 prompt logprobs over 40 prompts of 4,000 tokens) and a request asking for every
   admission slot (``best_of: 128`` over two prompts), each to be refused with a 400,
+- round four's classes (``ROUND4_OK``): a 300 KB ``/tokenize`` prompt and 320 KB of tools (400s
+  before any tokenizer or template work), duplicate tool names, ``allowed_token_ids=[EOS]`` with
+  ``min_tokens``, a chat template that loops (the server runs with one that loops on "loop" and
+  ``--chat-template-timeout 1``: a 400 that frees the parse thread), a large echo + top-20 logprobs
+  body (encoded in pieces off the loop), a named tool call cut by ``max_tokens`` (its partial
+  call) and a tool call whose arguments hold a lone surrogate (escaped, never a 500),
 
 while the decode instance is killed (SIGKILL) a third of the way in and the prefill instance is
 hung (SIGSTOP) two thirds of the way in. A poller times ``/health`` every 100 ms all along.
@@ -25,6 +31,7 @@ Reported (``benchmarks/results/soak.json``):
 - ``kv_blocks_leaked``, ``inflight_at_rest``, ``kv_files_at_rest``: what is still held once the
   load has stopped and the server is at rest. Must be 0.
 - ``restarts``: instance restarts the supervisor made (2 expected: the kill and the hang).
+- ``round4_wrong``: round-four requests answered otherwise than expected. Must be 0.
 - RSS growth in MB of the API process and of each instance process alive at the end, from the
   first sample after warm-up to the end; ``/health`` p50/p99/max latency during the run.
 
@@ -71,6 +78,51 @@ HOSTILE = [
 ]
 
 
+# round four's request classes (sizes before the work, templates, tool calls, big bodies): name -> the
+# statuses that are a right answer
+ROUND4_OK = {"tokenize_huge": {400}, "tools_huge": {400}, "duplicate_tools": {400}, "eos_min_tokens": {400},
+             "template_loop": {400}, "big_echo": {200, 400}, "named_cut": {200}, "surrogate_tool_args": {200}}
+# a chat template that loops for hours on a message saying "loop" (bounded by --chat-template-timeout)
+LOOPING_TEMPLATE = ("{% if messages[0].content == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+                    "{% endfor %}{% endfor %}{% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                    "{% endfor %}<assistant>")
+PING_TOOL = [{"type": "function", "function": {"name": "ping", "parameters": {
+    "type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}}}]
+
+
+def round4_request(name: str, rng: random.Random, eos: int) -> tuple[str, dict]:
+    """(path, body) of one round-four request."""
+    user = [{"role": "user", "content": "hello"}]
+    chat = "/v1/chat/completions"
+    if name == "tokenize_huge":
+        return "/tokenize", {"prompt": "word " * 60_000}
+    if name == "tools_huge":
+        tools = [{"type": "function", "function": {"name": f"f{i}", "description": "x" * 40_000}} for i in range(8)]
+        return chat, {"model": MODEL, "messages": user, "tools": tools, "tool_choice": "none", "max_tokens": 4}
+    if name == "duplicate_tools":
+        return chat, {"model": MODEL, "messages": user, "tools": PING_TOOL * 2, "tool_choice": "required"}
+    if name == "eos_min_tokens":
+        return chat, {"model": MODEL, "messages": user, "allowed_token_ids": [eos], "min_tokens": 4, "max_tokens": 8}
+    if name == "template_loop":
+        return chat, {"model": MODEL, "messages": [{"role": "user", "content": "loop"}], "max_tokens": 4}
+    if name == "big_echo":
+        return "/v1/completions", {"model": MODEL, "prompt": [rng.randrange(4, 1000) for _ in range(1500)],
+                                   "echo": True, "logprobs": 20, "n": 4, "max_tokens": 4, "ignore_eos": True}
+    if name == "named_cut":
+        return chat, {"model": MODEL, "messages": user, "tools": PING_TOOL, "max_tokens": 3,
+                      "tool_choice": {"type": "function", "function": {"name": "ping"}}}
+    call = '<tool_call>\\{"name": "ping", "arguments": \\{"s": "\\\\ud800"\\}\\}</tool_call>'
+    return chat, {"model": MODEL, "messages": user, "tools": PING_TOOL, "guided_regex": call, "max_tokens": 60}
+
+
+def round4_right(name: str, status: int, body) -> bool:
+    if status not in ROUND4_OK[name]:
+        return False
+    if name == "named_cut" or name == "surrogate_tool_args":
+        return bool(body["choices"][0]["message"].get("tool_calls"))
+    return True
+
+
 class Soak:
     def __init__(self, url: str, server_pid: int, n: int, rate: float, seed: int) -> None:
         self.url, self.server_pid, self.n, self.rate = url, server_pid, n, rate
@@ -85,6 +137,7 @@ class Soak:
         self.final_pids: set[int] = set()
         self.events: list[str] = []
         self.done = False
+        self.eos = 1
 
     # ---- one request -------------------------------------------------------------------
     def _valid_body(self) -> tuple[str, dict]:
@@ -106,9 +159,11 @@ class Soak:
 
     async def one(self, client: httpx.AsyncClient, i: int) -> None:
         r = self.rng
-        kind = r.choices(["stream", "json", "hostile", "disconnect", "structured", "amplify", "slot_hog"],
-                         weights=[44, 18, 13, 13, 8, 2, 2])[0]
+        kind = r.choices(["stream", "json", "hostile", "disconnect", "structured", "amplify", "slot_hog", "round4"],
+                         weights=[42, 17, 12, 12, 8, 2, 2, 5])[0]
         try:
+            if kind == "round4":
+                return await self._round4(client, i)
             if kind == "structured":
                 name, path, fields = r.choice(self.structured)
                 resp = await client.post(self.url + path, json=chat_body(MODEL, fields, max_tokens=48, seed=i))
@@ -167,6 +222,19 @@ class Soak:
         except httpx.HTTPError as exc:
             self.outcomes["lost"] += 1
             self.lost.append(f"{i} {kind}: {exc!r}")
+
+    async def _round4(self, client: httpx.AsyncClient, i: int) -> None:
+        name = self.rng.choice(sorted(ROUND4_OK))
+        path, body = round4_request(name, self.rng, self.eos)
+        resp = await client.post(self.url + path, json=body)
+        if resp.status_code in (429, 503) and 200 in ROUND4_OK[name]:
+            self.outcomes[f"refused_{resp.status_code}"] += 1         # admitted or not while an instance is down
+            return
+        right = round4_right(name, resp.status_code, resp.json())
+        self.outcomes[f"round4_{name}" if right else "round4_wrong"] += 1
+        self.outcomes["hostile_5xx"] += resp.status_code >= 500
+        if not right:
+            self.lost.append(f"{i} round4 {name}: {resp.status_code} {resp.text[:120]}")
 
     def _judge_json(self, resp: httpx.Response, i: int) -> None:
         if resp.status_code == 200 and resp.json().get("choices"):
@@ -249,6 +317,8 @@ class Soak:
     async def run(self) -> dict:
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            eos = await client.post(self.url + "/tokenize", json={"prompt": "</s>", "add_special_tokens": False})
+            self.eos = eos.json()["tokens"][0]
             warm = [self.one(client, -k) for k in range(20)]
             await asyncio.gather(*warm)
             self.outcomes.clear()
@@ -301,7 +371,9 @@ def main() -> int:
     ap.add_argument("--results-dir", default=None)
     args = ap.parse_args()
     server = Server("--prefill", "1", "--decode", "1", "--max-inflight", "128", "--kv-tokens", "32768",
-                    "--max-request-bytes", str(MAX_REQUEST_BYTES), "--heartbeat-timeout", str(args.heartbeat_timeout))
+                    "--max-request-bytes", str(MAX_REQUEST_BYTES), "--heartbeat-timeout", str(args.heartbeat_timeout),
+                    "--chat-template", LOOPING_TEMPLATE, "--chat-template-timeout", "1",
+                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     try:
         server.wait_ready()
         soak = Soak(server.url, server.proc.pid, args.requests, args.rate, args.seed)
@@ -321,7 +393,7 @@ def main() -> int:
         "requests": args.requests, "rate_per_s": args.rate, "wall_s": round(out["wall_s"], 1),
         "requests_lost": soak.outcomes["lost"], "hostile_5xx": soak.outcomes["hostile_5xx"],
         "structured_wrong": soak.outcomes["structured_wrong"], "amplify_not_400": soak.outcomes["amplify_not_400"],
-        "slot_hog_not_400": soak.outcomes["slot_hog_not_400"],
+        "slot_hog_not_400": soak.outcomes["slot_hog_not_400"], "round4_wrong": soak.outcomes["round4_wrong"],
         "kv_blocks_leaked": out["kv_blocks_leaked"], "inflight_at_rest": out["inflight_at_rest"],
         "kv_files_at_rest": out["kv_files_at_rest"], "restarts": out["restarts"], "settled": out["settled"],
         "api_rss_growth_mb": round(api["growth_mb"], 1) if api else None,
@@ -331,6 +403,9 @@ def main() -> int:
         "health_max_ms": round(h[-1], 2), "health_non_200": soak.health_bad,
         **{f"outcome_{k}": v for k, v in sorted(soak.outcomes.items())},
     }
+    growth = [r["growth_mb"] for r in rss_rows]
+    metrics["targets_met"] = bool(metrics["health_max_ms"] <= 500 and max(growth, default=0.0) <= 200
+                                  and all(metrics[k] == 0 for k in ("requests_lost", "hostile_5xx", "round4_wrong")))
     md = ("## Chaos\n\n" + "\n".join(f"- {e}" for e in soak.events) + "\n\n## Processes (RSS, MB)\n\n"
           + markdown_table(rss_rows, floatfmt=".1f") + "\n## Outcomes\n\n"
           + markdown_table([{"outcome": k, "requests": v} for k, v in sorted(soak.outcomes.items())])
@@ -341,7 +416,7 @@ def main() -> int:
                                                       "final_state": out["state"], "rss": rss_rows},
                  results_dir=args.results_dir)
     print(json.dumps(metrics, indent=1))
-    bad = ("requests_lost", "hostile_5xx", "structured_wrong", "amplify_not_400", "slot_hog_not_400")
+    bad = ("requests_lost", "hostile_5xx", "structured_wrong", "amplify_not_400", "slot_hog_not_400", "round4_wrong")
     return 0 if all(metrics[k] == 0 for k in bad) else 1
 
 

@@ -6,8 +6,10 @@
    Each engine runs each spec in a child process with a 20 s limit and a 4 GiB address-space
    limit, so a blow-up is recorded as ``timeout`` / ``out of memory`` instead of taking the
    benchmark down.
-2. **A live 1P+1D server** of the smoke model: the bomb list plus generated schemas and regexes
-   (``laneserve.bench.hostile``), four at a time, while an ordinary constrained request is sent
+2. **A live 1P+1D server** of the smoke model: the bomb list, the constraints that cannot run and
+   must be refused before admission (``MUST_REFUSE``: self-referencing schemas and grammars,
+   grammars past llguidance's per-step limits, ``allowed_token_ids`` against a regex) plus
+   generated schemas and regexes (``laneserve.bench.hostile``), four at a time, while an ordinary constrained request is sent
    every second and ``/health`` is polled every 100 ms. Reported: the slowest hostile answer
    (target <= 5 s), the slowest ordinary answer (<= 2 s), ``/health`` p99 and max (<= 0.5 s),
    restarts (0), the verdicts (every answer a 400 or a document satisfying its constraint) and
@@ -207,6 +209,8 @@ def live() -> dict:
             "ordinary_max_s": round(max(ordinary_s), 2), "ordinary_requests": len(ordinary_s),
             "health_p99_ms": round(hq[int(0.99 * (len(hq) - 1))], 1), "health_max_ms": round(hq[-1], 1),
             "restarts": sum(i["restarts"] for i in health["instances"]), "status": health["status"],
+            "must_refuse_admitted": sum(1 for (name, *_), v in zip(results, verdicts)
+                                        if name.startswith("refuse:") and v != "refused"),
             "refused": verdicts.count("refused"), "valid": verdicts.count("valid"), "cut": verdicts.count("cut"),
             "wrong": [v for v in verdicts if v.startswith("wrong")],
             "rss_growth_mb": {k: round(rss1[k] - rss0[k], 1) for k in pids if rss0[k] and rss1[k]},
@@ -217,8 +221,18 @@ def live() -> dict:
 
 
 def main() -> int:
-    print("engines on the bomb list ...", file=sys.stderr)
-    engines = compare_engines()
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--skip-engines", action="store_true",
+                    help="only the live part; the engine table is kept from the committed result")
+    args = ap.parse_args()
+    if args.skip_engines:
+        from pathlib import Path
+        engines = json.loads((Path(__file__).parent / "results" / "structured_hostile.json").read_text())["engines"]
+    else:
+        print("engines on the bomb list ...", file=sys.stderr)
+        engines = compare_engines()
     print("live server ...", file=sys.stderr)
     run = live()
     growth = max(run["rss_growth_mb"].values())
@@ -226,9 +240,10 @@ def main() -> int:
                "health_p99_ms": run["health_p99_ms"], "health_max_ms": run["health_max_ms"],
                "restarts": run["restarts"], "wrong_documents": len(run["wrong"]), "refused": run["refused"],
                "valid": run["valid"], "cut_at_max_tokens": run["cut"], "max_rss_growth_mb": growth,
+               "must_refuse_admitted": run["must_refuse_admitted"],
                "targets_met": bool(run["hostile_max_s"] <= 5 and run["ordinary_max_s"] <= 2
                                    and run["health_max_ms"] <= 500 and run["restarts"] == 0
-                                   and not run["wrong"] and growth <= 200)}
+                                   and not run["wrong"] and growth <= 200 and run["must_refuse_admitted"] == 0)}
     md = ["## Engines on the bomb list (compile/check + 32 masks, 1,024-token vocabulary)", "",
           markdown_table(engines), "",
           "## Live 1P+1D server, the bombs plus 60 generated schemas and regexes, 4 at a time", "",

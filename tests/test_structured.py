@@ -324,7 +324,10 @@ def test_vocabulary_from_raw_token_bytes():
 
 # ---- the OpenAI / vLLM request fields -----------------------------------------------------------
 def test_request_fields_map_to_one_spec():
-    from laneserve.server.structured import spec_from_request
+    from laneserve.server.structured import spec_from_request as closing
+
+    def spec_from_request(body):        # the mapping alone (closing the objects is tested below)
+        return closing(body, open_objects=True)
 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
              {"type": "function", "function": {"name": "ping"}}]
@@ -371,3 +374,39 @@ def test_grammar_outputs_are_sentences_of_the_grammar():
         assert re.fullmatch(r"(yes|no) [0-9]{1,3}(,[0-9]{1,3})*", text), text
         text, _ = sample(gbnf, seed)
         assert re.fullmatch(r"id-[a-c]+(\.[0-9])?", text), text
+
+
+def test_object_schemas_are_closed_unless_asked_open():
+    from laneserve.core.structured import close_objects
+    from laneserve.server.structured import spec_from_request
+
+    person = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "pets": {"type": "array", "items": {"properties": {"k": {}}}}},
+              "allOf": [{"properties": {"a": {}}}], "$defs": {"d": {"type": "object"}}}
+    closed = close_objects(person)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["pets"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["allOf"][0]          # a part of one object stays open
+    kept = {"type": "object", "additionalProperties": {"type": "integer"}, "patternProperties": {"^x": {}}}
+    assert close_objects(kept) == kept
+    body = {"guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+    assert json.loads(spec_from_request(body).value)["additionalProperties"] is False
+    assert "additionalProperties" not in json.loads(spec_from_request(body, open_objects=True).value)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    spec = spec_from_request({"tools": tools, "tool_choice": "required"})
+    assert json.loads(spec.value)["tools"][0]["parameters"]["additionalProperties"] is False
+
+
+def test_required_tools_with_references_compile_and_generate():
+    tree = {"type": "object", "properties": {"root": {"$ref": "#/$defs/node"}}, "required": ["root"],
+            "$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "maxItems": 2,
+                                                                         "items": {"$ref": "#/$defs/node"}}},
+                               "required": ["kids"]}}}
+    spec = StructuredSpec.tools_required([("plant", tree), ("ping", None)])
+    schema = spec.json_schema_value()
+    assert schema["$defs"]["tool0"]["properties"]["root"] == {"$ref": "#/$defs/tool0/$defs/node"}
+    for seed in range(4):
+        text, _ = sample(spec, seed)
+        for call in parse_tool_calls(spec, text):
+            assert call.name in ("plant", "ping") and isinstance(json.loads(call.arguments), dict)

@@ -15,9 +15,10 @@ from laneserve.server.tool_parsers import AutoToolStream, get_parser, parser_nam
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
 CASES = [
-    # parser, text, content, [(name, arguments)]
+    # parser, text, content (the text before the first call as written, as vLLM and a stream send it),
+    # [(name, arguments)]
     ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(WEATHER)
-     + '}\n</tool_call>', "Let me look.", [("get_weather", WEATHER)]),
+     + '}\n</tool_call>', "Let me look.\n", [("get_weather", WEATHER)]),
     ("hermes", '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": '
      '{"x": [1, 2]}}</tool_call>', None, [("a", {}), ("b", {"x": [1, 2]})]),
     ("qwen", '<tool_call>\n{"name": "ping", "arguments": {"n": true}}', None, [("ping", {"n": True})]),
@@ -31,7 +32,7 @@ CASES = [
     ("llama3_json", '{"not": "a call"}', '{"not": "a call"}', []),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) + "}]", None,
      [("get_weather", WEATHER)]),
-    ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]' + json.dumps(WEATHER), "Sure.", [("get_weather", WEATHER)]),
+    ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]' + json.dumps(WEATHER), "Sure. ", [("get_weather", WEATHER)]),
     ("mistral", "[TOOL_CALLS] garbage", "[TOOL_CALLS] garbage", []),
 ]
 
@@ -65,9 +66,47 @@ def test_streamed_pieces_give_the_same_answer(name, text, content, calls, size):
     if calls:       # the text before the call went out as content; the call's own text never did
         marker = {"hermes": "<tool_call>", "qwen": "<tool_call>", "mistral": "[TOOL_CALLS]"}.get(name)
         assert marker is None or marker not in sent
-        assert sent.strip() == (content or "")
+        assert sent == (content or "")       # exactly the content the whole answer has
     else:
         assert sent == text
+
+
+# texts whose "calls" break the protocol: returned whole as content, never as tool_calls
+NOT_CALLS = [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"x": NaN}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"x": Infinity}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": "[1]"}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "launch_missiles", "arguments": {}}</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"x": -Infinity}}'),
+    ("llama3_json", '{"name": "nope", "parameters": {}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "", "arguments": {}}]'),
+    ("mistral", "[TOOL_CALLS]{\"a\": 1}"),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"x": NaN}'),
+]
+
+
+@pytest.mark.parametrize("name,text", NOT_CALLS)
+def test_calls_that_break_the_protocol_are_content(name, text):
+    names = frozenset({"get_weather", "ping"})
+    parsed = get_parser(name).extract(text, names)
+    assert parsed.calls == [] and parsed.content == text
+    stream = AutoToolStream(get_parser(name), names)
+    deltas = [stream.delta(text[i:i + 5], i + 5 >= len(text)) for i in range(0, len(text), 5)]
+    assert "".join(d.get("content", "") for d in deltas) == text
+    assert not any("tool_calls" in d for d in deltas) and not stream.called
+
+
+@pytest.mark.parametrize("name,text,value", [
+    ("hermes", '<tool_call>{"name": "ping", "arguments": {"s": "\\ud800 caf\u00e9"}}</tool_call>', "\ud800 caf\u00e9"),
+    ("llama3_json", '{"name": "ping", "parameters": {"s": "\\ud800"}}', "\ud800"),
+    ("mistral", '[TOOL_CALLS][{"name": "ping", "arguments": {"s": "x\\udc00"}}]', "x\udc00"),
+])
+def test_lone_surrogates_in_arguments_are_escaped(name, text, value):
+    (call,) = get_parser(name).extract(text, frozenset({"ping"})).calls
+    args = call["function"]["arguments"]
+    args.encode("utf-8")                                    # what the response encoder does: no error
+    assert json.loads(args) == {"s": value}
 
 
 def test_unknown_parser_names_list_the_known_ones():
@@ -106,7 +145,8 @@ def _chat(body, tokenizer, defaults):
 
 def test_tool_conversation_is_rendered_with_its_fields(tokenizer):
     defaults = ServerDefaults(SLO(), chat_template=TEMPLATE, tool_parser="hermes")
-    text = chat_prompt({"messages": CONVERSATION, "tools": TOOLS}, tokenizer=tokenizer, defaults=defaults)
+    text = chat_prompt({"messages": CONVERSATION, "tools": TOOLS}, tokenizer=tokenizer, defaults=defaults,
+                       max_model_len=2048)
     assert text == ('[tool get_weather]<user>weather?<assistant>(call call_1 get_weather '
                     + json.dumps(WEATHER) + ')<tool name=get_weather id=call_1>21 C')
     gi = _chat({"messages": CONVERSATION, "tools": TOOLS, "max_tokens": 4}, tokenizer, defaults)

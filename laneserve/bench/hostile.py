@@ -88,9 +88,26 @@ def random_regex(rng: random.Random) -> str:
     return "".join(parts)
 
 
+# constraints that cannot run and must be refused before admission (a 400, never an instance's 500):
+# self-referencing schemas and grammars, grammars past the grammar engine's per-step limits,
+# sampling constraints that contradict the structured output
+MUST_REFUSE = [
+    ("ref_root", {"guided_json": {"$ref": "#"}}),
+    ("ref_cycle", {"guided_json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                   "$ref": "#/$defs/a"}}),
+    ("lark_json_ref_root", {"guided_grammar": 'start: %json {"$ref": "#"}'}),
+    ("a_times_1e6", {"guided_grammar": 'start: "a"{1000000}'}),
+    ("doubling_chain_60", {"guided_grammar": "start: r0\n" + "\n".join(f"r{i}: r{i + 1} r{i + 1}" for i in range(60))
+                           + '\nr60: "a"'}),
+    ("gbnf_5000_alternatives", {"guided_grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(5000))}),
+    ("allowed_vs_regex", {"guided_regex": "[0-9]+", "allowed_token_ids": [5, 6]}),
+]
+
+
 def structured_cases(rng: random.Random, generated: int = 40) -> list[tuple[str, str, dict]]:
-    """The bomb list, then ``generated`` random schemas and regexes, as chat requests."""
-    out = []
+    """The bomb list, the constraints that must be refused (``refuse:NAME``), then ``generated``
+    random schemas and regexes, as chat requests."""
+    out = [(f"refuse:{name}", "/v1/chat/completions", fields) for name, fields in MUST_REFUSE]
     for name, schema in BOMB_SCHEMAS:
         out.append((f"schema:{name}", "/v1/chat/completions", {"response_format": {
             "type": "json_schema", "json_schema": {"name": name, "schema": schema}}}))
@@ -127,6 +144,8 @@ def judge(fields: dict, status: int, body: Any) -> str:
         return "refused"
     if status != 200:
         return f"wrong: status {status}"
+    if any(fields == f for _, f in MUST_REFUSE):
+        return "wrong: a constraint that cannot run was admitted"
     choice = body["choices"][0]
     if choice.get("finish_reason") == "length":
         return "cut"

@@ -151,6 +151,11 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
                    help="SLO of requests that name none")
     a.add_argument("--slo-class", action="append", default=[], metavar="NAME:ttft_ms=X,tpot_ms=Y[,priority=P]",
                    help="a named SLO class with its defaults (repeatable)")
+    a.add_argument("--chat-template-timeout", type=at_least(0.01, float), default=2.0,
+                   help="seconds one chat-template render may take (a request whose render runs longer gets a 400)")
+    a.add_argument("--json-schema-open-objects", action="store_true",
+                   help="structured output: an object schema without additionalProperties takes further keys "
+                        "(JSON Schema's reading); by default it is closed, as vLLM's default backend does")
     a.add_argument("--default-max-tokens", type=at_least(1), default=256,
                    help="chat completions: max_tokens when the request sets none (capped by the context)")
 
@@ -158,10 +163,13 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
 def _add_robustness_flags(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("robustness and security")
     r.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /debug/* (default: the "
+                   help="require 'Authorization: Bearer KEY' on every path that does work (/v1/*, /tokenize, "
+                        "/detokenize, /debug/*; not /health, /version, /metrics, the docs) (default: the "
                         "LANESERVE_API_KEY environment variable; none = open)")
     r.add_argument("--api-key-all-paths", action="store_true",
-                   help="with an API key: require it on /health and /metrics too")
+                   help="with an API key: require it on every path, /health and /metrics included")
+    r.add_argument("--metrics-require-key", action="store_true",
+                   help="with an API key: require it on /metrics too")
     r.add_argument("--metrics-prefix", choices=("laneserve", "vllm", "both"), default="laneserve",
                    help="/metrics names: laneserve's, vLLM's (vllm:*, labels model_name and engine, for vLLM "
                         "dashboards), or both")
@@ -211,7 +219,9 @@ def make_defaults(args: argparse.Namespace):
                           chat_template=getattr(args, "chat_template_text", None),
                           served_names=tuple(n for n in (getattr(args, "served_model_name", None),
                                                          *getattr(args, "served_model_aliases", ())) if n),
-                          max_model_len=getattr(args, "max_model_len", None))
+                          max_model_len=getattr(args, "max_model_len", None),
+                          open_json_objects=getattr(args, "json_schema_open_objects", False),
+                          render_timeout=getattr(args, "chat_template_timeout", 2.0))
 
 
 def _load_tokenizer(path: Path | None):
@@ -334,6 +344,7 @@ def _server_state(args: argparse.Namespace, cluster, name: str, model):
     return ServerState(cluster, name, str(model or ""), None, make_defaults(args),
                        ServerMetrics(name, getattr(args, "metrics_prefix", "laneserve")),
                        api_key=api_key, protect_all=args.api_key_all_paths,
+                       metrics_require_key=getattr(args, "metrics_require_key", False),
                        max_request_bytes=args.max_request_bytes, body_timeout=args.body_timeout,
                        request_budget=RequestBudget(args.max_request_share, args.max_response_bytes))
 
@@ -386,6 +397,8 @@ def _lifecycle(args: argparse.Namespace, state, cluster, spec, model, name: str,
         finally:
             if tok_task is not None and not tok_task.done():
                 tok_task.cancel()
+        from laneserve.server.templates import probe_render     # a broken template stops start-up here
+        probe_render(state.tokenizer, state.defaults.chat_template, state.defaults.render_timeout)
         mode = "colocated" if spec.colocated else f"{spec.num_prefill}P+{spec.num_decode}D"
         log(f"laneserve: serving {name!r} ({mode}, prefill={spec.prefill_policy}, decode={spec.decode_policy}, "
             f"router={spec.router}) on http://{args.host}:{args.port}")

@@ -107,15 +107,22 @@ def resolve_model(model: str) -> Path:
 
 
 def _chat_template(value: str) -> str:
+    """The template's text (a file, or the template inline), compiled once to check it."""
+    from laneserve.server.templates import compile_check
+
     path = Path(value).expanduser()
+    text = None
     try:
         if path.is_file():
-            return path.read_text()
+            text = path.read_text()
     except OSError:          # a long inline template is no file name
         pass
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template: no such file, and not a Jinja template: {value!r}")
+    if text is None and ("{{" in value or "{%" in value):
+        text = value
+    if text is None:
+        raise ValueError(f"--chat-template: no such file, and not a Jinja template: {value!r}")
+    compile_check(text)
+    return text
 
 
 def _with_option(spec: str, key: str, value: int) -> str:

@@ -41,6 +41,7 @@ Numeric bounds, ``multipleOf``, string lengths and patterns, ``minProperties``/`
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -136,14 +137,88 @@ class StructuredSpec:
             return json.loads(self.value)["parameters"]
         if self.kind == "tools_required":
             spec = json.loads(self.value)
-            calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
-                      "required": ["name", "arguments"], "additionalProperties": False} for t in spec["tools"]]
+            defs: dict[str, Any] = {}
+            calls = [{"type": "object", "properties": {"name": {"const": t["name"]},
+                                                       "arguments": _hoisted(t["parameters"], f"tool{i}", defs)},
+                      "required": ["name", "arguments"], "additionalProperties": False}
+                     for i, t in enumerate(spec["tools"])]
             array: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
                                      "minItems": 1}
+            if defs:
+                array["$defs"] = defs
             if not spec["parallel"]:
                 array["maxItems"] = 1
             return array
         raise UnsupportedSpec(f"a {self.kind!r} constraint is not a JSON schema")
+
+
+    def closed(self) -> StructuredSpec:
+        """This spec with every object schema that says nothing of further keys closed
+        (``additionalProperties: false``), as vLLM's default grammar backend treats them: a
+        client that leaves it out (pydantic's ``model_json_schema()``, LangChain's tools) gets no
+        invented keys. Other kinds are returned as they are."""
+        if self.kind == "json_schema":
+            return StructuredSpec("json_schema", _canonical(close_objects(json.loads(self.value)), "schema"))
+        if self.kind == "tool":
+            value = json.loads(self.value)
+            return StructuredSpec("tool", _canonical({**value, "parameters": close_objects(value["parameters"])},
+                                                     "tool"))
+        if self.kind == "tools_required":
+            value = json.loads(self.value)
+            tools = [{**t, "parameters": close_objects(t["parameters"])} for t in value["tools"]]
+            return StructuredSpec("tools_required", _canonical({**value, "tools": tools}, "tools"))
+        return self
+
+
+_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def close_objects(schema: Any, *, in_all_of: bool = False) -> Any:
+    """``schema`` with ``additionalProperties: false`` added to each object schema (``type``
+    object or ``properties``) that sets none of additionalProperties, patternProperties and
+    unevaluatedProperties. The direct members of an ``allOf`` stay open (each describes part of
+    one object; closing them would contradict one another)."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: close_objects(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            value = [close_objects(sub, in_all_of=key == "allOf") for sub in value]
+        elif key in _SCHEMA_VALUES:
+            value = close_objects(value)
+        out[key] = value
+    kind = schema.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema
+    if is_object and not in_all_of and not any(k in schema for k in _OPEN_KEYWORDS):
+        out["additionalProperties"] = False
+    return out
+
+
+def _hoisted(parameters: Any, name: str, defs: dict[str, Any]) -> Any:
+    """A tool's parameters placed inside a larger schema: a schema with references (``#``,
+    ``#/$defs/...``, which point at its own root) moves to ``defs[name]``, its references
+    rewritten to point there, and a reference to it takes its place."""
+    if not isinstance(parameters, dict) or '"$ref"' not in json.dumps(parameters):
+        return parameters
+    defs[name] = _rebased(parameters, f"#/$defs/{name}")
+    return {"$ref": f"#/$defs/{name}"}
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    if isinstance(schema, list):
+        return [_rebased(x, base) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            value = base + value[1:]
+        elif key not in ("const", "enum", "default", "examples"):
+            value = _rebased(value, base)
+        out[key] = value
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,16 +231,58 @@ def parse_tool_calls(spec: StructuredSpec, text: str) -> list[ToolCall]:
     """The calls in the complete output ``text`` of a ``tool``/``tools_required`` request. Raises
     ``ValueError`` when the text is not a complete call (the request hit ``max_tokens``)."""
     if spec.kind == "tool":
-        args = json.loads(text)
+        args = loads_strict(text)
         if not isinstance(args, dict):
             raise ValueError("tool arguments must be a JSON object")
-        return [ToolCall(json.loads(spec.value)["name"], json.dumps(args, ensure_ascii=False))]
+        return [ToolCall(json.loads(spec.value)["name"], json_text(args))]
     if spec.kind != "tools_required":
         raise ValueError(f"a {spec.kind!r} request carries no tool calls")
-    calls = json.loads(text)
+    calls = loads_strict(text)
     if not isinstance(calls, list) or not calls:
         raise ValueError("tool calls must be a non-empty JSON array")
-    return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+    return [ToolCall(c["name"], json_text(c["arguments"])) for c in calls]
+
+
+def json_text(value: Any) -> str:
+    """``value`` as JSON text that encodes as UTF-8: non-ASCII kept, but a lone surrogate (which a
+    ``\\ud800`` escape in a model's output decodes to) written back as its escape, not as a
+    character no UTF-8 encoder takes. A number too large for a double (a JSON literal such as
+    ``1e999`` parses to infinity) is written ``1e999``, not as the ``Infinity`` no JSON parser
+    reads; NaN (which no JSON text parses to) is refused (``ValueError``)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        text = _FINITE.sub(_finite, json.dumps(value, ensure_ascii=False))
+        if "NaN" in _FINITE.sub("", text):
+            raise ValueError("NaN is not JSON") from None
+    return text if text.isascii() or not _SURROGATE.search(text) else json_text_ascii(text)
+
+
+def json_text_ascii(text: str) -> str:
+    """JSON ``text`` with every non-ASCII character escaped (lone surrogates included)."""
+    return _NON_ASCII.sub(lambda m: json.dumps(m.group(0))[1:-1], text)
+
+
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# a JSON string (kept as it is) or a bare infinity written by json.dumps
+_FINITE = re.compile(r'"(?:[^"\\]|\\.)*"|(-?)Infinity')
+
+
+def _finite(m: re.Match) -> str:
+    return m.group(0) if m.group(0).startswith('"') else m.group(1) + "1e999"
+
+
+def loads_strict(text: str) -> Any:
+    """JSON text parsed as JSON (RFC 8259): ``NaN``, ``Infinity`` and ``-Infinity`` are refused
+    (Python's ``json`` takes them; a client's JSON parser would then fail on what is sent)."""
+    return json.loads(text, parse_constant=no_json_constant)
+
+
+def no_json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def escape_regex(literal: str) -> str:

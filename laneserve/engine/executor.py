@@ -227,7 +227,7 @@ class EngineExecutor:
     def _prompt_logprobs(asked: list[tuple[SeqInput, int, int]], logits: torch.Tensor) -> None:
         """Record the prompt logprobs these rows give (the raw model distribution, as vLLM's
         ``prompt_logprobs``): entry ``i`` of ``req.prompt_logprobs`` is prompt token ``i + 1``'s
-        ``[logprob, top-k]``. Positions already recorded (a recompute) are skipped."""
+        ``[logprob, top-k, rank]`` (rank: 1 + the tokens more likely than it). Positions already recorded (a recompute) are skipped."""
         lp = torch.log_softmax(logits.float(), dim=-1)
         row = 0
         for s, first, count in asked:
@@ -239,14 +239,16 @@ class EngineExecutor:
                 block = lp[row + skip:row + count]
                 targets = torch.tensor(req.prompt_token_ids[first + 1 + skip:first + 1 + count],
                                        dtype=torch.long, device=block.device)
-                chosen = block.gather(1, targets[:, None])[:, 0].tolist()
+                chosen_t = block.gather(1, targets[:, None])
+                ranks = ((block > chosen_t).sum(dim=1) + 1).tolist()      # vLLM's rank: 1 + tokens above it
+                chosen = chosen_t[:, 0].tolist()
                 if k:
                     top_v, top_i = torch.topk(block, k, dim=-1)
                     tops = [[[int(t), float(v)] for t, v in zip(ti, tv)]
                             for ti, tv in zip(top_i.tolist(), top_v.tolist())]
                 else:
                     tops = [[] for _ in chosen]
-                have.extend([float(c), top] for c, top in zip(chosen, tops))
+                have.extend([float(c), top, int(r)] for c, top, r in zip(chosen, tops, ranks))
             req.prompt_logprobs = have
             row += count
 

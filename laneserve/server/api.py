@@ -39,6 +39,7 @@ from starlette.requests import ClientDisconnect
 
 from laneserve.cluster.process import Overloaded, ProcessCluster, Track, Unavailable
 from laneserve.server import budget
+from laneserve.server.encode import encode_json
 from laneserve.server.detok import IncrementalDetokenizer, stop_reason, token_text
 from laneserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from laneserve.server.metrics import ServerMetrics
@@ -46,7 +47,7 @@ from laneserve.server.protocol import (BadRequest, GenerateInput, PromptInput, S
                                       parse_chat, parse_completion)
 from laneserve.server.schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse)
-from laneserve.server.structured import ToolCallStream, openai_tool_calls, tool_finish_reason
+from laneserve.server.structured import ToolCallStream, call_id, openai_tool_calls, tool_finish_reason
 from laneserve.server.extras import install_extras
 from laneserve.server.tool_parsers import AutoToolStream, get_parser
 
@@ -60,7 +61,8 @@ class ServerState:
     defaults: ServerDefaults
     metrics: ServerMetrics
     api_key: str | None = None
-    protect_all: bool = False             # also /health and /metrics need the key
+    protect_all: bool = False             # also /health, /version, /metrics and the docs need the key
+    metrics_require_key: bool = False     # /metrics needs the key (it is open by default, for scrapers)
     max_request_bytes: int = 8 << 20
     body_timeout: float = 30.0            # seconds a request body may take to arrive (408 after)
     request_budget: budget.RequestBudget = field(default_factory=budget.RequestBudget)
@@ -87,11 +89,25 @@ def error_response(status: int, message: str, err_type: str, param: str | None =
                         status_code=status, headers=headers)
 
 
+# paths that do no work for a client: open even with an API key (``/metrics`` unless
+# ``metrics_require_key``); every other path (the API, /tokenize, /detokenize, /debug, unknown paths) needs it
+OPEN_PATHS = frozenset({"/health", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+def needs_key(state: ServerState, path: str) -> bool:
+    """Whether a request to ``path`` must carry the API key (when the server has one)."""
+    if state.protect_all:
+        return True
+    if path == "/metrics":
+        return state.metrics_require_key
+    return path not in OPEN_PATHS
+
+
 class EdgeGuard:
     """ASGI middleware at the edge: the API key (vLLM's ``--api-key``: ``Authorization: Bearer KEY``
-    on ``/v1/*`` and ``/debug/*``, every path with ``protect_all``) and the body-size limit (413 from
-    ``Content-Length`` before a byte of the body is read; bodies without it are counted as they
-    arrive and cut at the limit)."""
+    on every path that does work, see :func:`needs_key`; every path with ``protect_all``) and the
+    body-size limit (413 from ``Content-Length`` before a byte of the body is read; bodies without
+    it are counted as they arrive and cut at the limit)."""
 
     def __init__(self, app, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -101,7 +117,7 @@ class EdgeGuard:
             return await self.app(scope, receive, send)
         st, path = self.state, scope["path"]
         headers = dict(scope["headers"])
-        if st.api_key and (st.protect_all or path.startswith(("/v1/", "/debug/"))):
+        if st.api_key and needs_key(st, path):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), st.api_key.encode()):
@@ -189,8 +205,11 @@ def _starting() -> JSONResponse:
                           headers={"Retry-After": "2"})
 
 
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+def _sse(obj: Any, big: bool = False) -> str:
+    """One server-sent event; ``big``: encoded in pieces (:mod:`laneserve.server.encode`), for a
+    chunk built in the render pool."""
+    text = encode_json(obj).decode() if big else json.dumps(obj, separators=(",", ":"))
+    return f"data: {text}\n\n"
 
 
 class _Run:
@@ -225,6 +244,8 @@ class _Run:
             self.error, self.error_status = ev[1], ev[2]
             return [], None
         _, toks, finish, lp, info = ev
+        if self.gi.echo_only:               # echo with max_tokens 0: the prompt (and its logprobs) only
+            toks, lp = [], None
         now = self.state.cluster.clock.now()
         m = self.state.metrics
         if toks:
@@ -285,7 +306,7 @@ class _Run:
             return completion
         k, ids = self.gi.logprobs, self.prompt.ids
         first = token_text(self.state.tokenizer, ids[0])
-        rest = self.logprobs_block(ids[1:], [[v, top[:k]] for v, top in self.prompt_lps], len(first))
+        rest = self.logprobs_block(ids[1:], [[e[0], e[1][:k]] for e in self.prompt_lps], len(first))
         block = {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
                  "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
         if completion is not None:
@@ -300,10 +321,12 @@ class _Run:
         if k is None or self.prompt_lps is None:
             return None
         out: list = [None]
-        for t, (logprob, top) in zip(self.prompt.ids[1:], self.prompt_lps):
+        for t, e in zip(self.prompt.ids[1:], self.prompt_lps):
+            logprob, top = e[0], e[1]
             entry: dict[str, dict] = {}
             ranks = {i: r for r, (i, _) in enumerate(top, 1)}
-            entry[str(t)] = {"logprob": logprob, "rank": ranks.get(t), "decoded_token": token_text(tok, t)}
+            rank = e[2] if len(e) > 2 else ranks.get(t)        # the engine's rank (over the whole vocabulary)
+            entry[str(t)] = {"logprob": logprob, "rank": rank, "decoded_token": token_text(tok, t)}
             for i, v in top[:k]:
                 entry.setdefault(str(i), {"logprob": v, "rank": ranks[i], "decoded_token": token_text(tok, i)})
             out.append(entry)
@@ -627,7 +650,7 @@ async def _complete(state: ServerState, request: Request, gi: GenerateInput, run
         body = {**_head(state, gi, False), "choices": choices, "usage": _usage(gi, chosen)}
         if gi.kind == "chat" and gi.prompt_logprobs is not None:     # vLLM: one prompt, beside the choices
             body["prompt_logprobs"] = chosen[0].vllm_prompt_logprobs()
-        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        return encode_json(body)        # in pieces: the event loop is never held for long
 
     content = await asyncio.get_running_loop().run_in_executor(state.render_pool, render)
     return Response(content, media_type="application/json")
@@ -644,15 +667,14 @@ def _choice(state: ServerState, gi: GenerateInput, run: _Run, index: int) -> dic
     if gi.kind == "chat":
         choice["message"] = {"role": "assistant", "content": gi.chat_echo + text}
         spec = gi.sampling.structured
-        if spec is not None and spec.kind in ("tool", "tools_required") and run.finish == "stop":
-            try:
-                choice["message"] = {"role": "assistant", "content": None,
-                                     "tool_calls": openai_tool_calls(spec, text)}
-                choice["finish_reason"] = tool_finish_reason(spec)
-            except ValueError:          # not a complete call (cannot happen under the constraint)
-                pass
+        if spec is not None and spec.kind in ("tool", "tools_required"):
+            calls = _forced_calls(spec, text, run.finish)
+            if calls is not None:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                if run.finish == "stop":
+                    choice["finish_reason"] = tool_finish_reason(spec)
         elif gi.tool_parser is not None:      # auto tool choice: the model's own tool-call text
-            parsed = get_parser(gi.tool_parser).extract(text)
+            parsed = get_parser(gi.tool_parser).extract(text, gi.tool_names)
             if parsed.calls:
                 choice["message"] = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
                 choice["finish_reason"] = "tool_calls"
@@ -664,6 +686,22 @@ def _choice(state: ServerState, gi: GenerateInput, run: _Run, index: int) -> dic
         choice["token_ids"] = run.toks
         choice["prompt_token_ids"] = run.prompt.ids
     return choice
+
+
+def _forced_calls(spec, text: str, finish: str | None) -> list[dict[str, Any]] | None:
+    """The ``tool_calls`` of a choice whose output a named or ``"required"`` tool choice
+    constrained. As vLLM: a complete output is its calls; one cut short (``max_tokens``) is, for a
+    named function, that call with the partial arguments text, and for ``"required"`` no call
+    (``[]``); either way the message's content is null."""
+    if finish == "stop":
+        try:
+            return openai_tool_calls(spec, text)
+        except ValueError:          # not a complete call (cannot happen under the constraint)
+            return None
+    if spec.kind == "tool":
+        return [{"id": call_id(), "type": "function",
+                 "function": {"name": json.loads(spec.value)["name"], "arguments": text}}]
+    return []
 
 
 class _StreamChunks:
@@ -678,7 +716,7 @@ class _StreamChunks:
         self.spec = spec = gi.sampling.structured
         self.tool = chat and spec is not None and spec.kind in ("tool", "tools_required")
         self.streams = {run.index: ToolCallStream(spec) if self.tool else None for run in runs}
-        self.autos = ({run.index: AutoToolStream(get_parser(gi.tool_parser)) for run in runs}
+        self.autos = ({run.index: AutoToolStream(get_parser(gi.tool_parser), gi.tool_names) for run in runs}
                       if chat and gi.tool_parser else {})
         self.offsets = dict.fromkeys(self.streams, 0)
         # echo with logprobs: the prompt (and its logprobs) goes with each choice's first tokens
@@ -709,6 +747,7 @@ class _StreamChunks:
 
     def chunk(self, run: _Run, toks: list[int], lp: list | None) -> str:
         gi = self.gi
+        big = self.heavy(run, toks)
         text = run.detok.delta(final=run.finish is not None)
         if run.index in self.echo_due:
             self.echo_due.discard(run.index)
@@ -741,7 +780,7 @@ class _StreamChunks:
         chunk = {**self.head, "choices": [choice]}
         if gi.continuous_usage:
             chunk["usage"] = _usage(gi, self.runs)
-        return _sse(chunk)
+        return _sse(chunk, big)
 
 
 async def _stream(state: ServerState, gi: GenerateInput, runs: list[_Run]):

@@ -26,7 +26,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from laneserve.server.protocol import BadRequest, _show, chat_prompt, parse_body
+from laneserve.server.protocol import BadRequest, _show, chat_prompt, parse_body, text_limit
 
 MAX_DETOKENIZE_IDS = 1 << 20
 
@@ -60,7 +60,8 @@ def tokenize(raw: bytes, state, max_model_len: int) -> dict[str, Any]:
         raise BadRequest("this model has no tokenizer")
     special = body.get("add_special_tokens")
     if "messages" in body:
-        text = chat_prompt({**body, "model": body.get("model")}, tokenizer=tok, defaults=state.defaults)
+        text = chat_prompt({**body, "model": body.get("model")}, tokenizer=tok, defaults=state.defaults,
+                           max_model_len=max_model_len)
         ids = list(tok.encode(text, add_special_tokens=bool(special)))       # the template wrote them
     else:
         prompt = body.get("prompt")
@@ -68,17 +69,21 @@ def tokenize(raw: bytes, state, max_model_len: int) -> dict[str, Any]:
             raise BadRequest("'prompt' must be a string (or send 'messages')", "prompt")
         if special is not None and not isinstance(special, bool):
             raise BadRequest("'add_special_tokens' must be a boolean", "add_special_tokens")
+        text_limit(len(prompt), max_model_len, "prompt")        # before the tokenizer: the prompt's budget
         ids = list(tok.encode(prompt, add_special_tokens=special is not False))
     strs = tok.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
 
-def detokenize(raw: bytes, state) -> dict[str, Any]:
+def detokenize(raw: bytes, state, max_model_len: int) -> dict[str, Any]:
     body = parse_body(raw)
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     _model_ok(body, state)
     ids = body.get("tokens")
+    if isinstance(ids, list) and len(ids) > max_model_len:
+        raise BadRequest(f"'tokens' holds {len(ids)} ids, more than this model's context of {max_model_len}",
+                         "tokens")
     if (not isinstance(ids, list) or len(ids) > MAX_DETOKENIZE_IDS
             or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
         raise BadRequest("'tokens' must be a list of token ids", "tokens")
@@ -109,9 +114,9 @@ def install_extras(app: FastAPI, state) -> None:
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
-        return await _run(detokenize, await request.body(), state)
+        return await _run(detokenize, await request.body(), state, _max_model_len(state))
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def version_route() -> JSONResponse:
         return JSONResponse({"version": _version()})
 

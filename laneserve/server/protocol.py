@@ -76,6 +76,7 @@ from laneserve.server.schema import (MAX_BATCH_PROMPTS, MAX_CHARS_PER_TOKEN, MAX
                                      MAX_NAME_CHARS, MAX_SLO_MS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                      ChatCompletionRequest, CompletionRequest)
 from laneserve.server.structured import spec_from_request
+from laneserve.server.templates import DEFAULT_RENDER_TIMEOUT, TemplateOverrun, render_deadline
 
 __all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "MAX_BATCH_PROMPTS", "MAX_JSON_DEPTH", "MAX_MESSAGES", "MAX_STOP_STRINGS",
            "MAX_STOP_TOKEN_IDS", "BadRequest", "GenerateInput", "PromptInput", "ServerDefaults", "parse_body", "parse_chat",
@@ -210,6 +211,8 @@ class ServerDefaults:
     chat_template: str | None = None       # --chat-template: replaces the tokenizer's
     served_names: tuple[str, ...] = ()     # --served-model-name(s): the first answers, and is a request's default
     max_model_len: int | None = None       # --max-model-len: caps the model's context
+    open_json_objects: bool = False        # --json-schema-open-objects: no additionalProperties = any key
+    render_timeout: float = DEFAULT_RENDER_TIMEOUT   # seconds one chat-template render may take
 
 
 @dataclass(slots=True)
@@ -237,8 +240,10 @@ class GenerateInput:
     echo: bool = False
     prompt_logprobs: int | None = None     # vLLM's prompt_logprobs field asked (top-n), else None
     tool_parser: str | None = None         # chat: parse the output's tool calls with this parser
+    tool_names: frozenset[str] | None = None   # chat: the functions in `tools` (a parsed call must name one)
     include_stop_str: bool = False         # keep a matched stop string in the output
     chat_echo: str = ""                    # chat echo: this text starts each reply
+    echo_only: bool = False                # completions echo with max_tokens 0: the output is dropped
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -447,6 +452,12 @@ def _slo(req, headers: dict[str, str], defaults: ServerDefaults) -> tuple[SLO, s
     return SLO(ttft, tpot), cls_name or "default", priority if req.priority is None else req.priority
 
 
+def text_limit(text_chars: int, max_model_len: int, param: str) -> None:
+    """A prompt of ``text_chars`` characters refused (400) when it cannot fit the context, before
+    it is tokenized."""
+    _text_limit(text_chars, max_model_len, param)
+
+
 def _text_limit(text_chars: int, max_model_len: int, param: str) -> None:
     limit = max_model_len * MAX_CHARS_PER_TOKEN
     if text_chars > limit:
@@ -471,12 +482,13 @@ def _min_tokens_fit(min_tokens: int, max_tokens: int, max_tokens_key: str) -> No
         raise BadRequest(f"'min_tokens' ({min_tokens}) must be <= {max_tokens_key} ({max_tokens})", "min_tokens")
 
 
-def _structured(body: dict, req: CompletionRequest | ChatCompletionRequest, tokenizer) -> StructuredSpec | None:
+def _structured(body: dict, req: CompletionRequest | ChatCompletionRequest, tokenizer,
+                defaults: ServerDefaults) -> StructuredSpec | None:
     """The request's structured-output constraint, compiled once over ``tokenizer`` to check it."""
     fields = {k: body[k] for k in STRUCTURED_FIELDS if k in body and k in type(req).model_fields}
     given = [k for k, v in fields.items() if v is not None]
     try:
-        spec = spec_from_request(fields)
+        spec = spec_from_request(fields, open_objects=defaults.open_json_objects)
     except UnsupportedSpec as exc:
         field_name = _named(str(exc), given)
         msg = str(exc) if field_name is None or field_name in str(exc) else f"'{field_name}': {exc}"
@@ -498,6 +510,34 @@ def _structured(body: dict, req: CompletionRequest | ChatCompletionRequest, toke
         raise BadRequest(f"the structured-output constraint cannot be compiled: {_show(str(exc), 200)}",
                          param) from None
     return spec
+
+
+def _consistent(sampling: dict[str, Any], structured: StructuredSpec | None, tokenizer) -> None:
+    """Sampling constraints that cannot all hold, refused (400 naming the field) rather than
+    failing on the instance with no token left to sample: ``allowed_token_ids`` holding only tokens
+    that ``min_tokens`` bans (EOS, ``stop_token_ids``), and ``allowed_token_ids`` or ``bad_words``
+    leaving none of the tokens a structured-output constraint allows first."""
+    allowed, min_tokens = set(sampling["allowed_token_ids"]), sampling["min_tokens"]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if allowed and min_tokens:
+        keep_eos = sampling["ignore_eos"] or structured is not None
+        banned = set(sampling["stop_token_ids"]) | (set() if keep_eos or eos is None else {eos})
+        if allowed <= banned:
+            raise BadRequest(f"'allowed_token_ids' holds only end-of-sequence or stop tokens, which 'min_tokens' "
+                             f"({min_tokens}) forbids for the first tokens: nothing could be sampled",
+                             "allowed_token_ids")
+    banned_words = {w[0] for w in sampling["bad_words_ids"] if len(w) == 1}
+    if structured is None or not (allowed or banned_words):
+        return
+    from laneserve.engine.structured import compile_constraint     # compiled (and cached) already
+
+    first = compile_constraint(structured, tokenizer).first_tokens()
+    if allowed and not first & allowed:
+        raise BadRequest("'allowed_token_ids' allows none of the tokens the structured-output constraint allows "
+                         "first: nothing could be sampled", "allowed_token_ids")
+    if banned_words and first and first <= banned_words:
+        raise BadRequest("'bad_words' bans every token the structured-output constraint allows first: nothing "
+                         "could be sampled", "bad_words")
 
 
 def _bad_words(words: list[str] | None, tokenizer, vocab_size: int) -> tuple[tuple[int, ...], ...]:
@@ -547,7 +587,7 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest, vocab_size: in
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     if temperature < GREEDY_TEMPERATURE:       # as vLLM: a sub-1e-5 temperature is greedy
         temperature = 0.0
-    if req.stream_options is not None and not req.stream:
+    if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:   # {}: as vLLM
         raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
     sampling = dict(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
                     seed=req.seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos),
@@ -635,10 +675,15 @@ def parse_completion(body: Any, *, tokenizer, max_model_len: int, vocab_size: in
                          "in one request", "best_of" if best_of > 1 else "n")
     _neutral(req.suffix, None, "suffix", "no suffix")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens      # OpenAI's and vLLM's default
-    structured = _structured(body, req, tokenizer)
+    echo_only = max_tokens == 0                 # vLLM: echo with max_tokens 0 returns the prompt alone
+    if echo_only and not req.echo:
+        raise BadRequest("'max_tokens' must be >= 1 (0 only with 'echo': true), got 0", "max_tokens")
+    max_tokens = max_tokens or 1                # one token is generated and dropped
+    structured = _structured(body, req, tokenizer, defaults)
     checked = _check_common(req, vocab_size, headers, defaults, tokenizer is not None, req.logprobs, max_tokens,
                             "max_tokens", structured, best_of)
     checked.sampling["bad_words_ids"] = _bad_words(req.bad_words, tokenizer, vocab_size)
+    _consistent(checked.sampling, structured, tokenizer)
     echo = bool(req.echo)
     # prompt logprobs: echo with logprobs (OpenAI) and vLLM's prompt_logprobs; the prefill then
     # computes every prompt position (no prefix-cache hit) and keeps their logprobs
@@ -651,6 +696,7 @@ def parse_completion(body: Any, *, tokenizer, max_model_len: int, vocab_size: in
                  "max_tokens", n, echo)
     gi.prompt_logprobs = req.prompt_logprobs
     gi.include_stop_str = bool(req.include_stop_str_in_output)
+    gi.echo_only = echo_only
     return gi
 
 
@@ -668,9 +714,9 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
     if tokenizer is None or not (defaults.chat_template or getattr(tokenizer, "chat_template", None)):
         raise BadRequest("this model has no chat template: use /v1/completions", "messages")
     msgs = _messages(req)
-    _text_limit(sum(len(m["content"]) + sum(len(json.dumps(c["function"]["arguments"]))
-                                            for c in m.get("tool_calls", ())) for m in msgs), max_model_len, "messages")
+    _rendered_limit(req, msgs, max_model_len)
     tools = req.tools or None
+    tool_names = _tool_names(tools)
     tool_parser = _auto_tools(req, tools, defaults)
     logprobs = None
     if req.logprobs:
@@ -681,21 +727,25 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
     max_tokens, key = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None and req.max_tokens is not None:
         max_tokens, key = req.max_tokens, "max_tokens"
-    structured = _structured(body, req, tokenizer)
+    if max_tokens == 0:
+        raise BadRequest(f"'{key}' must be >= 1, got 0", key)
+    structured = _structured(body, req, tokenizer, defaults)
     n = req.n or 1
     checked = _check_common(req, vocab_size, headers, defaults, True, logprobs, max_tokens, key, structured, n)
     checked.sampling["bad_words_ids"] = _bad_words(req.bad_words, tokenizer, vocab_size)
+    _consistent(checked.sampling, structured, tokenizer)
     if req.prompt_logprobs is not None:
         if req.stream:
             raise BadRequest("'prompt_logprobs' is not supported with 'stream': true on chat completions",
                              "prompt_logprobs")
         checked.sampling["prompt_logprobs"] = req.prompt_logprobs
-    text = _render(req, msgs, kwargs, tokenizer, defaults)
+    text = _render(req, msgs, kwargs, tokenizer, defaults, max_model_len * MAX_CHARS_PER_TOKEN)
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     gi = _finish(req, "chat", checked, [PromptInput(ids, text)], max_model_len, vocab_size, kv_tokens, defaults,
                  max_tokens, key, n)
     gi.prompt_logprobs = req.prompt_logprobs
     gi.tool_parser = tool_parser
+    gi.tool_names = tool_names
     gi.include_stop_str = bool(req.include_stop_str_in_output)
     if req.echo and msgs[-1]["role"] == "assistant":     # vLLM: only a last message of the reply's role
         gi.chat_echo = msgs[-1]["content"]
@@ -703,7 +753,7 @@ def parse_chat(body: Any, *, tokenizer, max_model_len: int, vocab_size: int, kv_
 
 
 def _render(req: ChatCompletionRequest, msgs: list[dict[str, Any]], kwargs: dict[str, Any], tokenizer,
-            defaults: ServerDefaults) -> str:
+            defaults: ServerDefaults, max_chars: int | None = None) -> str:
     """The chat template applied: the request's tools, the served template (``--chat-template``),
     ``add_generation_prompt`` and ``continue_final_message`` (the reply continues the last
     message: no generation prompt, the message left open)."""
@@ -721,11 +771,17 @@ def _render(req: ChatCompletionRequest, msgs: list[dict[str, Any]], kwargs: dict
             raise BadRequest("'continue_final_message' needs an assistant message last", "continue_final_message")
         add_prompt, kwargs["continue_final_message"] = False, True
     try:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_prompt, **kwargs)
+        with render_deadline(defaults.render_timeout):
+            text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_prompt, **kwargs)
+    except TemplateOverrun as exc:
+        raise BadRequest(f"{exc} on these messages (a render is bounded; see --chat-template)", "messages") from None
     except Exception as exc:  # noqa: BLE001 - template errors are the client's input
         raise BadRequest(f"the chat template failed on these messages: {_show(str(exc), 200)}", "messages") from None
     if not isinstance(text, str):
         raise BadRequest("the chat template did not produce text", "messages")
+    if max_chars is not None and len(text) > max_chars:
+        raise BadRequest(f"the chat template rendered {len(text)} characters, more than can fit this model's "
+                         f"context ({max_chars} characters)", "messages")
     return text
 
 
@@ -765,6 +821,38 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def _rendered_limit(req: ChatCompletionRequest, msgs: list[dict[str, Any]], max_model_len: int) -> None:
+    """What the chat template will render (the messages, their tool calls and the tools) held to
+    the prompt's character budget before the template or the tokenizer runs."""
+    chars = sum(len(m["content"]) + sum(len(json.dumps(c["function"]["arguments"])) for c in m.get("tool_calls", ()))
+                for m in msgs)
+    limit = max_model_len * MAX_CHARS_PER_TOKEN
+    if req.tools and chars <= limit:
+        chars += sum(len(json.dumps(t, separators=(",", ":"))) for t in req.tools)
+        if chars > limit:
+            raise BadRequest(f"the messages and tools have {chars} characters, more than can fit this model's "
+                             f"context of {max_model_len} tokens ({limit} characters)", "tools")
+    _text_limit(chars, max_model_len, "messages")
+
+
+def _tool_names(tools: list[dict[str, Any]] | None) -> frozenset[str] | None:
+    """The function names of ``tools`` (each once: a name given twice is a 400, as one of the two
+    would silently win)."""
+    if not tools:
+        return None
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name:
+            raise BadRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}} "
+                             "with a non-empty name", "tools")
+        if name in names:
+            raise BadRequest(f"tools[{i}]: the function name {_show(name)} is given twice", "tools")
+        names.add(name)
+    return frozenset(names)
+
+
 def _auto_tools(req: ChatCompletionRequest, tools: list | None, defaults: ServerDefaults) -> str | None:
     """The tool-call parser that reads this request's output (``tools`` with ``tool_choice``
     "auto" or absent, on a server started with auto tool choice), else None. As vLLM, "auto"
@@ -778,10 +866,15 @@ def _auto_tools(req: ChatCompletionRequest, tools: list | None, defaults: Server
     return defaults.tool_parser
 
 
-def chat_prompt(body: Any, *, tokenizer, defaults: ServerDefaults) -> str:
+def chat_prompt(body: Any, *, tokenizer, defaults: ServerDefaults, max_model_len: int) -> str:
     """The text the chat template makes of a body's ``messages`` (with its ``tools``,
-    ``add_generation_prompt``, ``chat_template_kwargs``): what ``/tokenize`` counts."""
+    ``add_generation_prompt``, ``chat_template_kwargs``): what ``/tokenize`` counts. The messages
+    and tools are held to a chat request's character budget first."""
     req = _validate(body, ChatCompletionRequest)
     if tokenizer is None or not (defaults.chat_template or getattr(tokenizer, "chat_template", None)):
         raise BadRequest("this model has no chat template", "messages")
-    return _render(req, _messages(req), _template_kwargs(req.chat_template_kwargs), tokenizer, defaults)
+    msgs = _messages(req)
+    _rendered_limit(req, msgs, max_model_len)
+    _tool_names(req.tools or None)
+    return _render(req, msgs, _template_kwargs(req.chat_template_kwargs), tokenizer, defaults,
+                   max_model_len * MAX_CHARS_PER_TOKEN)

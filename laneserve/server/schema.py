@@ -81,9 +81,10 @@ class _Request(BaseModel):
 
     model_config = _STRICT
     model: Name | None = Field(None, description="the served model (optional: the server's first served name)")
-    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = Field(
-        None, description="output tokens at most (completions: 16 by default; chat: the context left, capped "
-                          "at the server's --default-max-tokens)")
+    max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = Field(
+        None, description="output tokens at most (completions: 16 by default, 0 only with echo: the prompt and "
+                          "its logprobs alone; chat: >= 1, the context left by default, capped at the server's "
+                          "--default-max-tokens)")
     temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = Field(
         None, description="1 by default; below 1e-5 is greedy")
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None

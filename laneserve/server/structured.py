@@ -21,11 +21,18 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from laneserve.core.structured import StructuredSpec, ToolCall, UnsupportedSpec, parse_tool_calls
+from laneserve.core.structured import StructuredSpec, ToolCall, UnsupportedSpec, json_text, parse_tool_calls
 
 
-def spec_from_request(body: Mapping[str, Any]) -> StructuredSpec | None:
-    """The structured-output constraint a completion or chat-completion request asks for."""
+def spec_from_request(body: Mapping[str, Any], *, open_objects: bool = False) -> StructuredSpec | None:
+    """The structured-output constraint a completion or chat-completion request asks for. Object
+    schemas that say nothing of further keys are closed (vLLM's default), unless ``open_objects``
+    (JSON Schema's own reading: any further key allowed)."""
+    spec = _spec(body)
+    return spec if spec is None or open_objects else spec.closed()
+
+
+def _spec(body: Mapping[str, Any]) -> StructuredSpec | None:
     found: list[tuple[str, StructuredSpec]] = []
     fmt = body.get("response_format")
     if fmt is not None:
@@ -64,10 +71,10 @@ def openai_tool_calls(spec: StructuredSpec, text: str) -> list[dict[str, Any]]:
 
 
 def _tool_call_json(call: ToolCall) -> dict[str, Any]:
-    return {"id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"id": call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def _call_id() -> str:
+def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -98,7 +105,7 @@ class ToolCallStream:
             first = self.calls == 0
             self.calls = 1
             if first:
-                return {"tool_calls": [{"index": 0, "id": _call_id(), "type": "function",
+                return {"tool_calls": [{"index": 0, "id": call_id(), "type": "function",
                                         "function": {"name": self.name, "arguments": text}}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
         self.text += text
@@ -115,9 +122,9 @@ class ToolCallStream:
             except ValueError:                  # the object is not complete yet
                 break
             self.pos = end
-            out.append({"index": self.calls, "id": _call_id(), "type": "function",
+            out.append({"index": self.calls, "id": call_id(), "type": "function",
                         "function": {"name": call["name"],
-                                     "arguments": json.dumps(call["arguments"], ensure_ascii=False)}})
+                                     "arguments": json_text(call["arguments"])}})
             self.calls += 1
         return {"tool_calls": out} if out else {}
 

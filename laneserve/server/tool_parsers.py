@@ -35,6 +35,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from laneserve.core.structured import no_json_constant, json_text, loads_strict
+
 __all__ = ["PARSERS", "AutoToolStream", "ParsedCalls", "ToolParser", "get_parser", "parser_names"]
 
 
@@ -45,18 +47,14 @@ class ParsedCalls:
 
 
 def _arguments(value: Any) -> str:
-    """A call's arguments as OpenAI sends them: JSON text of an object."""
+    """A call's arguments as OpenAI sends them: JSON text of an object (no NaN or Infinity)."""
     if isinstance(value, str):
-        try:
-            json.loads(value)
-        except ValueError:
-            raise ValueError("arguments are not JSON") from None
-        return value
+        value = loads_strict(value)
     if value is None:
         value = {}
     if not isinstance(value, dict):
         raise ValueError("arguments are not an object")
-    return json.dumps(value, ensure_ascii=False)
+    return json_text(value)
 
 
 class ToolParser:
@@ -82,20 +80,27 @@ class ToolParser:
         found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
         return min(found) if found else None
 
-    def extract(self, text: str) -> ParsedCalls:
-        """The content and the tool calls of a finished output."""
+    def extract(self, text: str, names: frozenset[str] | None = None) -> ParsedCalls:
+        """The content and the tool calls of a finished output. Calls are kept only when every one
+        is well formed: a known function (one of ``names``, when given) with a JSON object of
+        arguments; otherwise the whole text is content. The content is the text before the first
+        call as written (the same text a stream sends), None when empty (or only white space, for
+        formats where a call must open the output)."""
         at = self.start(text)
         if at is None:
             return ParsedCalls(text, [])
         try:
             calls = self.calls(text[at:])
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             calls = None
-        if not calls:
+        if not calls or any(not name or (names is not None and name not in names) for name, _ in calls):
             return ParsedCalls(text, [])
-        content = text[:at].strip() or None
-        return ParsedCalls(content, [{"id": self.new_id(), "type": "function",
-                                      "function": {"name": name, "arguments": args}} for name, args in calls])
+        content = text[:at]
+        if self.at_start_only and not content.strip():
+            content = ""
+        return ParsedCalls(content or None, [{"id": self.new_id(), "type": "function",
+                                              "function": {"name": name, "arguments": args}}
+                                             for name, args in calls])
 
 
 def _named(obj: Any, *arg_keys: str) -> tuple[str, str]:
@@ -103,6 +108,9 @@ def _named(obj: Any, *arg_keys: str) -> tuple[str, str]:
         raise ValueError("a call needs a name")
     key = next((k for k in arg_keys if k in obj), None)
     return obj["name"], _arguments(obj.get(key) if key else None)
+
+
+_DECODER = json.JSONDecoder(parse_constant=no_json_constant)     # raw_decode, strict
 
 
 class HermesParser(ToolParser):
@@ -116,7 +124,7 @@ class HermesParser(ToolParser):
             body = m.group(1).strip()
             if not body:
                 continue
-            out.append(_named(json.loads(body), "arguments", "parameters"))
+            out.append(_named(loads_strict(body), "arguments", "parameters"))
         return out
 
 
@@ -129,7 +137,7 @@ class Llama3JsonParser(ToolParser):
         text = text.strip()
         if text.startswith("<|python_tag|>"):
             text = text[len("<|python_tag|>"):]
-        decoder, pos, out = json.JSONDecoder(), 0, []
+        decoder, pos, out = _DECODER, 0, []
         while True:
             while pos < len(text) and text[pos] in " \t\r\n;":
                 pos += 1
@@ -149,7 +157,7 @@ class MistralParser(ToolParser):
 
     def calls(self, text: str) -> list[tuple[str, str]] | None:
         out = []
-        decoder = json.JSONDecoder()
+        decoder = _DECODER
         for part in text.split("[TOOL_CALLS]")[1:]:
             part = part.strip()
             if part.startswith("["):
@@ -192,8 +200,8 @@ class AutoToolStream:
     """One streamed choice under a tool-call parser: :meth:`delta` maps each new piece of text
     to the chunk's ``delta`` (content until a call starts, the calls when the choice finishes)."""
 
-    def __init__(self, parser: ToolParser) -> None:
-        self.parser = parser
+    def __init__(self, parser: ToolParser, names: frozenset[str] | None = None) -> None:
+        self.parser, self.names = parser, names
         self.seen = ""                     # all text so far
         self.sent = 0                      # chars of `seen` sent as content
         self.buffering = False             # a call started at `sent`: hold everything
@@ -226,7 +234,7 @@ class AutoToolStream:
             content, self.sent = self.seen[self.sent:end], end
         if final:
             rest = self.seen[self.sent:]
-            parsed = self.parser.extract(rest) if self.buffering else ParsedCalls(rest, [])
+            parsed = self.parser.extract(rest, self.names) if self.buffering else ParsedCalls(rest, [])
             if parsed.calls:
                 content += parsed.content or ""
                 out["tool_calls"] = [{"index": i, **c} for i, c in enumerate(parsed.calls)]

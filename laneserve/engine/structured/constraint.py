@@ -55,6 +55,12 @@ class Constraint:
     def vocab(self) -> TokenVocabulary:
         return self.checked.vocab
 
+    def first_tokens(self) -> frozenset[int]:
+        """The token ids (EOS included) the constraint allows as the first output token."""
+        mask = self.checked.new_matcher().compute_bitmask()
+        return frozenset(w * 32 + b for w, bits in enumerate(memoryview(mask).cast("I")) if bits
+                         for b in range(32) if bits >> b & 1)
+
     def new_state(self) -> ConstraintState:
         return ConstraintState(self)
 

@@ -82,7 +82,40 @@ def check_grammar(spec: StructuredSpec, vocab: TokenVocabulary,
     matcher = checked.new_matcher()
     if matcher.is_error():
         raise UnsupportedSpec(client_message(spec, matcher.get_error()))
+    probe(checked, matcher)
     return checked
+
+
+PROBE_STEPS = 4        # tokens the admission check generates under a constraint before admitting it
+
+
+def probe(checked: CheckedGrammar, matcher, steps: int = PROBE_STEPS) -> None:
+    """Run ``matcher`` (fresh, of ``checked``) for the first ``steps`` tokens, each time taking
+    the lowest allowed token that is not EOS: building the matcher checks only the grammar, while
+    what llguidance refuses per step (a self-referencing schema with nothing to expand, too many
+    Earley items, a row with too many alternatives) shows on the first masks and tokens. Raises
+    :class:`UnsupportedSpec` naming the limit or the reason."""
+    eos = set(checked.vocab.eos_token_ids)
+    for _ in range(steps):
+        mask = matcher.compute_bitmask()
+        if matcher.is_error():
+            raise UnsupportedSpec(client_message(checked.spec, matcher.get_error()))
+        token = _first_allowed(memoryview(mask).cast("I"), eos)
+        if token is None:                   # only EOS (complete) or nothing: nothing more to probe
+            return
+        if not matcher.consume_token(token) or matcher.is_error():
+            raise UnsupportedSpec(client_message(checked.spec, matcher.get_error() or "a step failed"))
+
+
+def _first_allowed(words, eos: set[int]) -> int | None:
+    for w, bits in enumerate(words):
+        while bits:
+            low = bits & -bits
+            token = w * 32 + low.bit_length() - 1
+            if token not in eos:
+                return token
+            bits ^= low
+    return None
 
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
@@ -98,7 +131,11 @@ def client_message(spec: StructuredSpec, error: str) -> str:
                 "(they are refused rather than silently ignored)")
     if "Unknown format" in error:
         return f"{first} (string formats that can be enforced: date-time, date, time, email, uri, uuid, ipv4, ipv6...)"
-    if any(word in error for word in ("too big", "too many", "fuel", "limit", "too complex", "too large")):
+    if "NoExtensionBias" in error:
+        return (f"the {spec.kind} constraint refers to itself without ever producing text (a schema or rule "
+                "defined only by itself, directly or through others, cannot be generated)")
+    if any(word in error.lower() for word in ("too big", "too many", "fuel", "limit", "too complex", "too large",
+                                              "max is")):
         return f"the {spec.kind} constraint exceeds the structured-output budget: {first}"
     return f"the {spec.kind} constraint cannot be compiled: {first}"
 
