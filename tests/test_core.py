@@ -10,7 +10,7 @@ from laneserve.core.plan import PrefillChunk
 
 def test_pure_layers_do_not_import_torch():
     code = ("import sys; import laneserve.core, laneserve.costmodel, laneserve.policies, "
-            "laneserve.sim, laneserve.runtime, laneserve.workloads, laneserve.bench.metrics; "
+            "laneserve.sim, laneserve.runtime, laneserve.workloads, laneserve.measure.metrics; "
             "from laneserve.policies import available; available('prefill'); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

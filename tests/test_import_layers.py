@@ -8,6 +8,9 @@ cannot unpick module by module, whichever import runs first.
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,3 +137,31 @@ def test_serving_layers_do_not_import_bench(layer):
     bad = sorted(f"{m} -> {t}" for m, ts in graph.items() if m == prefix or m.startswith(prefix + ".")
                  for t in ts if t == f"{PACKAGE}.bench" or t.startswith(f"{PACKAGE}.bench."))
     assert not bad, f"{layer} imports bench:\n" + "\n".join(bad)
+
+
+def _registering_modules() -> set[str]:
+    """Policy modules that register a policy (a ``register(...)`` / ``registry.register(...)``
+    decorator on a class)."""
+    found = set()
+    for path in sorted((ROOT / "policies").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for deco in node.decorator_list:
+                    func = deco.func if isinstance(deco, ast.Call) else deco
+                    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                    if name == "register":
+                        found.add(_module_name(path, ROOT))
+    return found
+
+
+def test_registry_discovers_every_registering_module():
+    """The registry names its policy modules instead of importing them: a fresh process that asks
+    it for the policies must end up with every module that registers one loaded."""
+    expected = _registering_modules()
+    assert len(expected) >= 10, expected
+    code = ("import sys; from laneserve.policies import registry\n"
+            "for kind in ('prefill', 'decode', 'colocated', 'router'): registry.available(kind)\n"
+            "print('\\n'.join(m for m in sys.modules if m.startswith('laneserve.policies')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT.parent)}).stdout.split()
+    assert expected <= set(out), sorted(expected - set(out))

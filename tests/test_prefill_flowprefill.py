@@ -241,7 +241,7 @@ def test_suspension_bound_and_conservation_on_random_workloads(seed, spec, chunk
 
 
 def test_sedf_beats_fcfs_on_the_four_class_mix():
-    from laneserve.bench.metrics import summarize
+    from laneserve.measure.metrics import summarize
     from laneserve.workloads import make_workload
 
     wl = make_workload("flowprefill_mix", model="Llama3-8B", n=300, rate=10.0)

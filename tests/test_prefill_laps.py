@@ -14,10 +14,11 @@ from laneserve.costmodel.linear import LinearCostModel
 from laneserve.policies import make
 from laneserve.policies.registry import resolve
 from laneserve.policies.prefill.laps import LapsPrefill
-from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig, ShapeGrid
+from laneserve.core.shapes import ShapeGrid
+from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig
 from laneserve.policies.prefill.laps_lanes import LONG, SHORT
 from laneserve.policies.routing_laps import LapsPoolRouter, PoolController
-from laneserve.bench.metrics import summarize
+from laneserve.measure.metrics import summarize
 from laneserve.sim import ClusterConfig, Simulator
 
 COST = LinearCostModel(prefill_per_token=2e-5, decode_fixed=0.01, decode_per_context_token=1e-7,
@@ -412,7 +413,7 @@ def test_controller_never_strips_a_busy_pool_below_capacity():
 def test_laps_lanes_compose_with_slack_aware_ordering():
     """LAPS lanes with FlowPrefill's S-EDF inside each lane (composable policies):
     every request finishes once, and on the multi-SLO mix the slack-aware order beats FCFS lanes."""
-    from laneserve.bench.metrics import summarize
+    from laneserve.measure.metrics import summarize
     from laneserve.costmodel import make_cost_model
     from laneserve.sim import ClusterConfig, Simulator
     from laneserve.workloads import make_workload

@@ -22,6 +22,7 @@ static path runs eagerly on CPU).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -160,6 +161,9 @@ class AttentionBackend:
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
+# Backends in modules of their own, registered when that module is first imported (named, not
+# imported here: the backend module imports this one for the base class and the registry).
+_OPTIONAL_BACKENDS = {"paged": "laneserve.engine.triton_attention"}     # needs Triton
 
 
 def register_attention(cls: type[AttentionBackend]) -> type[AttentionBackend]:
@@ -168,8 +172,8 @@ def register_attention(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 
 
 def make_attention(name: str, workspace: GatherWorkspace) -> AttentionBackend:
-    if name == "paged" and name not in ATTENTION_BACKENDS:
-        import laneserve.engine.triton_attention  # noqa: F401  (registers "paged"; needs Triton)
+    if name in _OPTIONAL_BACKENDS and name not in ATTENTION_BACKENDS:
+        importlib.import_module(_OPTIONAL_BACKENDS[name])
     try:
         return ATTENTION_BACKENDS[name](workspace)
     except KeyError:

@@ -88,7 +88,8 @@ from laneserve.core.request import Request
 from laneserve.costmodel.base import graphed_prefill_time
 from laneserve.policies.options import at_least, within
 from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
-from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig, ShapeGrid
+from laneserve.core.shapes import ShapeGrid
+from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig
 from laneserve.policies.prefill.laps_lanes import (LONG, SHORT, Classifier, Lane, LaneOrder,
                                                    lane_order)
 from laneserve.policies.prefill.priority import make_predictor, priority_key
