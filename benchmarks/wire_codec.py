@@ -20,7 +20,7 @@ from laneserve.cluster.messages import TokenItem, Tokens, decode, encode
 
 OUT = Path(__file__).resolve().parent / "results"
 BATCHES = (1, 16, 64, 256)
-REPEATS = 15
+REPEATS = 40
 
 
 def per_call(fns: dict, number: int) -> dict:
@@ -40,7 +40,7 @@ def main() -> int:
         data = encode(msg)
         bare = msgpack.packb({"k": "tok", "inst": 1, "gen": 0,
                               "items": [[1000 + i, [17 + i], None, None, None] for i in range(n)]})
-        number = max(200, 20000 // n)
+        number = max(50, 5000 // n)
         t = per_call({"unpack": lambda bare=bare: msgpack.unpackb(bare, raw=False, strict_map_key=False),
                       "decode": lambda data=data: decode(data), "encode": lambda msg=msg: encode(msg)}, number)
         unpack, dec, enc = t["unpack"], t["decode"], t["encode"]
