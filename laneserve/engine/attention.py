@@ -113,11 +113,6 @@ class GatherWorkspace:
         return pad_k, pad_v
 
 
-def context_slots(table: list[int], ctx_len: int, block_size: int) -> torch.Tensor:
-    """Flat cache slots (``block * block_size + offset``) of positions ``[0, ctx_len)``."""
-    return block_slots([table], [ctx_len], block_size)
-
-
 def block_slots(tables: list[list[int]], ctx_lens: list[int], block_size: int,
                 seq_of_row: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Flat cache slots of many sequences at once (host tensor, vectorised): by default every

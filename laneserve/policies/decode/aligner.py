@@ -481,34 +481,6 @@ class LengthAligner:
             if any(r.policy_state.aligned_batch != first for r in plan.decodes):
                 self.stats.mixed_steps += 1
 
-    # ---- checking (tests) ------------------------------------------------------------------
-    def check_invariants(self) -> None:
-        """Every request's KV lives in exactly one tier: device (running, waiting, or reserved for
-        a transfer in flight), host pool (tree, buffers, swapped), or nowhere (recompute); block
-        counts match the managers."""
-        h = self.host
-        self.tree.check()
-        kv, pool = h.kv, self.pool
-        device = {r.request_id for r in (*h.running, *h.waiting)} | self._recomputing
-        host = {*(r.request_id for r in (*self.cand_batch, *self.cand_reqs, *h.swapped))}
-        host_tree = set(self.tree._entries)
-        assert not (host & host_tree) and not (device & (host | host_tree)), "request in two places"
-        in_flight = set(kv.tables) - device         # reserved for a transfer not yet arrived
-        assert device <= set(kv.tables) and not (in_flight & set(h.requests)), \
-            (sorted(kv.tables), sorted(device))
-        assert set(pool.tables) >= host | host_tree
-        assert kv.allocator.num_used == sum(len(t) for t in kv.tables.values())
-        assert pool.allocator.num_used == sum(len(t) for t in pool.tables.values())
-        for rid in host_tree:
-            assert self.tree.entry(rid).blocks == pool.num_allocated(rid)
-        held = self.guard.held if self.guard is not None else None
-        if held is not None:                        # the guard's running figures match a scan
-            reqs = list(h.requests.values())
-            assert held.blocks == sum(blocks_for(r.context_len + 1, kv.block_size) for r in reqs)
-            assert held.context == sum(r.context_len for r in reqs)
-            assert held.longest(reqs) == max((r.context_len for r in reqs), default=0)
-            assert held.min_tpot() == min((r.slo.tpot for r in reqs if r.slo.tpot is not None), default=None)
-
 
 class AlignedWiring:
     """The scheduler side of a :class:`LengthAligner`, for a decode policy that holds one as
@@ -594,7 +566,3 @@ class AlignedWiring:
     def _after_update(self, plan: StepPlan, outcome: StepOutcome, now: float) -> None:
         super()._after_update(plan, outcome, now)
         self.aligner.after_step(plan)
-
-    def check_invariants(self) -> None:
-        """Every request's KV lives in exactly one tier (:meth:`LengthAligner.check_invariants`)."""
-        self.aligner.check_invariants()
