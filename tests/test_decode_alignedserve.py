@@ -12,6 +12,7 @@ from laneserve.costmodel.linear import LinearCostModel
 from laneserve.policies import make
 from laneserve.core.kv import blocks_for
 from laneserve.policies.decode.aligned_guard import AlignmentGuard, contexts
+from laneserve.policies.decode.aligned_stats import Aligned
 from laneserve.policies.decode.aligner import LengthAligner
 from laneserve.policies.decode.alignedserve import AlignedServeDecode
 from laneserve.policies.decode.quadtree import KVLengthQuadTree
@@ -414,7 +415,7 @@ def test_entering_aligned_mode_fills_only_an_unaligned_batch_and_aligns_at_once(
     plan = pol.schedule(0.1)
     current = pol.aligner.current
     assert pol.aligning and current is not None          # an aligned batch runs now
-    members = [r for r in pol.running if r.policy_state.aligned_batch == current.batch_id]
+    members = [r for r in pol.running if r.policy_state.of(Aligned).batch == current.batch_id]
     assert members and len(plan.swap_out) >= 12 - 4
     lengths = {r.context_len > 1_000 for r in members}
     assert len(lengths) == 1                                  # the batch is one length class

@@ -71,7 +71,7 @@ are ablations of it. Each guard is a constructor option:
 The alternation and AWD below are the paper's mechanisms; with the defaults they run when the
 merge does not apply (one lane empty, or a short request too tight for a mixed step).
 
-Spatial mode: the router tags each request with its lane (``req.policy_state.lane``) and tells the
+Spatial mode: the router tags each request with its lane (:class:`~.laps_lanes.LaneTag`) and tells the
 instance its pool with :meth:`LapsPrefill.set_lane`. An instance that changes pool keeps its queued
 work and drains it by the same alternation (lanes still never mix in a step); new arrivals are only
 of its new lane. Without a tag the instance classifies the request itself.
@@ -90,7 +90,7 @@ from laneserve.policies.options import at_least, within
 from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
 from laneserve.core.shapes import ShapeGrid
 from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig
-from laneserve.policies.prefill.laps_lanes import (LONG, SHORT, Classifier, Lane, LaneOrder,
+from laneserve.policies.prefill.laps_lanes import (LONG, SHORT, Classifier, Lane, LaneOrder, LaneTag,
                                                    lane_order)
 from laneserve.policies.prefill.priority import make_predictor, priority_key
 from laneserve.policies.registry import register
@@ -202,11 +202,11 @@ class LapsPrefill(PrefillScheduler):
         self.assigned_lane = lane
 
     def lane_of(self, req: Request) -> str:
-        lane = req.policy_state.lane
+        tag = req.policy_state.of(LaneTag)
+        lane = tag.lane
         if lane is None:
             history = req.prompt_len - self.new_tokens(req)
-            lane = self.classifier.classify(self.new_tokens(req), history)
-            req.policy_state.lane = lane
+            lane = tag.lane = self.classifier.classify(self.new_tokens(req), history)
         return lane
 
     def _push(self, req: Request, now: float) -> None:
