@@ -48,11 +48,11 @@ from dataclasses import dataclass, field
 import torch
 
 from laneserve.core.plan import StepPlan
+from laneserve.core.shapes import ShapeGrid
 from laneserve.engine.attention import StaticAttentionMeta, StaticPaddedAttention
 from laneserve.engine.config import MIN_GRAPH_CONTEXT, MIN_GRAPH_PREFILL_LEN, EngineConfig
 from laneserve.engine.device_stream import copy_in, upload
 from laneserve.engine.kv_cache import PagedKVCache
-from laneserve.core.shapes import ShapeGrid
 from laneserve.engine.models.llama import LlamaModel, StepTensors
 from laneserve.engine.sequence import SeqInput
 
