@@ -54,6 +54,24 @@ def test_request_counters_and_token_times():
     assert req.phase is Phase.FINISHED and req.is_finished
 
 
+def test_policy_records_are_one_per_type_and_request():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Mine:
+        steps: int = 0
+
+    @dataclass
+    class Other:
+        lane: str | None = None
+
+    a, b = (Request.from_spec(RequestSpec(i, 0.0, 10, 4)) for i in range(2))
+    assert a.policy_state.peek(Mine) is None and a.policy_state.records is None   # nothing made by a look
+    a.policy_state.of(Mine).steps += 2
+    assert a.policy_state.of(Mine) is a.policy_state.peek(Mine) and a.policy_state.of(Mine).steps == 2
+    assert a.policy_state.of(Other).lane is None and b.policy_state.peek(Mine) is None
+
+
 def test_kv_allocation_free_and_errors():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     assert kv.allocate(1, 9) and kv.num_allocated(1) == 3
