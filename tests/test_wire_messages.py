@@ -59,6 +59,12 @@ def test_every_registered_kind_is_covered_and_tagged():
     assert msgpack.unpackb(encode(Fatal("no", inst=2, gen=3))) == ["fatal", "no", 2, 3]
 
 
+def test_numpy_figures_encode_as_numbers():
+    np = pytest.importorskip("numpy")
+    back = decode(encode(Stats(kv_usage=np.float64(0.5), busy=np.float32(1.0), kv_free=np.int64(3))))
+    assert (back.kv_usage, back.busy, back.kv_free) == (0.5, 1.0, 3) and type(back.kv_free) is int
+
+
 def test_the_request_description_builds_the_request():
     req = DESC.request()
     assert (req.request_id, req.prompt_token_ids, req.sampling, req.arrival_time) == (7, [1, 2, 3], SP, 0.25)

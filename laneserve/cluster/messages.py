@@ -391,7 +391,16 @@ def _check_vocab(msg: Message, vocab: int) -> None:
 
 
 # ---- the codec -------------------------------------------------------------------------------------
-_ENCODER = msgspec.msgpack.Encoder()
+def _builtin(obj: Any) -> Any:
+    """A value msgspec does not encode itself: a numpy scalar (``numpy.float64`` from a figure
+    computed with numpy) as the Python number it holds."""
+    item = getattr(obj, "item", None)
+    if item is None:
+        raise NotImplementedError(f"cannot encode a {type(obj).__name__}")
+    return item()
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_builtin)
 _DECODER = msgspec.msgpack.Decoder(Message)
 
 
