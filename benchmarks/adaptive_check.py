@@ -30,7 +30,7 @@ import argparse
 from dataclasses import dataclass, replace
 
 from laneserve.bench.experiment import goodput, policy_config
-from laneserve.bench.parallel import map_jobs
+from laneserve.measure.parallel import map_jobs
 from laneserve.bench.results import markdown_table, write_result
 from laneserve.core import SLO
 from laneserve.costmodel import PolynomialTTFT, make_cost_model

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from laneserve.bench.metrics import summarize
+from laneserve.measure.metrics import summarize
 from laneserve.bench.results import RESULTS_DIR, markdown_table, write_result
 from laneserve.costmodel import make_cost_model
 from laneserve.sim import ClusterConfig, Simulator

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from engine_models import greedy_requests, random_checkpoint  # noqa: E402
-from laneserve.bench.metrics import summarize  # noqa: E402
+from laneserve.measure.metrics import summarize  # noqa: E402
 from laneserve.bench.results import markdown_table, write_result  # noqa: E402
 from laneserve.cluster import LocalCluster  # noqa: E402
 from laneserve.core import SLO, RequestSpec  # noqa: E402

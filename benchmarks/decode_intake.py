@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.league import (DURATION, HARDWARE, HOST_KV_TOKENS, MAX_EVALS, MAX_SIZES, MODEL,  # noqa: E402
                                REL_TOL, SIZES, WORKLOADS)
-from laneserve.bench.experiment import run_point  # noqa: E402
+from laneserve.measure.simulate import run_point  # noqa: E402
 from laneserve.bench.league import Entry, entry_config, run_league  # noqa: E402
-from laneserve.bench.parallel import default_jobs, map_jobs  # noqa: E402
+from laneserve.measure.parallel import default_jobs, map_jobs  # noqa: E402
 from laneserve.bench.results import RESULTS_DIR, markdown_table, write_result  # noqa: E402
 from laneserve.costmodel import make_cost_model  # noqa: E402
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 
-from laneserve.bench.metrics import summarize
+from laneserve.measure.metrics import summarize
 from laneserve.bench.results import RESULTS_DIR, markdown_table, write_result
 from laneserve.costmodel import make_cost_model
 from laneserve.sim import ClusterConfig, Simulator

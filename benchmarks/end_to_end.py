@@ -19,7 +19,7 @@ comparable with the paper's and with earlier runs. Its ``kairos`` prefill is the
 
 from __future__ import annotations
 
-from laneserve.bench.metrics import summarize
+from laneserve.measure.metrics import summarize
 from laneserve.bench.report import plot_curves
 from laneserve.bench.results import RESULTS_DIR, markdown_table, write_result
 from laneserve.costmodel import make_cost_model

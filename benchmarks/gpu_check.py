@@ -488,7 +488,7 @@ def mix_trace(n: int, rate: float, long_range, short_range, seed: int = 0):
 
 def section_f(args) -> dict:
     from engine_models import greedy_requests
-    from laneserve.bench.metrics import summarize
+    from laneserve.measure.metrics import summarize
     from laneserve.cluster import LocalCluster
     from laneserve.costmodel.fitted import FittedCostModel
     from laneserve.costmodel.profile import save_profile

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from laneserve.bench.metrics import summarize
+from laneserve.measure.metrics import summarize
 from laneserve.bench.results import RESULTS_DIR, markdown_table, write_result
 from laneserve.costmodel import make_cost_model
 from laneserve.sim import ClusterConfig, Simulator

@@ -91,7 +91,7 @@ from benchmarks.prefill_kairos import HEADLINE, scaled_slos  # noqa: E402
 from laneserve.bench.league import (SHAPES, Entry, LeagueWorkload, cell_ratios,  # noqa: E402
                                     idle_multiple_slo, league_metrics, plot_heatmap, predictor_modes,
                                     run_league)
-from laneserve.bench.parallel import default_jobs  # noqa: E402
+from laneserve.measure.parallel import default_jobs  # noqa: E402
 from laneserve.bench.results import RESULTS_DIR, markdown_table, write_result  # noqa: E402
 from laneserve.core.slo import SLO  # noqa: E402
 from laneserve.costmodel import make_cost_model  # noqa: E402

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.league import (DURATION, ENTRIES, HARDWARE, HOST_KV_TOKENS, MAX_EVALS, MAX_SIZES,  # noqa: E402
                                MODEL, REL_TOL, SIZES, WORKLOADS, seeded, select_entries)
 from laneserve.bench.league import SHAPES, cell_ratios, run_league  # noqa: E402
-from laneserve.bench.parallel import default_jobs  # noqa: E402
+from laneserve.measure.parallel import default_jobs  # noqa: E402
 from laneserve.bench.results import markdown_table, write_result  # noqa: E402
 from laneserve.costmodel import make_cost_model  # noqa: E402
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 from laneserve.bench.experiment import goodput
-from laneserve.bench.parallel import default_jobs, map_jobs
+from laneserve.measure.parallel import default_jobs, map_jobs
 from laneserve.bench.results import markdown_table, write_result
 from laneserve.costmodel import make_cost_model
 from laneserve.policies.predictors import PREDICTORS

@@ -56,7 +56,7 @@ import time
 
 import numpy as np
 
-from laneserve.bench.experiment import run_point
+from laneserve.measure.simulate import run_point
 from laneserve.bench.report import plot_curves
 from laneserve.bench.results import RESULTS_DIR, markdown_table, write_result
 from laneserve.core.slo import SLO

@@ -51,7 +51,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from laneserve.bench.metrics import summarize  # noqa: E402
+from laneserve.measure.metrics import summarize  # noqa: E402
 from laneserve.bench.results import RESULTS_DIR, markdown_table, write_result  # noqa: E402
 from laneserve.costmodel import make_cost_model  # noqa: E402
 from laneserve.sim import ClusterConfig, Simulator  # noqa: E402

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import league  # noqa: E402  (benchmarks/league.py: the league's workloads and entries)
 
 from laneserve.bench.league import SHAPES, capacity_estimate, entry_config  # noqa: E402
-from laneserve.bench.parallel import default_jobs, map_jobs  # noqa: E402
+from laneserve.measure.parallel import default_jobs, map_jobs  # noqa: E402
 from laneserve.costmodel import make_cost_model  # noqa: E402
 from laneserve.sim import ClusterConfig, Simulator  # noqa: E402
 

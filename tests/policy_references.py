@@ -45,7 +45,8 @@ class ScanSEDFOrdering(SEDFOrdering):
 class SEDFPrefillReference(SEDFPrefill):
     """S-EDF (and its orderings) holding the scanning ordering."""
 
-    ordering_class = ScanSEDFOrdering
+    def compose_sedf(self, o, ordering_class=SEDFOrdering, **parts) -> None:
+        super().compose_sedf(o, ScanSEDFOrdering, **parts)
 
 
 class KairosPrefillReference(KairosPrefill):

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from laneserve.bench.metrics import summarize
+from laneserve.measure.metrics import summarize
 from laneserve.core import SLO, Request, RequestSpec
 from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.plan import StepResult

@@ -10,7 +10,7 @@ from laneserve.core.plan import PrefillChunk
 
 def test_pure_layers_do_not_import_torch():
     code = ("import sys; import laneserve.core, laneserve.costmodel, laneserve.policies, "
-            "laneserve.sim, laneserve.runtime, laneserve.workloads, laneserve.bench.metrics; "
+            "laneserve.sim, laneserve.runtime, laneserve.workloads, laneserve.measure.metrics; "
             "from laneserve.policies import available; available('prefill'); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -52,6 +52,24 @@ def test_request_counters_and_token_times():
     assert req.times.token_times == [1.5, 1.6, 1.9] and req.output_token_ids == [7, 8, 9]
     req.finish(2.0)
     assert req.phase is Phase.FINISHED and req.is_finished
+
+
+def test_policy_records_are_one_per_type_and_request():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Mine:
+        steps: int = 0
+
+    @dataclass
+    class Other:
+        lane: str | None = None
+
+    a, b = (Request.from_spec(RequestSpec(i, 0.0, 10, 4)) for i in range(2))
+    assert a.policy_state.peek(Mine) is None and a.policy_state.records is None   # nothing made by a look
+    a.policy_state.of(Mine).steps += 2
+    assert a.policy_state.of(Mine) is a.policy_state.peek(Mine) and a.policy_state.of(Mine).steps == 2
+    assert a.policy_state.of(Other).lane is None and b.policy_state.peek(Mine) is None
 
 
 def test_kv_allocation_free_and_errors():

@@ -12,6 +12,8 @@ from laneserve.costmodel.linear import LinearCostModel
 from laneserve.policies import make
 from laneserve.core.kv import blocks_for
 from laneserve.policies.decode.aligned_guard import AlignmentGuard, contexts
+from laneserve.policies.decode.aligned_stats import Aligned
+from laneserve.policies.decode.aligner import LengthAligner
 from laneserve.policies.decode.alignedserve import AlignedServeDecode
 from laneserve.policies.decode.quadtree import KVLengthQuadTree
 from laneserve.policies.registry import register
@@ -108,18 +110,46 @@ def test_search_reports_an_underfilled_batch_when_n_min_is_impossible():
 
 
 # ---- the scheduler in the simulator ----------------------------------------------------------
+def check_aligner_invariants(self: LengthAligner) -> None:
+    """A length aligner's bookkeeping, by a full scan: every request's KV lives in exactly one
+    tier: device (running, waiting, or reserved for a transfer in flight), host pool (tree,
+    buffers, swapped), or nowhere (recompute); block counts match the managers."""
+    h = self.host
+    self.tree.check()
+    kv, pool = h.kv, self.pool
+    device = {r.request_id for r in (*h.running, *h.waiting)} | self._recomputing
+    host = {*(r.request_id for r in (*self.cand_batch, *self.cand_reqs, *h.swapped))}
+    host_tree = set(self.tree._entries)
+    assert not (host & host_tree) and not (device & (host | host_tree)), "request in two places"
+    in_flight = set(kv.tables) - device         # reserved for a transfer not yet arrived
+    assert device <= set(kv.tables) and not (in_flight & set(h.requests)), \
+        (sorted(kv.tables), sorted(device))
+    assert set(pool.tables) >= host | host_tree
+    assert kv.allocator.num_used == sum(len(t) for t in kv.tables.values())
+    assert pool.allocator.num_used == sum(len(t) for t in pool.tables.values())
+    for rid in host_tree:
+        assert self.tree.entry(rid).blocks == pool.num_allocated(rid)
+    held = self.guard.held if self.guard is not None else None
+    if held is not None:                        # the guard's running figures match a scan
+        reqs = list(h.requests.values())
+        assert held.blocks == sum(blocks_for(r.context_len + 1, kv.block_size) for r in reqs)
+        assert held.context == sum(r.context_len for r in reqs)
+        assert held.longest(reqs) == max((r.context_len for r in reqs), default=0)
+        assert held.min_tpot() == min((r.slo.tpot for r in reqs if r.slo.tpot is not None), default=None)
+
+
 @register("decode", "alignedserve-checked")
 class CheckedAlignedServe(AlignedServeDecode):
     """AlignedServe that checks its KV invariants after every decision and every step."""
 
     def schedule(self, now):
         plan = super().schedule(now)
-        self.check_invariants()
+        check_aligner_invariants(self.aligner)
         return plan
 
     def _after_update(self, plan, outcome, now):
         super()._after_update(plan, outcome, now)
-        self.check_invariants()
+        check_aligner_invariants(self.aligner)
 
 
 COST = LinearCostModel(prefill_per_token=2e-5, decode_fixed=0.01, decode_per_context_token=1e-7,
@@ -385,7 +415,7 @@ def test_entering_aligned_mode_fills_only_an_unaligned_batch_and_aligns_at_once(
     plan = pol.schedule(0.1)
     current = pol.aligner.current
     assert pol.aligning and current is not None          # an aligned batch runs now
-    members = [r for r in pol.running if r.policy_state.aligned_batch == current.batch_id]
+    members = [r for r in pol.running if r.policy_state.of(Aligned).batch == current.batch_id]
     assert members and len(plan.swap_out) >= 12 - 4
     lengths = {r.context_len > 1_000 for r in members}
     assert len(lengths) == 1                                  # the batch is one length class

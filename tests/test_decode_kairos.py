@@ -13,7 +13,7 @@ from laneserve.core.request import Phase, Request, RequestSpec
 from laneserve.core.slo import SLO
 from laneserve.costmodel import StepTimeLUT, make_cost_model
 from laneserve.policies import registry
-from laneserve.policies.decode.kairos import KairosDecode, geometric_edges
+from laneserve.policies.decode.kairos import Held, KairosDecode, geometric_edges
 from laneserve.policies.decode.pacing import TokenPacer
 from laneserve.sim import ClusterConfig, Simulator
 
@@ -67,7 +67,7 @@ def test_scan_by_ascending_length_keeps_shorts_and_delays_the_straggler():
     # every slack is about 50 ms - 10 ms - len/1e7: the straggler's 40 ms is s_min
     chosen = sched.select([long, *shorts], now=0.0)
     assert [r.request_id for r in chosen] == [2, 3, 1]          # ascending length
-    assert long.policy_state.kairos_delay == 1 and sched.stats.partial_steps == 1
+    assert long.policy_state.of(Held).steps == 1 and sched.stats.partial_steps == 1
     # the throughput rule alone: (|B|+1)/t_step must beat |B|/t_cur
     t3 = 0.010 + 1e-7 * 3 * 3001
     t4 = 0.010 + 1e-7 * 4 * 100_001
@@ -90,7 +90,7 @@ def test_nothing_fits_then_everyone_decodes():
     reqs = [decoding(i, 1000 * (i + 1), first=0.0, out=1) for i in range(3)]
     chosen = sched.select(reqs, now=0.035)                  # s_min < 5 ms < every step time
     assert chosen == reqs and sched.stats.fallback_steps == 1
-    assert all(r.policy_state.kairos_delay == 0 for r in reqs)
+    assert all(r.policy_state.of(Held).steps == 0 for r in reqs)
 
 
 def test_late_requests_bind_only_when_asked():

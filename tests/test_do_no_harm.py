@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from laneserve.bench.metrics import summarize
+from laneserve.measure.metrics import summarize
 from laneserve.core import SLO, RequestSpec
 from laneserve.costmodel.linear import LinearCostModel
 from laneserve.policies import make

@@ -9,10 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from laneserve.bench.metrics import request_metrics, summarize
-from laneserve.bench.progress import progress, progress_bar, progress_enabled
+from laneserve.measure.metrics import request_metrics, summarize
+from laneserve.measure.progress import progress, progress_bar, progress_enabled
 from laneserve.bench.report import format_console_table, format_serving_block, write_report
-from laneserve.bench.search import goodput_search, slo_scale_search
+from laneserve.measure.search import goodput_search, slo_scale_search
 from laneserve.core.request import Phase, Request, RequestSpec
 from laneserve.core.slo import SLO
 
@@ -287,8 +287,8 @@ def test_progress_is_silent_in_ci_and_when_forced_off(monkeypatch, capsys):
 
 
 def test_bench_imports_stay_light():
-    code = ("import sys, laneserve.bench.metrics, laneserve.bench.search, laneserve.bench.report, "
-            "laneserve.bench.progress; "
+    code = ("import sys, laneserve.measure.metrics, laneserve.measure.search, laneserve.bench.report, "
+            "laneserve.measure.progress; "
             "print(sorted(m for m in ('torch', 'matplotlib', 'tqdm') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -16,8 +16,21 @@ from laneserve.costmodel import PolynomialTTFT, make_cost_model
 from laneserve.policies import make
 from laneserve.policies.prefill.sedf import SEDFPrefill
 from laneserve.policies.predictors import PRIOR_PREFILL, LearnedTTFT
-from laneserve.policies.prefill.priority import priority_key, priority_value
+from laneserve.policies.prefill.priority import priority_key
 from laneserve.sim import ClusterConfig, Simulator
+
+
+def priority_value(ordering: str, req: Request, now: float, predicted: float = 0.0) -> float:
+    """The paper's scalar ``sgn(x)/deadline``, the form it states (the policy ranks with
+    :func:`priority_key`, which orders requests the same way)."""
+    d = req.ttft_deadline
+    x = {"sedf": d - now - predicted, "dedf": d - now, "edf": 1.0}.get(ordering)
+    if x is None:
+        raise ValueError(f"ordering {ordering!r} has no scalar priority")
+    if d == float("inf"):
+        return 0.0
+    return (1.0 if x >= 0 else -1.0) / d
+
 
 COST = make_cost_model("analytic", model="llama-3.1-8b", hardware="h100")   # Llama-3-8B shape, 128K context
 LINEAR = lambda n: 1e-3 * n      # noqa: E731  (1 ms per token: easy arithmetic)
@@ -241,7 +254,7 @@ def test_suspension_bound_and_conservation_on_random_workloads(seed, spec, chunk
 
 
 def test_sedf_beats_fcfs_on_the_four_class_mix():
-    from laneserve.bench.metrics import summarize
+    from laneserve.measure.metrics import summarize
     from laneserve.workloads import make_workload
 
     wl = make_workload("flowprefill_mix", model="Llama3-8B", n=300, rate=10.0)

@@ -14,10 +14,11 @@ from laneserve.costmodel.linear import LinearCostModel
 from laneserve.policies import make
 from laneserve.policies.registry import resolve
 from laneserve.policies.prefill.laps import LapsPrefill
-from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig, ShapeGrid
-from laneserve.policies.prefill.laps_lanes import LONG, SHORT
+from laneserve.core.shapes import ShapeGrid
+from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig
+from laneserve.policies.prefill.laps_lanes import LONG, SHORT, LaneTag
 from laneserve.policies.routing_laps import LapsPoolRouter, PoolController
-from laneserve.bench.metrics import summarize
+from laneserve.measure.metrics import summarize
 from laneserve.sim import ClusterConfig, Simulator
 
 COST = LinearCostModel(prefill_per_token=2e-5, decode_fixed=0.01, decode_per_context_token=1e-7,
@@ -88,7 +89,7 @@ def test_lanes_never_mix_and_padded_shapes_are_grid_shapes():
     plans = drain(s, now=reqs[-1].arrival_time)
     assert {r.request_id for p in plans for c in p.prefills for r in [c.request]} == set(range(300))
     for p in plans:
-        lanes = {c.request.policy_state.lane for c in p.prefills}
+        lanes = {c.request.policy_state.of(LaneTag).lane for c in p.prefills}
         assert len(lanes) == 1
         if p.padded_shape is not None:
             length, batch = p.padded_shape
@@ -171,7 +172,7 @@ def test_long_prefills_run_in_chunks_between_short_batches():
     for i in range(1, 4):
         s.add_request(req(i, 0.0, 10 * i), 0.0)
     first = s.schedule(0.0)                                   # short lane first when due
-    assert first.prefills[0].request.policy_state.lane == SHORT
+    assert first.prefills[0].request.policy_state.of(LaneTag).lane == SHORT
 
 
 def test_sla_guard_runs_a_squeezed_short_batch_before_the_next_long_chunk():
@@ -185,7 +186,7 @@ def test_sla_guard_runs_a_squeezed_short_batch_before_the_next_long_chunk():
         s.add_request(req(0, 0.0, 4096, ttft=10.0), 0.0)
         s.add_request(req(1, 0.0, 64, ttft=ttft), 0.0)
         assert s._short_due(0.0)[0] is False                 # AWD alone would keep waiting
-        return s.schedule(0.0).prefills[0].request.policy_state.lane, s
+        return s.schedule(0.0).prefills[0].request.policy_state.of(LaneTag).lane, s
 
     lane, s = first_lane(0.25)                               # 0.25 − (0.2048 + Ŝ 0.02) ≤ σ 0.05
     assert lane == SHORT and s.guard_dispatches == 1 and s.awd.reasons == {"sla_guard": 1}
@@ -195,10 +196,10 @@ def test_sla_guard_runs_a_squeezed_short_batch_before_the_next_long_chunk():
     s = sched(w_min=0.1, w_max=0.1)
     s.add_request(req(0, 0.0, 4096, ttft=10.0), 0.0)
     plan = s.schedule(0.0)
-    assert plan.prefills[0].request.policy_state.lane == LONG
+    assert plan.prefills[0].request.policy_state.of(LaneTag).lane == LONG
     s.update(plan, StepResult(duration=0.2), 0.2)
     s.add_request(req(1, 0.2, 64, ttft=0.25), 0.2)
-    assert s.schedule(0.2).prefills[0].request.policy_state.lane == SHORT
+    assert s.schedule(0.2).prefills[0].request.policy_state.of(LaneTag).lane == SHORT
 
 
 def test_preempt_parks_the_long_chunk_and_resumes_the_same_plan():
@@ -238,7 +239,7 @@ def test_preempt_parks_the_long_chunk_and_resumes_the_same_plan():
     assert forced.prefills[0].request.request_id == 0 and not s.should_preempt(forced, 0.02)
     s.update(forced, StepResult(duration=0.2), 0.21)
     s.add_request(req(3, 0.21, 64), 0.21)
-    assert s.schedule(0.21).prefills[0].request.policy_state.lane == SHORT
+    assert s.schedule(0.21).prefills[0].request.policy_state.of(LaneTag).lane == SHORT
     # LAPS alone never preempts
     plain = sched()
     plain.add_request(req(0, 0.0, 4096), 0.0)
@@ -412,7 +413,7 @@ def test_controller_never_strips_a_busy_pool_below_capacity():
 def test_laps_lanes_compose_with_slack_aware_ordering():
     """LAPS lanes with FlowPrefill's S-EDF inside each lane (composable policies):
     every request finishes once, and on the multi-SLO mix the slack-aware order beats FCFS lanes."""
-    from laneserve.bench.metrics import summarize
+    from laneserve.measure.metrics import summarize
     from laneserve.costmodel import make_cost_model
     from laneserve.sim import ClusterConfig, Simulator
     from laneserve.workloads import make_workload
@@ -496,7 +497,7 @@ def test_a_short_request_rides_the_long_step_when_its_slack_allows_and_runs_alon
     literal.bind_cost_model(COST)
     literal.add_request(req(0, 0.0, 6000, ttft=10.0), 0.0)
     literal.add_request(req(1, 0.0, 100, ttft=0.4), 0.0)
-    assert all(len({c.request.policy_state.lane for c in p.prefills}) == 1 for p in drain(literal))
+    assert all(len({c.request.policy_state.of(LaneTag).lane for c in p.prefills}) == 1 for p in drain(literal))
 
 
 def test_padding_only_where_the_cost_model_says_graph_replay_pays():
@@ -593,4 +594,4 @@ def test_pool_router_places_decode_instances_as_least_loaded():
     req = Request.from_spec(RequestSpec(0, 0.0, 5000, 4))
     decoders = Simulator(base, LinearCostModel())._make_instances()[1]
     assert router.route(req, decoders, 0.0) == ll.route(req, decoders, 0.0)
-    assert router.pools == {} and req.policy_state.lane is None
+    assert router.pools == {} and req.policy_state.of(LaneTag).lane is None

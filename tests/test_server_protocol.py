@@ -129,6 +129,22 @@ def test_kv_transport_roundtrip(tmp_path, name, dtype):
     assert list(tmp_path.iterdir()) == []       # shm files are unlinked on receipt
 
 
+def test_router_discards_a_descriptor_through_its_transport(tmp_path):
+    """The router drops KV it will not deliver by the descriptor alone: the transport the
+    descriptor names releases it (an shm file is unlinked), an unknown transport is an error."""
+    torch = pytest.importorskip("torch")
+    from laneserve.cluster.transport import discard_descriptor, make_transport
+    from laneserve.engine.kv_cache import KVPayload
+    desc = make_transport("shm", directory=tmp_path).put(3, KVPayload(4, torch.ones(2, 2, 4, 2, 8)))
+    assert len(list(tmp_path.iterdir())) == 1
+    discard_descriptor(desc)
+    assert list(tmp_path.iterdir()) == []
+    discard_descriptor(desc)                     # already gone: nothing to do
+    discard_descriptor(make_transport("inline").put(3, KVPayload(4, torch.ones(2, 2, 4, 2, 8))))
+    with pytest.raises(ValueError, match="unknown KV transport 'carrier-pigeon'"):
+        discard_descriptor({"t": "carrier-pigeon"})
+
+
 def test_loadgen_outcomes_become_vllm_style_summary():
     from laneserve.bench.loadgen import LoadResult, RequestOutcome, bench_summary
     specs = [RequestSpec(i, 0.0, 10, 4, slo=SLO(0.5, 0.1)) for i in range(3)]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from laneserve.bench.metrics import summarize
+from laneserve.measure.metrics import summarize
 from laneserve.cli import main
 from laneserve.core import SLO
 from laneserve.core.request import RequestSpec

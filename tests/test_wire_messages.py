@@ -55,7 +55,14 @@ def test_every_registered_kind_is_covered_and_tagged():
     assert {type(x) for x in MESSAGES} == set(m._KINDS.values())
     assert len(m._KINDS) == 12
     raw = msgpack.unpackb(encode(Heartbeat(inst=4, gen=1)))
-    assert raw == ["hb", 4, 1]                       # compact: a tag, then the sender, then the fields
+    assert raw == ["hb", 4, 1]                       # compact: a tag, then the fields, then the sender
+    assert msgpack.unpackb(encode(Fatal("no", inst=2, gen=3))) == ["fatal", "no", 2, 3]
+
+
+def test_numpy_figures_encode_as_numbers():
+    np = pytest.importorskip("numpy")
+    back = decode(encode(Stats(kv_usage=np.float64(0.5), busy=np.float32(1.0), kv_free=np.int64(3))))
+    assert (back.kv_usage, back.busy, back.kv_free) == (0.5, 1.0, 3) and type(back.kv_free) is int
 
 
 def test_the_request_description_builds_the_request():
@@ -86,8 +93,14 @@ def _mutated(msg, path: tuple, value) -> bytes:
 
 _DELETE = object()
 
+
+def _names(field: str) -> str:
+    """An error naming ``field``, or a part of it (``'request.prompt[1]'`` names ``request.prompt``)."""
+    return re.escape(f"'{field}") + r"['.\[]"
+
 BAD = [
-    # (message, where in its wire list, the value put there, the field named)
+    # (message, where in its wire list, the value put there, the field named); a report's wire list is
+    # [tag, fields..., inst, gen]
     (Add(DESC), (1, "rid"), "7", "request.rid"),
     (Add(DESC), (1, "rid"), 2 ** 64 - 1, "request.rid"),
     (Add(DESC), (1, "prompt"), [1, 2 ** 63], "request.prompt"),
@@ -100,7 +113,7 @@ BAD = [
     (Add(DESC), (1, "cls"), None, "request.cls"),
     (Add(DESC3, (10, 11)), (2,), [10], "kids"),
     (Add(DESC3, (10, 11)), (2,), [10, "11"], "kids[1]"),
-    (Add(DESC), (2,), _DELETE, "kids"),
+    (Add(DESC3, (10, 11)), (2,), _DELETE, "kids"),         # n = 3 needs two more ids
     (MESSAGES[2], (2,), [4, -1], "out"),
     (MESSAGES[2], (3,), 1.5, "computed"),
     (MESSAGES[2], (6, 2), -1, "info.preemptions"),
@@ -110,23 +123,23 @@ BAD = [
     (Abort((1, 2)), (1,), 5, "rids"),
     (Abort((1, 2)), (1, 0), True, "rids[0]"),
     (Lane("short"), (1,), 3, "lane"),
-    (MESSAGES[7], (3, 3), -50, "info.vocab_size"),
-    (MESSAGES[7], (3, 10), _DELETE, "info.stub"),
-    (MESSAGES[8], (3, 0, 1), [1, "2"], "items[0].tokens"),
-    (MESSAGES[8], (3, 1, 2), 5, "items[1].finish"),
-    (MESSAGES[9], (4,), "x", "out"),
-    (MESSAGES[9], (7,), float("nan"), "t_first"),
-    (MESSAGES[11], (3,), -1, "added"),
-    (MESSAGES[11], (22,), [1, 2], "decode"),
-    (MESSAGES[11], (23,), [1, 2, 3], "last_decode"),
-    (MESSAGES[13], (3, 0), "7", "rids[0]"),
+    (MESSAGES[7], (1, 3), -50, "info.vocab_size"),
+    (MESSAGES[7], (1, 7), _DELETE, "info.device"),
+    (MESSAGES[8], (1, 0, 1), [1, "2"], "items[0].tokens"),
+    (MESSAGES[8], (1, 1, 2), 5, "items[1].finish"),
+    (MESSAGES[9], (2,), "x", "out"),
+    (MESSAGES[9], (5,), float("nan"), "t_first"),
+    (MESSAGES[11], (1,), -1, "added"),
+    (MESSAGES[11], (20,), [1, 2], "decode"),
+    (MESSAGES[11], (21,), [1, 2, 3], "last_decode"),
+    (MESSAGES[13], (1, 0), "7", "rids[0]"),
     (MESSAGES[15], (1,), "4", "inst"),
 ]
 
 
 @pytest.mark.parametrize("msg,path,value,field", BAD, ids=[f"{type(b[0]).__name__}-{b[3]}" for b in BAD])
 def test_a_malformed_message_raises_value_error_naming_the_field(msg, path, value, field):
-    with pytest.raises(ValueError, match=re.escape(f"'{field}'")) as e:
+    with pytest.raises(ValueError, match=_names(field)) as e:
         decode(_mutated(msg, path, value), vocab_size=50)
     assert isinstance(e.value, InvalidMessage) and e.value.kind == msg.tag
 

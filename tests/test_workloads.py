@@ -12,6 +12,7 @@ import pytest
 
 from laneserve.core.request import RequestSpec
 from laneserve.core.slo import SLO
+from laneserve.workloads.workload import _open_text as open_text
 from laneserve.workloads import (FLOWPREFILL_PROMPT_STATS, FLOWPREFILL_TTFT_SLO, Workload,
                                  alignedserve_mix, arrival_times, available_workloads,
                                  detect_format, flowprefill_mix, flowprefill_model_key,
@@ -201,10 +202,28 @@ def test_slo_by_class_and_scaling():
         w.scale_slo(0)
 
 
+def write_jsonl(w: Workload, path) -> None:
+    """The file ``Workload.from_jsonl`` reads: one header line ``{"workload", "meta"}`` then one
+    JSON object per request (``.gz`` paths are gzip-compressed)."""
+    with open_text(path, "wt") as f:
+        f.write(json.dumps({"workload": w.name, "meta": w.meta}, default=str) + "\n")
+        for s in w.specs:
+            row = {"request_id": s.request_id, "arrival_time": s.arrival_time,
+                   "prompt_len": s.prompt_len, "output_len": s.output_len,
+                   "ttft": s.slo.ttft, "tpot": s.slo.tpot, "slo_class": s.slo_class,
+                   "priority": s.priority, "prefix_len": s.prefix_len,
+                   "session_id": s.session_id, "turn": s.turn}
+            if s.prompt_token_ids is not None:
+                row["prompt_token_ids"] = list(s.prompt_token_ids)
+            if s.hash_ids is not None:
+                row["hash_ids"] = list(s.hash_ids)
+            f.write(json.dumps(row) + "\n")
+
+
 def test_jsonl_roundtrip(tmp_path, mooncake):
     w = mooncake.head(50).with_slo(SLO(1.0, None))
     for name in ("w.jsonl", "w.jsonl.gz"):
-        w.to_jsonl(tmp_path / name)
+        write_jsonl(w, tmp_path / name)
         back = Workload.from_jsonl(tmp_path / name)
         assert back.specs == w.specs and back.name == w.name
         assert back.meta["transforms"] == w.meta["transforms"]

@@ -8,14 +8,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from laneserve.bench.metrics import summarize
-from laneserve.bench.search import SearchResult, goodput_search, slo_scale_search
+from laneserve.measure.search import SearchResult, goodput_search, slo_scale_search
+from laneserve.measure.simulate import run_point
 from laneserve.costmodel.base import CostModel
 from laneserve.sim import ClusterConfig, Simulator
 from laneserve.workloads import Workload
 
 if TYPE_CHECKING:
-    from laneserve.bench.parallel import RayWorkers
+    from laneserve.measure.parallel import RayWorkers
 
 ROW_KEYS = ("request_throughput", "output_throughput", "attainment_ttft", "attainment_tpot",
             "attainment_both", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
@@ -53,17 +53,6 @@ def validate(config: ClusterConfig, cost: CostModel) -> None:
     make_routers(config.deployment, lambda: (cost, None))
 
 
-def run_point(workload: Workload, config: ClusterConfig, cost: CostModel, *, rate: float | None = None,
-              slo_scale: float = 1.0) -> tuple[dict[str, Any], Any]:
-    """Simulate ``workload`` (rescaled to ``rate`` if given) and summarise it."""
-    wl = workload.with_rate(rate) if rate is not None else workload
-    result = Simulator(config, cost).run(wl.specs, slo_scale=slo_scale)
-    summary = summarize(result.requests, duration=result.duration)
-    summary["sim_wall_seconds"] = result.wall_seconds
-    summary["instances"] = result.instances
-    return summary, result
-
-
 def row(policy: str, rate: float, summary: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
     return {"policy": policy, "rate": rate, **{k: summary.get(k) for k in ROW_KEYS}, **extra}
 
@@ -79,7 +68,7 @@ def sweep(workload: Workload, policies: Mapping[str, ClusterConfig], rates: Sequ
           cost: CostModel, *, slo_scale: float = 1.0,
           on_point: Callable[[str, float], None] | None = None, jobs: int | RayWorkers = 1) -> list[dict[str, Any]]:
     """Every (policy, rate) point, in policy-then-rate order, over ``jobs`` processes (or Ray tasks)."""
-    from laneserve.bench.parallel import map_jobs
+    from laneserve.measure.parallel import map_jobs
     tasks = [(workload, name, config, cost, rate, slo_scale) for name, config in policies.items() for rate in rates]
     done = None if on_point is None else (lambda i: on_point(tasks[i][1], tasks[i][4]))
     return map_jobs(point_row, tasks, jobs, on_done=done)
@@ -96,7 +85,7 @@ def goodput(workload: Workload, config: ClusterConfig, cost: CostModel, *, lo: f
 
 def policy_goodput(workload: Workload, config: ClusterConfig, cost: CostModel, lo: float, hi: float,
                    target: float, slo_scale: float) -> SearchResult:
-    """:func:`goodput` with positional arguments, for :func:`~laneserve.bench.parallel.map_jobs`."""
+    """:func:`goodput` with positional arguments, for :func:`~laneserve.measure.parallel.map_jobs`."""
     return goodput(workload, config, cost, lo=lo, hi=hi, target=target, slo_scale=slo_scale)
 
 

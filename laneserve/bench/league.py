@@ -4,7 +4,7 @@ A league is workloads x shapes x entries (x predictor modes when the simulator h
 cell is a goodput search (:func:`search_cell`: the highest request rate at which >= 90% of the
 requests meet both their TTFT and TPOT targets, each evaluation a run of :class:`RunLength`
 requests), and the cells run in parallel
-over :func:`laneserve.bench.parallel.map_jobs`. The harness is data-driven:
+over :func:`laneserve.measure.parallel.map_jobs`. The harness is data-driven:
 
 - :class:`LeagueWorkload` — a named workload with its SLO rule written down (the rule is also
   applied by the builder, so the text and the run cannot disagree silently: the builder sets the
@@ -59,8 +59,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from laneserve.bench.experiment import run_point
-from laneserve.bench.search import goodput_search
+from laneserve.measure.simulate import run_point
+from laneserve.measure.search import goodput_search
 from laneserve.costmodel.base import CostModel
 from laneserve.sim import ClusterConfig
 from laneserve.workloads import Workload
@@ -309,7 +309,7 @@ def run_league(workloads: Sequence[LeagueWorkload], entries: Sequence[Entry], co
     ``duration`` seconds of arrivals at each evaluated rate, at most ``max_sizes``, whose first
     requests the workload is built with); ``curve_evals`` as :func:`search_cell`. Returns
     ``{"cells", "skipped", "modes", "ranges", "wall_s"}``."""
-    from laneserve.bench.parallel import map_jobs
+    from laneserve.measure.parallel import map_jobs
     if duration is not None and not max_sizes:
         raise ValueError("duration needs max_sizes: the requests the workloads are built with")
     modes = tuple(modes or predictor_modes())

@@ -21,7 +21,7 @@ Prompts longer than the server allows are cut to fit before sending by :func:`cl
 their error; :func:`error_counts` groups them by reason.
 
 Results become :class:`~laneserve.core.request.Request` objects with their timestamps, so
-:func:`laneserve.bench.metrics.summarize` computes vLLM's metric keys plus SLO attainment exactly
+:func:`laneserve.measure.metrics.summarize` computes vLLM's metric keys plus SLO attainment exactly
 as for a simulated run — which is what makes the side-by-side with the simulator meaningful.
 
 Multi-turn chat sessions (closed loop, each turn after the previous reply) are
@@ -196,7 +196,7 @@ async def run_load(cfg: LoadConfig, specs: Sequence[RequestSpec], *, rate: float
     """Send ``specs`` at their arrival offsets (all at t=0 when ``rate`` is ``inf``)."""
     import httpx
 
-    from laneserve.bench.progress import progress_bar
+    from laneserve.measure.progress import progress_bar
     # no connection cap (the concurrency cap is cfg.max_concurrency); cfg.timeout bounds each request
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout), limits=limits) as client:
@@ -261,7 +261,7 @@ def to_requests(result: LoadResult) -> list[Request]:
 def bench_summary(result: LoadResult, *, percentiles: Sequence[float] = (90, 99)) -> dict[str, Any]:
     """``vllm bench serve``'s result keys (metrics + per-request lists) plus SLO attainment and the
     failures counted by reason (``error_counts``)."""
-    from laneserve.bench.metrics import summarize
+    from laneserve.measure.metrics import summarize
     reqs = to_requests(result)
     s = summarize(reqs, duration=result.duration, percentiles=percentiles)
     outs = result.outcomes

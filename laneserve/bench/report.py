@@ -1,6 +1,6 @@
 """Run reports: JSON + markdown + plot files, and console tables (docs/design.md, "Measuring").
 
-A report compares *runs*: flat dicts, typically a :func:`laneserve.bench.metrics.summarize` result
+A report compares *runs*: flat dicts, typically a :func:`laneserve.measure.metrics.summarize` result
 plus the run's parameters (``policy``, ``rate``, ``slo_scale`` …). :func:`write_report` writes
 
 - ``<name>.json`` — every row (through :func:`laneserve.bench.results.write_result`, so it carries

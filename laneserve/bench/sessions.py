@@ -195,7 +195,7 @@ async def run_sessions(cfg: LoadConfig, plans: Sequence[SessionPlan], *, slo: SL
     session closed-loop (see the module docstring); every request is bounded by ``cfg.timeout``."""
     import httpx
 
-    from laneserve.bench.progress import progress_bar
+    from laneserve.measure.progress import progress_bar
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     outcomes: list[RequestOutcome] = []
     sent: list[list[dict[str, str]]] = []
@@ -262,7 +262,7 @@ _TURN_KEYS = ("num_requests", "completed", "mean_ttft_ms", "median_ttft_ms", "p9
 
 
 def _group_metrics(outcomes: Sequence[RequestOutcome], duration: float) -> dict[str, Any]:
-    from laneserve.bench.metrics import summarize
+    from laneserve.measure.metrics import summarize
     s = summarize(to_requests(LoadResult(list(outcomes), duration, "")), duration=duration)
     row = {k: s.get(k) for k in _TURN_KEYS}
     done = [o for o in outcomes if o.success]

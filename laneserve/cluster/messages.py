@@ -1,10 +1,13 @@
 """Messages between the API/router process and the instance processes, over ZeroMQ.
 
-Each message is a frozen dataclass; :func:`encode` and :func:`decode` are the one codec between
-them and compact msgpack (a kind tag, then the fields in declaration order; an instance's reports
-also carry its id ``inst`` and incarnation ``gen`` after the tag). Code outside this module reads
-and builds the dataclasses only. :func:`decode` checks every field and raises
-:class:`InvalidMessage` (a ``ValueError``) naming the first bad one, e.g. ``'request.prompt'``.
+Each message is a frozen ``msgspec`` Struct, declared once: its field types are the wire's checks
+(token ids are int64 ``>= 0``, times finite, counts ``>= 0``), so :func:`encode` and :func:`decode`
+are msgspec's compiled codec for compact msgpack (a kind tag, then the fields in declaration
+order; an instance's reports end with its id ``inst`` and incarnation ``gen``). Code outside this
+module reads and builds the Structs only. What a type cannot say is checked in the Struct's
+``__post_init__`` (across fields) or, for the vocabulary bound known only to the receiver, right
+after decoding. :func:`decode` raises :class:`InvalidMessage` (a ``ValueError``) naming the first
+bad field from the top of the message, e.g. ``'request.prompt'`` or ``'samples[1].token'``.
 
 Router -> instance:
 
@@ -32,9 +35,10 @@ Instance -> router (each a :class:`Report`, carrying ``inst`` and ``gen``):
 - :class:`Fatal`     the instance could not start; ``message`` says why
 - :class:`Heartbeat` "alive", from a thread of its own, whatever the engine is doing
 
-A request crosses the wire as a :class:`RequestDesc` (prompt ids, :class:`SamplingParams`,
-arrival, :class:`SLO` as ``{"ttft", "tpot"}``, SLO class, priority; in its ``add`` and again in its
-``transfer``), checked where it is decoded and nowhere else on the way; the router and the
+A request crosses the wire as a :class:`RequestDesc` (a short-keyed map: prompt ids,
+:class:`SamplingParams` as ``sp``, arrival, :class:`SLO` as ``{"ttft", "tpot"}``, SLO class,
+priority; in its ``add`` and again in its ``transfer``), checked where it is decoded (the
+dataclasses' own checks run there) and nowhere else on the way; the router and the
 instances build their :class:`Request` from it with :meth:`RequestDesc.request`, the one place one
 is built from a description.
 
@@ -44,25 +48,27 @@ is CLOCK_MONOTONIC on Linux, one clock for every process of the machine.
 
 from __future__ import annotations
 
-import math
+import re
+import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from functools import cache
-from typing import Any, ClassVar
+import typing
+from typing import Annotated, Any, ClassVar, Union
 
-import msgpack
+import msgspec
+from msgspec import Meta, Struct, field
+from msgspec.structs import replace
 
 from laneserve.core.request import Request
-from laneserve.core.sampling import INT64_MAX, INT64_MIN, SamplingParams, is_real
+from laneserve.core.sampling import INT64_MAX, INT64_MIN, SamplingParams
 from laneserve.core.slo import SLO
-from laneserve.core.structured import StructuredSpec
 from laneserve.policies.routing import DecodeSummary
 
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
-                    "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "logit_bias", "min_tokens", "structured", "n", "prompt_logprobs", "min_p",
-                    "allowed_token_ids", "bad_words_ids")
+# ---- the wire's value types: a field's type is its check ---------------------------------------------
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+TokenId = Count
+Real = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]     # finite (NaN fails both)
+Prompt = Annotated[list[TokenId], Meta(min_length=1)]
 
 
 class EpochClock:
@@ -87,230 +93,47 @@ class InvalidMessage(ValueError):
         self.kind, self.rids, self.kv = kind, rids, kv
 
 
-# ---- sampling parameters -------------------------------------------------------------------------
-def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:
-    d = {f: getattr(p, f) for f in _SAMPLING_FIELDS}
-    d["stop_token_ids"] = list(p.stop_token_ids)
-    d["stop"] = list(p.stop)
-    d["allowed_token_ids"] = list(p.allowed_token_ids)
-    d["bad_words_ids"] = [list(w) for w in p.bad_words_ids]
-    d["logit_bias"] = [list(e) for e in p.logit_bias]
-    d["structured"] = None if p.structured is None else [p.structured.kind, p.structured.value]
-    return d
-
-
-def sampling_from_dict(d: Any) -> SamplingParams:
-    """The :class:`SamplingParams` of a message's ``sp`` map; ``ValueError`` on any bad field."""
-    if not isinstance(d, dict):
-        raise ValueError(f"sampling parameters must be a map, got {type(d).__name__}")
-    fields = {k: v for k, v in d.items() if k in _SAMPLING_FIELDS}
-    for name in ("stop_token_ids", "stop", "allowed_token_ids"):
-        v = fields.get(name)
-        if v is not None and not isinstance(v, (list, tuple)):
-            raise ValueError(f"sampling '{name}' must be a list, got {type(v).__name__}")
-        fields[name] = tuple(v or ())
-    words = fields.get("bad_words_ids")
-    if words is not None:
-        if not isinstance(words, (list, tuple)) or not all(isinstance(w, (list, tuple)) for w in words):
-            raise ValueError("sampling 'bad_words_ids' must be a list of token-id lists")
-        fields["bad_words_ids"] = tuple(tuple(w) for w in words)
-    bias = fields.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, (list, tuple)) or not all(isinstance(e, (list, tuple)) for e in bias):
-            raise ValueError("sampling 'logit_bias' must be a list of [token id, bias] pairs")
-        fields["logit_bias"] = tuple(tuple(e) for e in bias)
-    spec = fields.get("structured")
-    if spec is not None:
-        if not isinstance(spec, (list, tuple)) or len(spec) != 2:
-            raise ValueError("sampling 'structured' must be a [kind, value] pair")
-        fields["structured"] = StructuredSpec(*spec)     # UnsupportedSpec is a ValueError
-    try:
-        return SamplingParams(**fields)     # SamplingParams checks types, ranges and finiteness
-    except (TypeError, OverflowError) as exc:
-        raise ValueError(f"sampling parameters: {exc}") from None
-
-
-# ---- field checks: (value, vocab size or None) -> value, or FieldError -----------------------------
-# msgpack decodes to exact types (int, float, str, list, dict, bool, None), so exact type tests suffice
-Check = Callable[[Any, "int | None"], Any]
-
-
 class FieldError(ValueError):
-    """A bad field: ``path`` names it from the top of its message (``request.prompt``,
-    ``items[2].tokens``), filled in as the error rises through the records that hold it."""
+    """A bad field a type cannot express (checks across fields, the vocabulary): ``path`` names it
+    relative to the record that raised it."""
 
     def __init__(self, reason: str, path: str = "") -> None:
         super().__init__(reason)
         self.reason, self.path = reason, path
 
-    def within(self, name: str) -> FieldError:
-        """This error, seen from the record that holds the field as ``name``."""
-        tail = self.path
-        self.path = name + tail if tail.startswith("[") else f"{name}.{tail}" if tail else name
-        return self
-
     def __str__(self) -> str:
         return f"'{self.path}' {self.reason}" if self.path else self.reason
 
 
-def _int(v: Any, vocab: int | None = None) -> int:
-    if type(v) is not int or not INT64_MIN <= v <= INT64_MAX:
-        raise FieldError(f"must be an int64, got {_show(v)}")
-    return v
+# ---- sampling parameters -------------------------------------------------------------------------
+def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:
+    """``p`` as the ``sp`` map of a request on the wire."""
+    return msgspec.to_builtins(p)
 
 
-def _count(v: Any, vocab: int | None = None) -> int:
-    if type(v) is not int or not 0 <= v <= INT64_MAX:
-        raise FieldError(f"must be an integer >= 0, got {_show(v)}")
-    return v
-
-
-def _real(v: Any, vocab: int | None = None) -> float:
-    if not ((type(v) is float and math.isfinite(v)) or (type(v) is int and is_real(v))):
-        raise FieldError(f"must be a finite number, got {_show(v)}")
-    return float(v)
-
-
-def _str(v: Any, vocab: int | None = None) -> str:
-    if type(v) is not str:
-        raise FieldError(f"must be a string, got {type(v).__name__}")
-    return v
-
-
-def _bool(v: Any, vocab: int | None = None) -> bool:
-    if type(v) is not bool:
-        raise FieldError(f"must be a boolean, got {_show(v)}")
-    return v
-
-
-def _any(v: Any, vocab: int | None = None) -> Any:
-    """An opaque value (a KV descriptor, logprobs, prefix cache events): passed through as is."""
-    return v
-
-
-def _list(v: Any, vocab: int | None = None) -> list | tuple:
-    if type(v) is not list and type(v) is not tuple:
-        raise FieldError(f"must be a list, got {type(v).__name__}")
-    return v
-
-
-def _map(v: Any) -> dict:
-    if type(v) is not dict:
-        raise FieldError(f"must be a map, got {type(v).__name__}")
-    return v
-
-
-def _opt(check: Check) -> Check:
-    return lambda v, vocab=None: None if v is None else check(v, vocab)
-
-
-def _seq(check: Check) -> Check:
-    def checked(v: Any, vocab: int | None = None) -> tuple:
-        out = []
-        for i, e in enumerate(_list(v)):
-            try:
-                out.append(check(e, vocab))
-            except FieldError as exc:
-                raise exc.within(f"[{i}]") from None
-        return tuple(out)
-    return checked
-
-
-_INT = {int}
-
-
-def _token_ids(v: Any, vocab: int | None = None) -> list[int]:
-    if type(v) is not list and type(v) is not tuple:
-        raise FieldError(f"must be a list of token ids, got {type(v).__name__}")
-    if v and (not set(map(type, v)) <= _INT or min(v) < 0 or max(v) > INT64_MAX):
-        raise FieldError("must be a list of token ids")
-    if v and vocab is not None and max(v) >= vocab:
-        raise FieldError(f"holds a token id outside the vocabulary [0, {vocab})")
-    return list(v)
-
-
-def _token(v: Any, vocab: int | None = None) -> int:
-    return _token_ids([v], vocab)[0]
-
-
-def _field(check: Check, v: Any, name: str, vocab: int | None = None) -> Any:
-    """``check(v)``, its error naming ``name``."""
+def sampling_from_dict(d: Any) -> SamplingParams:
+    """The :class:`SamplingParams` of an ``sp`` map; ``ValueError`` on any bad field (its type
+    checked by the codec, its range by ``SamplingParams`` itself)."""
     try:
-        return check(v, vocab)
-    except FieldError as exc:
-        raise exc.within(name) from None
+        return msgspec.convert(d, SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"sampling parameters: {exc}") from None
 
 
-def _show(v: Any, limit: int = 40) -> str:
-    s = repr(v)
-    return s if len(s) <= limit else s[:limit] + "..."
+# ---- records ---------------------------------------------------------------------------------------
+class _Record(Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    """A Struct sent as a list of its fields in declaration order."""
 
 
-# ---- positional records ----------------------------------------------------------------------------
-class _Record:
-    """A dataclass sent as a list of its fields in declaration order (``_checks``: one per field;
-    nested records go as their own lists). A report's ``inst`` and ``gen`` travel in the header."""
-
-    __slots__ = ()
-    tag: ClassVar[str]
-    _checks: ClassVar[tuple[Check, ...]]
-
-    def to_wire(self) -> list:
-        return [_wire(getattr(self, n)) for n in _names(type(self))]
-
-    @classmethod
-    def from_wire(cls, v: Any, vocab: int | None = None, **sender: int):
-        """The record ``v`` holds (``FieldError`` naming the field relative to it otherwise)."""
-        return _from_wire(cls, v, vocab, sender)
-
-    def _check(self) -> None:
-        """Checks across fields, after each field's own (``FieldError``)."""
-
-
-def _from_wire(cls: type, v: Any, vocab: int | None, sender: dict[str, int]):
-    names = _names(cls)
-    values = _list(v)
-    if len(values) < len(names):
-        raise FieldError(f"is missing ({len(values)} of {len(names)} fields)", names[len(values)])
-    if len(values) > len(names):
-        raise FieldError(f"has {len(values)} fields, expected {len(names)}")
-    args = []
-    for check, x, n in zip(cls._checks, values, names):
-        try:
-            args.append(check(x, vocab))
-        except FieldError as exc:
-            raise exc.within(n) from None
-    record = cls(*args, **sender)
-    record._check()
-    return record
-
-
-@cache
-def _names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls) if f.name not in ("inst", "gen"))
-
-
-def _wire(v: Any) -> Any:
-    if isinstance(v, (_Record, RequestDesc, DecodeSummary)):
-        return v.to_wire()
-    if isinstance(v, tuple):
-        return [_wire(e) for e in v]
-    return v
-
-
-# ---- the request -------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
 class StartInfo(_Record):
     """How a request's prefill went, for the router (policies) and the API (queue time, cached
     tokens, prompt logprobs): sent with its first tokens and with its hand-off."""
 
-    prefill_start: float | None = None
-    prefill_end: float | None = None
-    preemptions: int = 0
-    cached: int = 0
+    prefill_start: Real | None = None
+    prefill_end: Real | None = None
+    preemptions: Count = 0
+    cached: Count = 0
     prompt_logprobs: list | None = None       # vLLM's prompt_logprobs, when asked for
-
-    _checks = (_opt(_real), _opt(_real), _count, _count, _opt(_list))
 
     def event(self) -> dict[str, Any]:
         """The map the API reads from a request's events (``server/api.py``)."""
@@ -318,19 +141,18 @@ class StartInfo(_Record):
                 "plp": self.prompt_logprobs}
 
 
-@dataclass(frozen=True, slots=True)
-class RequestDesc:
+class RequestDesc(Struct, frozen=True, forbid_unknown_fields=False):
     """One request as it crosses the wire: what an instance needs to build its :class:`Request`.
-    Sent as a short-keyed map, the SLO as ``{"ttft", "tpot"}``; checked by :meth:`from_wire`
-    (once, where it is decoded). ``prompt`` is shared with the requests built from it, not copied."""
+    Sent as a short-keyed map, the SLO as ``{"ttft", "tpot"}`` (both dataclasses check themselves
+    as they decode). ``prompt`` is shared with the requests built from it, not copied."""
 
-    rid: int
-    prompt: list[int]
-    sampling: SamplingParams
-    arrival: float
-    slo: SLO = SLO()
-    slo_class: str = "default"
-    priority: int = 0
+    rid: Int64
+    prompt: Prompt
+    sampling: SamplingParams = field(name="sp")
+    arrival: Real = field()
+    slo: SLO = field(default_factory=SLO)
+    slo_class: str = field(default="default", name="cls")
+    priority: Int64 = field(default=0, name="prio")
 
     @classmethod
     def describe(cls, req: Request) -> RequestDesc:
@@ -359,102 +181,52 @@ class RequestDesc:
             t.first_token = t.last_token = t_first
         return req
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"rid": self.rid, "prompt": self.prompt, "sp": sampling_to_dict(self.sampling),
-                "arrival": self.arrival, "slo": {"ttft": self.slo.ttft, "tpot": self.slo.tpot},
-                "cls": self.slo_class, "prio": self.priority}
-
-    @classmethod
-    def from_wire(cls, v: Any, vocab: int | None = None) -> RequestDesc:
-        """The description ``v`` holds, every field checked (``vocab`` bounds the token ids)."""
-        m = _map(v)
-        for key in ("rid", "prompt", "sp", "arrival", "slo"):
-            if key not in m:
-                raise FieldError("is missing", key)
-        prompt = _field(_token_ids, m["prompt"], "prompt", vocab)
-        if not prompt:
-            raise FieldError("must hold at least one token", "prompt")
-        try:
-            sampling = sampling_from_dict(m["sp"])
-        except ValueError as exc:
-            raise FieldError(f"is not valid: {exc}", "sp") from None
-        if vocab is not None and any(t >= vocab for t, _ in sampling.logit_bias):
-            raise FieldError(f"holds a token id outside the vocabulary [0, {vocab})", "sp.logit_bias")
-        slo = _field(lambda x, _: _map(x), m["slo"], "slo")
-        ttft, tpot = (_field(_opt(_real), slo.get(k), f"slo.{k}") for k in ("ttft", "tpot"))
-        for k, t in (("ttft", ttft), ("tpot", tpot)):
-            if t is not None and not t > 0:
-                raise FieldError(f"must be > 0 seconds, got {t!r}", f"slo.{k}")
-        return cls(_field(_int, m["rid"], "rid"), prompt, sampling, _field(_real, m["arrival"], "arrival"),
-                   SLO(ttft, tpot), _field(_str, m.get("cls", "default"), "cls"),
-                   _field(_int, m.get("prio", 0), "prio"))
+    def check_vocab(self, vocab: int) -> None:
+        """Token ids past the embedding table are a bad request (FieldError naming the field)."""
+        _check_ids(self.prompt, vocab, "prompt")
+        if any(t >= vocab for t, _ in self.sampling.logit_bias):
+            raise FieldError(_outside(vocab), "sp.logit_bias")
 
 
-@dataclass(frozen=True, slots=True)
 class SampleStart(_Record):
     """A sample of an n-sample request going to a decode instance: its request id, its index
     (its seed) and its first token."""
 
-    rid: int
-    index: int
-    token: int
-
-    _checks = (_int, _count, _token)
+    rid: Int64
+    index: Count
+    token: TokenId
 
 
-@dataclass(frozen=True, slots=True)
 class SampleFirst(_Record):
     """A sample's first token as its prefill instance sampled it; ``finish`` set if that ended it."""
 
-    rid: int
-    index: int
-    token: int
+    rid: Int64
+    index: Count
+    token: TokenId
     finish: str | None = None
-    logprobs: list | None = None
-
-    _checks = (_int, _count, _count, _opt(_str), _any)
+    logprobs: Any = None
 
 
-@dataclass(slots=True)
-class TokenItem(_Record):
+class TokenItem(Struct, array_like=True, forbid_unknown_fields=True, gc=False):
     """A request's new tokens: ``finish`` reason when it ended, ``logprobs`` when asked for
     (``[[logprob, [[id, logprob], ...]], ...]``), ``info`` with its first tokens and at its end.
-    Not frozen, unlike the other records: there is one per request and step, and a frozen
-    dataclass's constructor costs about 7x a plain one's (CPython 3.11)."""
+    Not frozen, unlike the other records: there is one per request and step."""
 
-    rid: int
-    tokens: list[int]
+    rid: Int64
+    tokens: list[TokenId]
     finish: str | None = None
-    logprobs: list | None = None
+    logprobs: Any = None
     info: StartInfo | None = None
 
-    _checks = (_int, _token_ids, _opt(_str), _any, _opt(StartInfo.from_wire))
 
-    # one per request and step: a fast path for the usual item, the general one for the rest
-    def to_wire(self) -> list:
-        info = self.info
-        return [self.rid, self.tokens, self.finish, self.logprobs, None if info is None else info.to_wire()]
-
-    @classmethod
-    def from_wire(cls, v: Any, vocab: int | None = None) -> TokenItem:
-        if type(v) is list and len(v) == 5 and vocab is None:
-            rid, tokens, finish, logprobs, info = v
-            if (type(rid) is int and INT64_MIN <= rid <= INT64_MAX and (finish is None or type(finish) is str)
-                    and info is None and type(tokens) is list
-                    and all(type(t) is int and 0 <= t <= INT64_MAX for t in tokens)):
-                return cls(rid, tokens, finish, logprobs)
-        return _from_wire(cls, v, vocab, {})
-
-
-@dataclass(frozen=True, slots=True)
 class InstanceInfo(_Record):
     """An instance's limits and identity, sent once it is ready."""
 
-    max_model_len: int
-    kv_blocks: int
-    block_size: int
-    vocab_size: int
-    pid: int
+    max_model_len: Count
+    kv_blocks: Count
+    block_size: Count
+    vocab_size: Count
+    pid: Count
     policy: str
     role: str
     device: str
@@ -462,58 +234,45 @@ class InstanceInfo(_Record):
     prefix_root: Any = None                    # the prefix hash chain's root (core/prefix_summary.py)
     stub: bool = False
 
-    _checks = (_count, _count, _count, _count, _count, _str, _str, _str, _bool, _any, _bool)
-
 
 # ---- messages ---------------------------------------------------------------------------------------
-_KINDS: dict[str, type] = {}
+class _Message(_Record):
+    """A message: a record whose first wire element is its kind tag (``tag``)."""
+
+    tag: ClassVar[str]
 
 
-def _kind(tag: str):
-    def register(cls):
-        cls.tag = tag
-        _KINDS[tag] = cls
-        return cls
-    return register
+class Report(_Message, kw_only=True):
+    """A message from an instance: ``inst`` its id, ``gen`` its incarnation (filled in by the
+    sender, :meth:`sent_by`; last on the wire)."""
+
+    inst: Int64 = -1
+    gen: Int64 = 0
+
+    def sent_by(self, inst: int, gen: int) -> Report:
+        return replace(self, inst=inst, gen=gen)
 
 
-@dataclass(frozen=True, slots=True)
-class Report(_Record):
-    """A message from an instance: ``inst`` its id, ``gen`` its incarnation (filled in by the sender)."""
-
-    inst: int = field(default=-1, kw_only=True)
-    gen: int = field(default=0, kw_only=True)
-
-
-@_kind("add")
-@dataclass(frozen=True, slots=True)
-class Add(_Record):
+class Add(_Message, tag="add"):
     request: RequestDesc
-    kids: tuple[int, ...] = ()
+    kids: tuple[Int64, ...] = ()
 
-    _checks = (RequestDesc.from_wire, _seq(_int))
-
-    def _check(self) -> None:
+    def __post_init__(self) -> None:
         n = self.request.sampling.n
         if (n > 1 or self.kids) and len(self.kids) != n - 1:
             raise FieldError(f"must list n - 1 request ids ({n - 1}), got {len(self.kids)}", "kids")
 
 
-@_kind("transfer")
-@dataclass(frozen=True, slots=True)
-class Transfer(_Record):
+class Transfer(_Message, tag="transfer"):
     request: RequestDesc
-    out: list[int]
-    computed: int
-    t_first: float
+    out: list[TokenId]
+    computed: Count
+    t_first: Real
     kv: Any = None
     info: StartInfo | None = None
     samples: tuple[SampleStart, ...] | None = None
 
-    _checks = (RequestDesc.from_wire, _token_ids, _count, _real, _any, _opt(StartInfo.from_wire),
-               _opt(_seq(SampleStart.from_wire)))
-
-    def _check(self) -> None:
+    def __post_init__(self) -> None:
         most = len(self.request.prompt) + max(len(self.out), 1)
         if self.computed > most:
             raise FieldError(f"must be an integer in [0, {most}], got {self.computed}", "computed")
@@ -529,134 +288,125 @@ class Transfer(_Record):
                           t_first=self.t_first, info=self.info) for s in self.samples]
 
 
-@_kind("abort")
-@dataclass(frozen=True, slots=True)
-class Abort(_Record):
-    rids: tuple[int, ...]
-
-    _checks = (_seq(_int),)
+class Abort(_Message, tag="abort"):
+    rids: tuple[Int64, ...]
 
 
-@_kind("lane")
-@dataclass(frozen=True, slots=True)
-class Lane(_Record):
+class Lane(_Message, tag="lane"):
     lane: str
 
-    _checks = (_str,)
+
+class Stop(_Message, tag="stop"):
+    pass
 
 
-@_kind("stop")
-@dataclass(frozen=True, slots=True)
-class Stop(_Record):
-    _checks = ()
-
-
-@_kind("ready")
-@dataclass(frozen=True, slots=True)
-class Ready(Report):
+class Ready(Report, tag="ready"):
     info: InstanceInfo
 
-    _checks = (InstanceInfo.from_wire,)
 
-
-@_kind("tok")
-@dataclass(frozen=True, slots=True)
-class Tokens(Report):
+class Tokens(Report, tag="tok"):
     items: tuple[TokenItem, ...]
 
-    _checks = (_seq(TokenItem.from_wire),)
 
-
-@_kind("handoff")
-@dataclass(frozen=True, slots=True)
-class Handoff(Report):
-    rid: int
-    out: list[int]
-    computed: int
+class Handoff(Report, tag="handoff"):
+    rid: Int64
+    out: list[TokenId]
+    computed: Count
     kv: Any
-    t_first: float
-    logprobs: list | None = None
-    info: StartInfo = StartInfo()
+    t_first: Real
+    logprobs: Any = None
+    info: StartInfo = field(default_factory=StartInfo)
     samples: tuple[SampleFirst, ...] | None = None
 
-    _checks = (_int, _token_ids, _count, _any, _real, _any, StartInfo.from_wire, _opt(_seq(SampleFirst.from_wire)))
 
-
-@_kind("stats")
-@dataclass(frozen=True, slots=True)
-class Stats(Report):
-    added: int = 0                     # ADDs and transfers received
-    waiting: int = 0
-    running: int = 0
-    queued_tokens: int = 0
-    kv_usage: float = 0.0
-    kv_free: int = 0
-    kv_total: int = 0
-    host_free: int | None = None
-    host_total: int | None = None
-    preemptions: int = 0
-    prefix_queries: int | None = None          # None: no prefix cache figures (the stub)
-    prefix_hits: int | None = None
-    steps: int = 0
-    busy: float = 0.0
-    live: int = 0
-    incoming: int = 0
-    kv_held: int = 0
+class Stats(Report, tag="stats"):
+    added: Count = 0                     # ADDs and transfers received
+    waiting: Count = 0
+    running: Count = 0
+    queued_tokens: Count = 0
+    kv_usage: Real = 0.0
+    kv_free: Count = 0
+    kv_total: Count = 0
+    host_free: Count | None = None
+    host_total: Count | None = None
+    preemptions: Count = 0
+    prefix_queries: Count | None = None          # None: no prefix cache figures (the stub)
+    prefix_hits: Count | None = None
+    steps: Count = 0
+    busy: Real = 0.0
+    live: Count = 0
+    incoming: Count = 0
+    kv_held: Count = 0
     kv_events: list = field(default_factory=list)
-    kv_forks: int = 0
+    kv_forks: Count = 0
     decode: DecodeSummary | None = None          # decode: its next step
-    last_decode: tuple | None = None             # decode: its last pure decode step + that step's number
-
-    _checks = (_count, _count, _count, _count, _real, _count, _count, _opt(_count), _opt(_count), _count,
-               _opt(_count), _opt(_count), _count, _real, _count, _count, _count, lambda v, n, _=None: list(_list(v, n)),
-               _count, _opt(lambda v, n, _=None: _summary(v, n)),
-               _opt(lambda v, n, _=None: _last_decode(v, n)))
+    #: decode: its last pure decode step (requests, context sum, longest context, seconds) + its number
+    last_decode: tuple[Count, Count, Count, Real, Count] | None = None
 
 
-@_kind("err")
-@dataclass(frozen=True, slots=True)
-class Failed(Report):
-    rids: tuple[int, ...]
+class Failed(Report, tag="err"):
+    rids: tuple[Int64, ...]
     message: str
 
-    _checks = (_seq(_int), _str)
 
-
-@_kind("fatal")
-@dataclass(frozen=True, slots=True)
-class Fatal(Report):
+class Fatal(Report, tag="fatal"):
     message: str
 
-    _checks = (_str,)
+
+class Heartbeat(Report, tag="hb"):
+    pass
 
 
-@_kind("hb")
-@dataclass(frozen=True, slots=True)
-class Heartbeat(Report):
-    _checks = ()
+_KINDS: dict[str, type] = {}
+for _cls in (Add, Transfer, Abort, Lane, Stop, Ready, Tokens, Handoff, Stats, Failed, Fatal, Heartbeat):
+    _cls.tag = _cls.__struct_config__.tag
+    _KINDS[_cls.tag] = _cls
+Message = Union[Add, Transfer, Abort, Lane, Stop, Ready, Tokens, Handoff, Stats, Failed, Fatal, Heartbeat]  # noqa: UP007
 
 
-def _summary(v: Any, vocab: int | None = None) -> DecodeSummary:
-    try:
-        return DecodeSummary.from_wire(v)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise FieldError(f"must be [count, total, longest, [[tpot, count], ...]]: {exc}") from None
+def _outside(vocab: int) -> str:
+    return f"holds a token id outside the vocabulary [0, {vocab})"
 
 
-def _last_decode(v: Any, vocab: int | None = None) -> tuple:
-    if not (type(v) is list and len(v) == 5 and all(map(is_real, v))):
-        raise FieldError("must be [requests, context sum, longest context, seconds, step number]")
-    return tuple(v)
+def _check_ids(ids: list[int], vocab: int, path: str) -> None:
+    if ids and max(ids) >= vocab:
+        raise FieldError(_outside(vocab), path)
+
+
+def _check_vocab(msg: Message, vocab: int) -> None:
+    """The token ids of ``msg`` against the receiver's vocabulary (FieldError naming the field)."""
+    if isinstance(msg, (Add, Transfer)):
+        try:
+            msg.request.check_vocab(vocab)
+        except FieldError as exc:
+            raise FieldError(exc.reason, f"request.{exc.path}") from None
+    if isinstance(msg, (Transfer, Handoff)):
+        _check_ids(msg.out, vocab, "out")
+    if isinstance(msg, Transfer) and msg.samples:
+        for i, s in enumerate(msg.samples):
+            _check_ids([s.token], vocab, f"samples[{i}].token")
+    if isinstance(msg, Tokens):
+        for i, item in enumerate(msg.items):
+            _check_ids(item.tokens, vocab, f"items[{i}].tokens")
 
 
 # ---- the codec -------------------------------------------------------------------------------------
-Message = Add | Transfer | Abort | Lane | Stop | Report
+def _builtin(obj: Any) -> Any:
+    """A value msgspec does not encode itself: a numpy scalar (``numpy.float64`` from a figure
+    computed with numpy) as the Python number it holds."""
+    item = getattr(obj, "item", None)
+    if item is None:
+        raise NotImplementedError(f"cannot encode a {type(obj).__name__}")
+    return item()
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_builtin)
+_DECODER = msgspec.msgpack.Decoder(Message)
 
 
 def encode(msg: Message) -> bytes:
-    """``msg`` as msgpack: ``[tag, field, ...]``, ``[tag, inst, gen, field, ...]`` for a report."""
-    head = [msg.tag, msg.inst, msg.gen] if isinstance(msg, Report) else [msg.tag]
-    return msgpack.packb(head + msg.to_wire(), use_bin_type=True)
+    """``msg`` as msgpack: ``[tag, field, ...]`` (a report's ``inst`` and ``gen`` last)."""
+    return _ENCODER.encode(msg)
 
 
 def decode(data: bytes, *, vocab_size: int | None = None) -> Message:
@@ -664,25 +414,124 @@ def decode(data: bytes, *, vocab_size: int | None = None) -> Message:
     ``vocab_size``, when given, bounds the token ids of requests (an out-of-range id would index
     past the embedding table)."""
     try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as exc:  # noqa: BLE001 - any malformed bytes
-        raise InvalidMessage(f"not a msgpack message: {type(exc).__name__}") from None
-    if not isinstance(raw, list) or not raw or raw[0] not in _KINDS:
-        raise InvalidMessage(f"not a message: {_show(raw)}")
-    cls = _KINDS[raw[0]]
-    try:
-        if issubclass(cls, Report):
-            if len(raw) < 3:
-                raise FieldError("lacks the sender's 'inst' and 'gen'")
-            return cls.from_wire(raw[3:], vocab_size, inst=_field(_int, raw[1], "inst"),
-                                 gen=_field(_int, raw[2], "gen"))
-        return cls.from_wire(raw[1:], vocab_size)
+        msg = _DECODER.decode(data)
+        if vocab_size is not None:
+            _check_vocab(msg, vocab_size)
+        return msg
+    except msgspec.ValidationError as exc:
+        raw = msgspec.msgpack.decode(data)
+        kind = raw[0] if type(raw) is list and raw and raw[0] in _KINDS else None
+        if kind is None:
+            raise InvalidMessage(f"not a message: {_show(raw)}") from None
+        raise InvalidMessage(_explain(_KINDS[kind], exc), kind, *_named(raw)) from None
     except FieldError as exc:
-        why = str(exc) if exc.path else f"a '{cls.tag}' message {exc.reason}"
-        raise InvalidMessage(why, cls.tag, *_named(raw)) from None
-    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
-        raise InvalidMessage(f"malformed '{cls.tag}' message: {type(exc).__name__}: {exc}", cls.tag,
-                             *_named(raw)) from None
+        raw = msgspec.msgpack.decode(data)
+        raise InvalidMessage(str(exc), raw[0], *_named(raw)) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidMessage(f"not a msgpack message: {exc}") from None
+
+
+# ---- errors named by field -------------------------------------------------------------------------
+_AT = re.compile(r" - at `\$([^`]*)`$")
+_STEP = re.compile(r"\[(\d+)\]|\.([^.\[]+)")
+_SHORT = re.compile(r"^Expected `array` of at least length \d+, got (\d+)$")
+_NOT_FINITE = re.compile(r"^Expected `float` [<>]= -?" + re.escape(repr(sys.float_info.max)) + "$")
+_MISSING = re.compile(r"^Object missing required field `([^`]+)`$")
+
+
+def _explain(cls: type, exc: msgspec.ValidationError) -> str:
+    """msgspec's error as ``'<field path>' <reason>``: the positions of the array-like records in
+    its path (``$[1][7][1]``) turned into their field names (``request.samples[1]``)."""
+    reason, steps = str(exc), []
+    m = _AT.search(reason)
+    if m:
+        reason = reason[:m.start()]
+        steps = [int(i) if i else key for i, key in _STEP.findall(m.group(1))]
+    if _NOT_FINITE.match(reason):
+        reason = "must be a finite number"
+    names, typ = [], cls
+    for step in steps:
+        name, typ = _step(typ, step)
+        names.append(name)
+    tail = None
+    if (short := _SHORT.match(reason)) and _record(typ):
+        tail, reason = _field_at(typ, int(short.group(1))), "is missing"
+    elif missing := _MISSING.match(reason):
+        tail, reason = missing.group(1), "is missing"
+    elif isinstance(exc.__cause__, FieldError):
+        tail, reason = exc.__cause__.path or None, exc.__cause__.reason
+    elif _record(typ) or hasattr(typ, "__dataclass_fields__"):
+        words = reason.split()         # a dataclass's own check names the field first ("SLO ttft must ...")
+        words = words[1:] if words and words[0] == typ.__name__ else words
+        if words and words[0] in _fields(typ):
+            tail = words[0]
+    if tail:
+        names.append(tail)
+    path = "".join(n if n.startswith("[") else f".{n}" for n in names).lstrip(".")
+    return f"'{path}' {reason}" if path else f"a '{cls.tag}' message {reason}"
+
+
+def _record(typ: Any) -> bool:
+    return isinstance(typ, type) and issubclass(typ, Struct) and typ.__struct_config__.array_like
+
+
+def _fields(typ: type) -> tuple[str, ...]:
+    if isinstance(typ, type) and issubclass(typ, Struct):
+        return tuple(typ.__struct_encode_fields__)
+    return tuple(getattr(typ, "__dataclass_fields__", ()))
+
+
+def _field_at(typ: type, index: int) -> str:
+    fields = _fields(typ)
+    index -= 1 if typ.__struct_config__.tag is not None else 0     # a message's tag comes first
+    return fields[index] if 0 <= index < len(fields) else f"[{index}]"
+
+
+def _step(typ: Any, step: int | str) -> tuple[str, Any]:
+    """The name of ``step`` (an index or a key) into a value of type ``typ``, and its type."""
+    typ = _unwrap(typ)
+    if isinstance(step, str):
+        hints = _hints(typ)
+        return step, hints.get(_python_name(typ, step))
+    if _record(typ):
+        name = _field_at(typ, step)
+        return name, _hints(typ).get(name)
+    args = [a for a in typing.get_args(typ) if a is not Ellipsis]
+    return f"[{step}]", (args[0] if args else None)
+
+
+def _python_name(typ: Any, key: str) -> str:
+    """The attribute a wire key names (``sp`` -> ``sampling``)."""
+    if isinstance(typ, type) and issubclass(typ, Struct):
+        return dict(zip(typ.__struct_encode_fields__, typ.__struct_fields__)).get(key, key)
+    return key
+
+
+def _hints(typ: Any) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(typ, include_extras=False)
+    except Exception:  # noqa: BLE001 - not a class with annotations
+        return {}
+
+
+def _unwrap(typ: Any) -> Any:
+    """``X`` of ``X | None`` and of ``Annotated[X, ...]``."""
+    while True:
+        origin = typing.get_origin(typ)
+        if origin is Annotated:
+            typ = typing.get_args(typ)[0]
+        elif origin is Union or type(typ).__name__ == "UnionType":
+            args = [a for a in typing.get_args(typ) if a is not type(None)]
+            if len(args) != 1:
+                return typ
+            typ = args[0]
+        else:
+            return typ
+
+
+def _show(v: Any, limit: int = 40) -> str:
+    s = repr(v)
+    return s if len(s) <= limit else s[:limit] + "..."
 
 
 def _named(raw: list) -> tuple[tuple[int, ...], Any]:

@@ -42,7 +42,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +156,7 @@ class InstanceHandle:
     def stats(self) -> dict[str, Any]:
         """Its latest stats as a name -> value map (``/metrics``); empty before the first."""
         load = self.load
-        return {} if load is None else {f.name: getattr(load, f.name) for f in fields(load)}
+        return {} if load is None else {f: getattr(load, f) for f in load.__struct_fields__}
 
     def _pending(self) -> tuple[int, int]:
         added = self.load.added if self.load is not None else 0

@@ -139,5 +139,9 @@ class RayObjectTransport:
         else:
             release(desc)
 
+    @staticmethod
+    def release_descriptor(desc: dict[str, Any]) -> None:
+        release(desc)
+
     def held(self) -> int:
         return len(self.leases)

@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import zmq
 
@@ -54,7 +54,7 @@ class StubWorker:
         self.out_items: list[TokenItem] = []
 
     def _send(self, msg: Report) -> None:
-        self.out.send(encode(replace(msg, inst=self.spec.instance_id, gen=self.spec.gen)))
+        self.out.send(encode(msg.sent_by(self.spec.instance_id, self.spec.gen)))
 
     def _advance(self, rid: int, now: float) -> None:
         """Produce the next token(s) of ``rid`` (all of them when there is no delay)."""

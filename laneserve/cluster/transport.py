@@ -43,14 +43,18 @@ def register_transport(name: str):
     return deco
 
 
-def make_transport(name: str, **opts: Any):
+def _transport_class(name: str) -> type:
     if name in _OPTIONAL and name not in _TRANSPORTS:
         import importlib
         importlib.import_module(_OPTIONAL[name])
     try:
-        return _TRANSPORTS[name](**opts)
+        return _TRANSPORTS[name]
     except KeyError:
         raise ValueError(f"unknown KV transport {name!r}; available: {', '.join(sorted(_TRANSPORTS))}") from None
+
+
+def make_transport(name: str, **opts: Any):
+    return _transport_class(name)(**opts)
 
 
 def available_transports() -> list[str]:
@@ -116,7 +120,13 @@ class ShmFileTransport:
         return KVPayload(int(desc["n"]), kv)
 
     def discard(self, desc: dict[str, Any] | None) -> None:
-        if desc and desc.get("path"):
+        if desc:
+            self.release_descriptor(desc)
+
+    @staticmethod
+    def release_descriptor(desc: dict[str, Any]) -> None:
+        """Drop ``desc`` without the sender's options (the router's side)."""
+        if desc.get("path"):
             try:
                 os.unlink(desc["path"])
             except FileNotFoundError:
@@ -145,23 +155,23 @@ class InlineTransport:
     def discard(self, desc: dict[str, Any] | None) -> None:
         pass
 
+    @staticmethod
+    def release_descriptor(desc: dict[str, Any]) -> None:
+        pass                         # the bytes went with the message
+
     def held(self) -> int:
         return 0
 
 
 def discard_descriptor(desc: dict[str, Any] | None) -> None:
-    """Drop a descriptor without knowing its transport's options (router side, no torch)."""
-    if desc and desc.get("t") == "shm" and desc.get("path"):
-        try:
-            os.unlink(desc["path"])
-        except FileNotFoundError:
-            pass
-    elif desc and desc.get("t") == "ray":
-        from laneserve.cluster.ray_kv import release
-        release(desc)
-    elif desc and desc.get("t") == "sharded":     # a tensor-parallel group's shards (engine/tp/kv_reshard.py)
+    """Drop a descriptor without knowing its transport's options (router side, no torch): each
+    transport class says how (``release_descriptor``), so this module names none of them; a
+    tensor-parallel group's descriptor (``"sharded"``, engine/tp/kv_reshard.py) drops each shard."""
+    if desc and desc.get("t") == "sharded":
         for shard in desc.get("shards", ()):
             discard_descriptor(shard)
+    elif desc and desc.get("t"):
+        _transport_class(desc["t"]).release_descriptor(desc)
 
 
 def tensor_to_bytes(kv):

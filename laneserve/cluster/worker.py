@@ -36,7 +36,7 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import zmq
@@ -372,7 +372,7 @@ class InstanceWorker:
 
     # ---- outputs -----------------------------------------------------------------------------
     def _send(self, msg: Report) -> None:
-        self.out.send(encode(replace(msg, inst=self.spec.instance_id, gen=self.spec.gen)))
+        self.out.send(encode(msg.sent_by(self.spec.instance_id, self.spec.gen)))
 
     def _emit(self, outcome) -> None:
         lps = self.instance.executor.last_logprobs or {}

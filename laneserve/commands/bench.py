@@ -257,7 +257,7 @@ def sim_config(args: argparse.Namespace, state: dict | None):
 
 def simulate_run(specs, config, cost) -> dict:
     """The simulator's summary for the same requests at the same arrival offsets."""
-    from laneserve.bench.metrics import summarize
+    from laneserve.measure.metrics import summarize
     from laneserve.sim import Simulator
     base = specs[0].arrival_time if specs else 0.0
     shifted = [replace(s, arrival_time=s.arrival_time - base) for s in specs]
@@ -437,7 +437,7 @@ def _percentiles(args: argparse.Namespace) -> tuple[list[float], list[str] | Non
 
 def _display(summary: dict, metrics: list[str] | None, pcts: list[float] | None) -> dict:
     """The summary as the console block shows it: only the chosen metrics and percentiles."""
-    from laneserve.bench.metrics import _pct_name
+    from laneserve.measure.metrics import _pct_name
     if metrics is None and pcts is None:
         return summary
     keep_m = metrics if metrics is not None else PERCENTILE_METRICS

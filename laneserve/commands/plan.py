@@ -223,7 +223,7 @@ def plot_plan(path: Path, result, curve: list[dict] | None, title: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from laneserve.bench.parallel import workers
+    from laneserve.measure.parallel import workers
     from laneserve.plan.planner import WorkloadShape
 
     try:
@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _search(args: argparse.Namespace, spec, jobs):
     """(the plan's result, the winner's attainment curve or None), with a progress bar."""
-    from laneserve.bench.progress import progress_bar
+    from laneserve.measure.progress import progress_bar
     from laneserve.plan import attainment_curve, layout_of, plan
 
     bar = progress_bar(total=min(spec.max_sims, 1), desc="planning", enabled=False if args.no_progress else None)

@@ -153,8 +153,8 @@ def run(args: argparse.Namespace) -> int:
         _list_policies()
         return 0
     from laneserve.bench.experiment import sweep
-    from laneserve.bench.parallel import workers
-    from laneserve.bench.progress import progress_bar
+    from laneserve.measure.parallel import workers
+    from laneserve.measure.progress import progress_bar
     from laneserve.bench.report import format_console_table
 
     try:
@@ -242,7 +242,7 @@ def _print_setup(args: argparse.Namespace, wl, cost, base, policies: dict) -> No
 def _searches(args: argparse.Namespace, wl, policies: dict, cost, rates: list[float], jobs) -> tuple[dict, dict]:
     """({policy: goodput}, {policy: tightest SLO scale}) for the searches the flags ask for ({} otherwise)."""
     from laneserve.bench.experiment import policy_goodput, policy_slo_scale
-    from laneserve.bench.parallel import map_jobs
+    from laneserve.measure.parallel import map_jobs
     goodputs = {}
     if args.goodput:
         found = map_jobs(policy_goodput, [(wl, config, cost, min(rates) / 4, max(rates) * 4, args.target,

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, TypeVar
 
 from laneserve.core.sampling import SamplingParams
 from laneserve.core.slo import SLO
+
+R = TypeVar("R")
 
 
 class Phase(str, Enum):
@@ -79,18 +82,29 @@ class RequestTimes:
 
 @dataclass(slots=True)
 class PolicyState:
-    """What the scheduling policies and routers keep on a request, one typed field per use (the
-    owner is named in each comment); reset by nobody else."""
+    """What the scheduling layers keep on a request. The core's own memos are typed fields (the
+    owner named in each comment); a policy's per-request fields live in a record type the policy
+    defines, reached with :meth:`of` (one instance per record type and request, made on first use),
+    so the core names no policy and a policy's record changes without touching it."""
 
-    lane: str | None = None              # LAPS lane ("short" | "long"): laps-pools router or LAPS prefill
     prefix_memo: tuple | None = None     # prefill: (cache, cache version, cached tokens) of the last lookup
     prefix_blocks: tuple | None = None   # core.prefix_cache: the prompt's workload-named blocks
     block_hashes: tuple | None = None    # core.kv / core.prefix_summary: ((root, block size), chain names)
-    kairos_delay: int = 0                # Kairos decode: consecutive steps this request was held back
-    aligned_batch: int | None = None     # AlignedServe: the aligned batch it was picked into
-    aligned_since: float | None = None   # AlignedServe: when it started waiting in the length tree
-    prefetch_ready: float = 0.0          # AlignedServe prefetch: when its staged KV is on the device
-    prefetch_staged: int = 0             # AlignedServe prefetch: KV tokens staged for it
+    records: dict[type, Any] | None = None
+
+    def of(self, record: type[R]) -> R:
+        """This request's ``record`` (a class built with no arguments), made on first use."""
+        records = self.records
+        if records is None:
+            records = self.records = {}
+        mine = records.get(record)
+        if mine is None:
+            mine = records[record] = record()
+        return mine
+
+    def peek(self, record: type[R]) -> R | None:
+        """This request's ``record`` if a policy made one, else None (nothing is made)."""
+        return None if self.records is None else self.records.get(record)
 
 
 @dataclass(slots=True, eq=False)

@@ -111,10 +111,6 @@ class ModelSpec:
         """Matmul FLOPs per token through all layers (2 per multiply-add), LM head excluded."""
         return 2 * self.num_layers * self.active_layer_params
 
-    @property
-    def lm_head_flops_per_token(self) -> int:
-        return 2 * self.embedding_params
-
 
 @dataclass(frozen=True, slots=True)
 class LinkSpec:

@@ -22,6 +22,7 @@ static path runs eagerly on CPU).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -112,11 +113,6 @@ class GatherWorkspace:
         return pad_k, pad_v
 
 
-def context_slots(table: list[int], ctx_len: int, block_size: int) -> torch.Tensor:
-    """Flat cache slots (``block * block_size + offset``) of positions ``[0, ctx_len)``."""
-    return block_slots([table], [ctx_len], block_size)
-
-
 def block_slots(tables: list[list[int]], ctx_lens: list[int], block_size: int,
                 seq_of_row: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Flat cache slots of many sequences at once (host tensor, vectorised): by default every
@@ -160,6 +156,9 @@ class AttentionBackend:
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
+# Backends in modules of their own, registered when that module is first imported (named, not
+# imported here: the backend module imports this one for the base class and the registry).
+_OPTIONAL_BACKENDS = {"paged": "laneserve.engine.triton_attention"}     # needs Triton
 
 
 def register_attention(cls: type[AttentionBackend]) -> type[AttentionBackend]:
@@ -168,8 +167,8 @@ def register_attention(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 
 
 def make_attention(name: str, workspace: GatherWorkspace) -> AttentionBackend:
-    if name == "paged" and name not in ATTENTION_BACKENDS:
-        import laneserve.engine.triton_attention  # noqa: F401  (registers "paged"; needs Triton)
+    if name in _OPTIONAL_BACKENDS and name not in ATTENTION_BACKENDS:
+        importlib.import_module(_OPTIONAL_BACKENDS[name])
     try:
         return ATTENTION_BACKENDS[name](workspace)
     except KeyError:

@@ -349,10 +349,6 @@ class EngineExecutor:
                 out.append(None)
         return out
 
-    @property
-    def num_constraint_states(self) -> int:
-        return len(self._constraints)
-
     def _token_histories(self, seqs: list[SeqInput], params: list, logits: torch.Tensor) -> list[TokenHistory | None]:
         """Each shaped row's :class:`TokenHistory`, extended by its new output tokens."""
         hist = self._histories

@@ -44,20 +44,17 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from laneserve.core.plan import StepPlan
+from laneserve.core.shapes import ShapeGrid
 from laneserve.engine.attention import StaticAttentionMeta, StaticPaddedAttention
 from laneserve.engine.config import MIN_GRAPH_CONTEXT, MIN_GRAPH_PREFILL_LEN, EngineConfig
 from laneserve.engine.device_stream import copy_in, upload
 from laneserve.engine.kv_cache import PagedKVCache
 from laneserve.engine.models.llama import LlamaModel, StepTensors
-from laneserve.policies.prefill.laps_awd import ShapeGrid
-
-if TYPE_CHECKING:
-    from laneserve.engine.runner import SeqInput
+from laneserve.engine.sequence import SeqInput
 
 DECODE, PREFILL = "decode", "prefill"
 #: ``torch.cuda.graph`` capture mode: only the capturing thread is checked for unsafe calls
@@ -91,7 +88,7 @@ class BucketKey:
 
 @dataclass(frozen=True, slots=True)
 class BucketGrid:
-    """Two LAPS shape grids (:class:`~laneserve.policies.prefill.laps_awd.ShapeGrid`): decode
+    """Two LAPS shape grids (:class:`~laneserve.core.shapes.ShapeGrid`): decode
     ``(context, batch)`` and short prefill ``(length, batch)``; a step takes the nearest covering shape."""
 
     decode_grid: ShapeGrid

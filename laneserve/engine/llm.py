@@ -114,7 +114,7 @@ class LLM:
             self.instance.submit(req, at=req.arrival_time)
         bar = None
         if progress:
-            from laneserve.bench.progress import progress_bar
+            from laneserve.measure.progress import progress_bar
             bar = progress_bar(total=len(reqs), desc="generating")
         self.instance.run_until_idle(on_finish=(lambda r: bar.update(1)) if bar else None)
         if bar:

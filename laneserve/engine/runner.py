@@ -30,32 +30,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator
-from dataclasses import dataclass
 
 import torch
 
 from laneserve.core.kv import KVCacheManager
 from laneserve.core.plan import StepPlan
-from laneserve.core.request import Request
 from laneserve.engine.attention import AttentionBatch, GatherWorkspace, block_slots, make_attention
 from laneserve.engine.config import EngineConfig
 from laneserve.engine.device_stream import upload_packed
 from laneserve.engine.graphs import BucketKey, BucketRunner
 from laneserve.engine.kv_cache import PagedKVCache
 from laneserve.engine.models.llama import LlamaModel, StepTensors
+from laneserve.engine.sequence import SeqInput
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class SeqInput:
-    """One sequence of a step: ``token_ids`` at positions ``start ..``, sampled if ``sample``."""
-
-    request: Request
-    token_ids: list[int]
-    start: int
-    sample: bool
-    is_decode: bool
 
 
 def plan_sequences(plan: StepPlan, kv: KVCacheManager) -> list[SeqInput]:

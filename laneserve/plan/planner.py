@@ -433,7 +433,7 @@ def evaluate(workload: Workload, layout: Layout, model: str, engine: str, rate: 
              targets: dict[str, float], default_target: float, router: str = "round-robin",
              kv_link: str = "nvlink") -> dict[str, Any]:
     """Simulate ``layout`` at ``rate`` and summarise it (a module-level function: worker processes)."""
-    from laneserve.bench.experiment import run_point
+    from laneserve.measure.simulate import run_point
     cfg, cm = cluster_config(layout, model, engine, router=router, kv_link=kv_link)
     summary, _ = run_point(workload, cfg, cm, rate=rate)
     ok, margin, per = attainment(summary, targets, default_target)
@@ -447,9 +447,9 @@ def goodput_of(workload: Workload, layout: Layout, model: str, engine: str, hint
                targets: dict[str, float], default_target: float, router: str = "round-robin",
                kv_link: str = "nvlink", evals: int = 7, rel_tol: float = 0.05) -> dict[str, Any]:
     """The highest rate at which ``layout`` meets every class's target: geometric steps from
-    ``hint / 2`` (the bound halved) up to ``4 * hint``, then bisection (``bench.search``); when
+    ``hint / 2`` (the bound halved) up to ``4 * hint``, then bisection (``measure.search``); when
     even ``hint / 2`` misses, the same from ``hint / 16``. At most ``evals`` simulations."""
-    from laneserve.bench.search import goodput_search
+    from laneserve.measure.search import goodput_search
     seen: dict[float, dict[str, Any]] = {}
 
     def f(rate: float) -> float:
@@ -528,10 +528,10 @@ def simulated_row(spec: PlanSpec, layout: Layout, rate: float | None = None) -> 
 
 def plan(spec: PlanSpec, *, jobs: Any = 1, progress: Callable[[int, int], None] | None = None) -> PlanResult:
     """Search the layouts of ``spec`` (see the module docstring); ``jobs``: processes or a
-    :class:`~laneserve.bench.parallel.RayWorkers`; ``progress(done, total)`` after each batch."""
+    :class:`~laneserve.measure.parallel.RayWorkers`; ``progress(done, total)`` after each batch."""
     import time
 
-    from laneserve.bench.parallel import RayWorkers
+    from laneserve.measure.parallel import RayWorkers
     t0 = time.perf_counter()
     shape = WorkloadShape.of(spec.workload)
     targets = {name: spec.target_of(name) for name in shape.classes}
@@ -550,7 +550,7 @@ def _search_for_rate(spec: PlanSpec, shape: WorkloadShape, targets: dict[str, fl
     """A target rate: simulate the layouts cheapest first (fewest GPUs, then the highest bound),
     trying the smaller neighbours of each that meets, until nothing as cheap as the best is left.
     (rows, layouts considered, pruned, simulator runs)."""
-    from laneserve.bench.parallel import map_jobs
+    from laneserve.measure.parallel import map_jobs
     rows: list[dict[str, Any]] = []
     sims = 0
     cands, _ = candidates_for_rate(spec, shape)
@@ -594,7 +594,7 @@ def _search_for_budget(spec: PlanSpec, shape: WorkloadShape, targets: dict[str, 
                        progress: Callable[[int, int], None] | None) -> tuple[list[dict[str, Any]], int, int, int]:
     """A GPU budget: search each layout's goodput in the order of its bound, pruning those whose
     (scaled) bound cannot beat the best goodput found. (rows, layouts considered, pruned, simulator runs)."""
-    from laneserve.bench.parallel import map_jobs
+    from laneserve.measure.parallel import map_jobs
     rows: list[dict[str, Any]] = []
     sims = 0
     cands, pruned = candidates_for_budget(spec, shape)
@@ -635,7 +635,7 @@ def layout_of(row: dict[str, Any]) -> Layout:
 
 def attainment_curve(spec: PlanSpec, layout: Layout, rates: Sequence[float], jobs: Any = 1) -> list[dict[str, Any]]:
     """The simulated attainment of ``layout`` at each rate (overall and per class)."""
-    from laneserve.bench.parallel import map_jobs
+    from laneserve.measure.parallel import map_jobs
     shape = WorkloadShape.of(spec.workload)
     targets = {name: spec.target_of(name) for name in shape.classes}
     tasks = [(spec.workload, layout, spec.model, spec.engine, r, targets, spec.target, spec.router,

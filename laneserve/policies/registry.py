@@ -12,6 +12,7 @@ option of that name gives.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -152,11 +153,19 @@ def describe(kind: str) -> list[str]:
     return lines
 
 
+# The modules whose import registers the policies (their ``@register`` decorators run then). Named,
+# not imported, so the registry never imports its policies back: each policy module imports the
+# registry, the registry loads this table on the first lookup.
+POLICY_MODULES = (
+    "laneserve.policies.decode",
+    "laneserve.policies.prefill",
+    "laneserve.policies.colocated",
+    "laneserve.policies.routing",
+    "laneserve.policies.routing_laps",
+    "laneserve.policies.routing_tpot",
+)
+
+
 def _ensure_loaded() -> None:
-    # Importing the policy packages runs their @register decorators.
-    import laneserve.policies.decode  # noqa: F401
-    import laneserve.policies.prefill  # noqa: F401
-    import laneserve.policies.colocated  # noqa: F401
-    import laneserve.policies.routing  # noqa: F401
-    import laneserve.policies.routing_laps  # noqa: F401
-    import laneserve.policies.routing_tpot  # noqa: F401
+    for module in POLICY_MODULES:
+        importlib.import_module(module)

@@ -5,7 +5,7 @@ lightweight instance-pressure controller that moves one instance between pools a
 Router side (``laps-pools``): each arrival is classified by its new tokens against L_m: the prompt
 minus the longest prefix an accepting instance holds (``cached_prefix``; with the simulator's
 idealised flag-mode caching that is the request's ``prefix_len``; ``cached_prefix=false`` counts
-the whole prompt), tagged ``req.policy_state.lane`` and sent to an instance of that lane's pool:
+the whole prompt), tagged with its lane (``LaneTag``) and sent to an instance of that lane's pool:
 with ``affinity`` (default) to the pool instances that hold the longest cached prefix when it
 covers ≥ ``affinity_threshold`` of the prompt and their queue is within ``balance_tokens`` of the
 pool's shortest, and among those (or else among the whole pool) to the least-loaded (fewest queued
@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from laneserve.core.request import Phase, Request
-from laneserve.policies.prefill.laps_lanes import LONG, SHORT
+from laneserve.policies.prefill.laps_lanes import LONG, SHORT, LaneTag
 from laneserve.policies.options import PolicyOptions, above, at_least, option_error, within
 from laneserve.policies.registry import register
 from laneserve.policies.routing import InstanceLoad, LeastLoadedRouter, Router, affinity_candidates, cached_prefix
@@ -239,7 +239,8 @@ class LapsPoolRouter(Router):
         live = self._candidates(instances)
         # one cache lookup per instance serves the lane, the affinity and the re-check below
         hits = {i: cached_prefix(instances[i], req) for i in live}
-        tagged = req.policy_state.lane
+        tag = req.policy_state.of(LaneTag)
+        tagged = tag.lane
         lane = tagged or self._lane(req, max(hits.values()) if self.cached_prefix else 0)
         choice = self._pick(instances, live, lane, req, hits)
         if lane == SHORT and self.cached_prefix and not tagged and self._lane(req, hits[choice]) == LONG:
@@ -247,7 +248,7 @@ class LapsPoolRouter(Router):
             # instance it would run on it is a long prefill
             lane = LONG
             choice = self._pick(instances, live, lane, req, hits)
-        req.policy_state.lane = lane
+        tag.lane = lane
         last = self._last_pick
         self._picks += 1
         last[choice] = self._picks

@@ -192,23 +192,6 @@ class Workload:
                 "new_prompt_tokens": float((prompt - prefix).sum())}
 
     # ---- persistence ---------------------------------------------------------------------
-    def to_jsonl(self, path: str | Path) -> None:
-        """One header line ``{"workload", "meta"}`` then one JSON object per request
-        (``.gz`` paths are gzip-compressed)."""
-        with _open_text(path, "wt") as f:
-            f.write(json.dumps({"workload": self.name, "meta": self.meta}, default=str) + "\n")
-            for s in self.specs:
-                row = {"request_id": s.request_id, "arrival_time": s.arrival_time,
-                       "prompt_len": s.prompt_len, "output_len": s.output_len,
-                       "ttft": s.slo.ttft, "tpot": s.slo.tpot, "slo_class": s.slo_class,
-                       "priority": s.priority, "prefix_len": s.prefix_len,
-                       "session_id": s.session_id, "turn": s.turn}
-                if s.prompt_token_ids is not None:
-                    row["prompt_token_ids"] = list(s.prompt_token_ids)
-                if s.hash_ids is not None:
-                    row["hash_ids"] = list(s.hash_ids)
-                f.write(json.dumps(row) + "\n")
-
     @classmethod
     def from_jsonl(cls, path: str | Path) -> Workload:
         path = Path(path)

@@ -13,7 +13,8 @@ steps). Three mechanisms compose:
    trouble (the decode KV memory cannot hold every request, or that step would break the tightest
    TPOT target). With a ragged kernel (the league's cost model) it never aligns, so this default
    decides exactly as ``align=false`` there (tested); the earlier opt-in guard let alignment in on
-   long-context Mooncake-length traffic (0.77x the best baseline at 4P+4D). Otherwise incoming KV
+   long-context Mooncake-length traffic, where it lost (docs/design.md, "adaptive: what the league
+   measured"). Otherwise incoming KV
    lands on the device and every request decodes: continuous batching. Without a host KV pool
    (``--host-kv-tokens 0``) nothing can be parked and alignment stays off.
 2. **Slack-guided steps** (Kairos §3.2, Algorithm 3) choose which running requests decode: the
@@ -22,8 +23,7 @@ steps). Three mechanisms compose:
    continuous batching. The step table starts from the bound cost model and folds every measured
    pure decode step into its cell (a running mean), so a predictor ~20% off converges to the
    measured times instead of steering by its error. Only with a padded kernel (or an unknown
-   one): with a ragged kernel selection cannot pay (:func:`.kairos.selection_pays`; on the
-   league it got 0.95x continuous batching's goodput on the Kairos setup at 4P+4D) and every
+   one): with a ragged kernel selection cannot pay (:func:`.kairos.selection_pays`) and every
    request decodes, so there this policy is continuous batching (a stable batch, which the
    simulator runs as one event).
 3. Memory admission, growth and preemption are continuous batching's (swap to the host pool when

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from laneserve.core.request import Request
+from laneserve.policies.decode.aligned_stats import Aligned
 
 
 @dataclass(slots=True)
@@ -45,17 +46,17 @@ class PrefetchStager:
             start = self.link_free_at if self.link_free_at > now else now
             ready = start + tokens / self.tokens_per_s
             self.link_free_at = ready
-        req.policy_state.prefetch_ready = ready
-        req.policy_state.prefetch_staged = tokens
+        state = req.policy_state.of(Aligned)
+        state.prefetch_ready, state.prefetch_staged = ready, tokens
         self.staged_tokens += tokens
         self.staged_total += tokens
         return ready
 
     def unstage(self, req: Request) -> None:
-        state = req.policy_state
+        state = req.policy_state.of(Aligned)
         tokens, state.prefetch_staged, state.prefetch_ready = state.prefetch_staged, 0, 0.0
         self.staged_tokens -= tokens
 
     @staticmethod
     def ready_at(req: Request) -> float:
-        return req.policy_state.prefetch_ready
+        return req.policy_state.of(Aligned).prefetch_ready

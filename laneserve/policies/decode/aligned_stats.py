@@ -1,9 +1,20 @@
-"""Bookkeeping of AlignedServe decode (§3.4, §4.4): the batches it forms and the statistics the
-benchmark reports (switch iterations, evictions, pool waits, the starvation log)."""
+"""Bookkeeping of AlignedServe decode (§3.4, §4.4): its record on each request, the batches it
+forms and the statistics the benchmark reports (switch iterations, evictions, pool waits, the
+starvation log)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Aligned:
+    """A request's record under AlignedServe decode (``req.policy_state.of(Aligned)``)."""
+
+    batch: int | None = None          # the aligned batch it was picked into
+    since: float | None = None        # when it started waiting in the length tree
+    prefetch_ready: float = 0.0       # when its staged KV is on the device
+    prefetch_staged: int = 0          # KV tokens staged for it
 
 
 @dataclass(slots=True)

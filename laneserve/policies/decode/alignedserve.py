@@ -52,8 +52,8 @@ total context at uniform length) is at least ``tpot_margin`` of it. Otherwise it
 continuous batching: incoming KV lands on the device, pooled requests are swapped in, everyone
 decodes. Entering aligned mode, the batch left running from continuous mode is no aligned batch:
 device-resident waiting requests join it only up to ``n_min`` and the first length-aligned batch
-replaces it at once (on AlignedServe's 95%-short mix the mixed batch otherwise lingered ~1,000
-steps: 2.18x continuous batching's decode throughput instead of 2.57x). The guard reads running
+replaces it at once (otherwise the mixed batch lingers and costs decode throughput; the figures:
+docs/design.md, "AlignedServe: what was measured"). The guard reads running
 figures (:mod:`.aligned_guard`) kept as requests arrive, decode and leave, so a decision costs O(1)
 however many requests are held (the longest context is rescanned only after the longest request
 left, and only with a padding cost model).

@@ -28,7 +28,7 @@ from laneserve.core.request import Phase, Request
 from laneserve.policies.base import StepOutcome
 from laneserve.policies.decode.aligned_guard import AlignmentGuard
 from laneserve.policies.decode.aligned_prefetch import PrefetchStager
-from laneserve.policies.decode.aligned_stats import AlignedBatch, AlignedStats
+from laneserve.policies.decode.aligned_stats import Aligned, AlignedBatch, AlignedStats
 from laneserve.policies.decode.base import DecodeOptions
 from laneserve.policies.decode.quadtree import KVLengthQuadTree, Selection
 from laneserve.policies.options import at_least, option_error
@@ -76,7 +76,7 @@ def check_alignment_options(o: Any) -> None:
 
 def _since(req: Request, now: float) -> float:
     """When ``req`` started waiting in the length tree (``now`` if it has not yet)."""
-    since = req.policy_state.aligned_since
+    since = req.policy_state.of(Aligned).since
     return now if since is None else since
 
 
@@ -158,7 +158,7 @@ class LengthAligner:
         self.cand_reqs, self.cand_batch, self.cand_info = [], [], None
         for req in pooled:
             self.stager.unstage(req)
-            req.policy_state.aligned_batch = None
+            req.policy_state.of(Aligned).batch = None
             req.phase = Phase.SWAPPED
             h.swapped.append(req)
 
@@ -203,8 +203,8 @@ class LengthAligner:
             h.swapped.append(req)
 
     def _to_tree(self, req: Request, since: float) -> None:
-        req.policy_state.aligned_since = since
-        req.policy_state.aligned_batch = None
+        req.policy_state.of(Aligned).since = since
+        req.policy_state.of(Aligned).batch = None
         self.tree.insert(req.request_id, req.context_len, self.pool.num_allocated(req.request_id), since)
 
     def _from_tree(self, request_id: int, now: float) -> Request:
@@ -281,7 +281,7 @@ class LengthAligner:
     def _victim(self) -> Request:
         h = self.host
         cur = self.current.batch_id if self.current else None
-        old = [r for r in h.running if r.policy_state.aligned_batch != cur]
+        old = [r for r in h.running if r.policy_state.of(Aligned).batch != cur]
         return max(old or h.running, key=lambda r: (r.context_len, r.request_id))
 
     def _evict(self, req: Request, plan: StepPlan, now: float) -> None:
@@ -300,7 +300,7 @@ class LengthAligner:
         plan.swap_out.append(self.pool.swap_out(h.kv, rid, tokens))
         self.stats.swap_out_tokens += tokens
         req.phase = Phase.SWAPPED
-        if self.current is not None and req.policy_state.aligned_batch == self.current.batch_id:
+        if self.current is not None and req.policy_state.of(Aligned).batch == self.current.batch_id:
             self.cand_reqs.append(req)                # evicted to the peer GPU buffer: staged now
             if self.prefetch:
                 self.stager.stage(req, tokens, now, immediate=True)
@@ -311,7 +311,7 @@ class LengthAligner:
         cur = self.current
         if cur is None or cur.start_iter is None or (self.cand_info is not None and self.cand_info.starving):
             return
-        room = self.prefetch_window - sum(1 for r in self.cand_reqs if r.policy_state.aligned_batch == cur.batch_id)
+        room = self.prefetch_window - sum(1 for r in self.cand_reqs if r.policy_state.of(Aligned).batch == cur.batch_id)
         if room <= 0 or not len(self.tree):
             return
         shift = self.iteration - cur.start_iter
@@ -319,7 +319,7 @@ class LengthAligner:
             if self.prefetch and not self.stager.can_stage(entry.length):
                 break
             req = self._from_tree(entry.request_id, now)
-            req.policy_state.aligned_batch = cur.batch_id
+            req.policy_state.of(Aligned).batch = cur.batch_id
             if self.prefetch:
                 self.stager.stage(req, req.num_computed_tokens, now)
             self.cand_reqs.append(req)
@@ -352,7 +352,7 @@ class LengthAligner:
         if self.guard is not None and self.current is None and h.running:
             return True                               # left from continuous mode: not aligned
         cur = self.current.batch_id if self.current else None
-        queued = sum(1 for r in self.cand_reqs if r.policy_state.aligned_batch == cur)
+        queued = sum(1 for r in self.cand_reqs if r.policy_state.of(Aligned).batch == cur)
         return len(h.running) + queued < self.n_min
 
     def _form(self, sel: Selection, now: float, *, starving: bool) -> None:
@@ -363,7 +363,7 @@ class LengthAligner:
         batch = []
         for rid in sel.request_ids:
             req = self._from_tree(rid, now)
-            req.policy_state.aligned_batch = info.batch_id
+            req.policy_state.of(Aligned).batch = info.batch_id
             if self.prefetch:
                 self.stager.stage(req, req.num_computed_tokens, now)
             batch.append(req)
@@ -388,7 +388,7 @@ class LengthAligner:
         keep: list[Request] = []
         blocked = False
         for req in self.cand_reqs:
-            if blocked or req.policy_state.aligned_batch != cur:
+            if blocked or req.policy_state.of(Aligned).batch != cur:
                 keep.append(req)
                 continue
             if len(h.running) >= h.max_batch_size or not self._fits(req):
@@ -417,13 +417,13 @@ class LengthAligner:
     def _should_switch(self) -> bool:
         h = self.host
         cur = self.current.batch_id if self.current else None
-        if any(r.policy_state.aligned_batch == cur for r in self.cand_reqs):
+        if any(r.policy_state.of(Aligned).batch == cur for r in self.cand_reqs):
             return False                              # case 1 still has requests of this batch
         if self.current is None or not h.running:
             return True
         # the running batch no longer saturates the GPU: below n_min, or (a batch formed
         # smaller than n_min: starvation, memory-bound long requests) below half its peak
-        members = sum(1 for r in h.running if r.policy_state.aligned_batch == cur)
+        members = sum(1 for r in h.running if r.policy_state.of(Aligned).batch == cur)
         return members < min(self.n_min, (self.current.peak + 1) // 2)
 
     def _switch(self, plan: StepPlan, now: float) -> None:
@@ -439,12 +439,12 @@ class LengthAligner:
             self.stager.unstage(req)
             self._to_tree(req, now)
         self.cand_reqs, self.cand_batch, self.cand_info = self.cand_batch, [], None
-        old = [r for r in h.running if r.policy_state.aligned_batch != info.batch_id]
+        old = [r for r in h.running if r.policy_state.of(Aligned).batch != info.batch_id]
         if old and self.switch_evict == "all" and (info.full or info.starving):
             lo, hi = info.lo, info.hi
             for req in old:
                 if lo <= req.context_len <= hi:       # aligned with the new batch: it stays
-                    req.policy_state.aligned_batch = info.batch_id
+                    req.policy_state.of(Aligned).batch = info.batch_id
                 else:
                     h.running.remove(req)
                     self._evict(req, plan, now)
@@ -472,42 +472,14 @@ class LengthAligner:
         self._recomputing = set()
         cur = self.current
         if cur is not None:
-            members = sum(1 for r in h.running if r.policy_state.aligned_batch == cur.batch_id)
+            members = sum(1 for r in h.running if r.policy_state.of(Aligned).batch == cur.batch_id)
             cur.peak = max(cur.peak, members)
         if plan.decodes:
             self.iteration += 1
             self.stats.decode_steps += 1
-            first = plan.decodes[0].policy_state.aligned_batch
-            if any(r.policy_state.aligned_batch != first for r in plan.decodes):
+            first = plan.decodes[0].policy_state.of(Aligned).batch
+            if any(r.policy_state.of(Aligned).batch != first for r in plan.decodes):
                 self.stats.mixed_steps += 1
-
-    # ---- checking (tests) ------------------------------------------------------------------
-    def check_invariants(self) -> None:
-        """Every request's KV lives in exactly one tier: device (running, waiting, or reserved for
-        a transfer in flight), host pool (tree, buffers, swapped), or nowhere (recompute); block
-        counts match the managers."""
-        h = self.host
-        self.tree.check()
-        kv, pool = h.kv, self.pool
-        device = {r.request_id for r in (*h.running, *h.waiting)} | self._recomputing
-        host = {*(r.request_id for r in (*self.cand_batch, *self.cand_reqs, *h.swapped))}
-        host_tree = set(self.tree._entries)
-        assert not (host & host_tree) and not (device & (host | host_tree)), "request in two places"
-        in_flight = set(kv.tables) - device         # reserved for a transfer not yet arrived
-        assert device <= set(kv.tables) and not (in_flight & set(h.requests)), \
-            (sorted(kv.tables), sorted(device))
-        assert set(pool.tables) >= host | host_tree
-        assert kv.allocator.num_used == sum(len(t) for t in kv.tables.values())
-        assert pool.allocator.num_used == sum(len(t) for t in pool.tables.values())
-        for rid in host_tree:
-            assert self.tree.entry(rid).blocks == pool.num_allocated(rid)
-        held = self.guard.held if self.guard is not None else None
-        if held is not None:                        # the guard's running figures match a scan
-            reqs = list(h.requests.values())
-            assert held.blocks == sum(blocks_for(r.context_len + 1, kv.block_size) for r in reqs)
-            assert held.context == sum(r.context_len for r in reqs)
-            assert held.longest(reqs) == max((r.context_len for r in reqs), default=0)
-            assert held.min_tpot() == min((r.slo.tpot for r in reqs if r.slo.tpot is not None), default=None)
 
 
 class AlignedWiring:
@@ -594,7 +566,3 @@ class AlignedWiring:
     def _after_update(self, plan: StepPlan, outcome: StepOutcome, now: float) -> None:
         super()._after_update(plan, outcome, now)
         self.aligner.after_step(plan)
-
-    def check_invariants(self) -> None:
-        """Every request's KV lives in exactly one tier (:meth:`LengthAligner.check_invariants`)."""
-        self.aligner.check_invariants()

@@ -110,6 +110,14 @@ def selection_pays(kernel: str | None) -> bool:
 
 
 @dataclass(slots=True)
+class Held:
+    """A request's record under Kairos decode (``req.policy_state.of(Held)``): the consecutive
+    steps it was held back (the ``max_delay_steps`` bound)."""
+
+    steps: int = 0
+
+
+@dataclass(slots=True)
 class KairosStats:
     steps: int = 0             # decode steps built
     partial_steps: int = 0     # steps that delayed at least one running request
@@ -262,7 +270,7 @@ class KairosDecode(DecodeScheduler):
             self.stats.steps += 1
             self.stats.guard_steps += 1
             for req in active:
-                req.policy_state.kairos_delay = 0
+                req.policy_state.of(Held).steps = 0
             return list(active)
         s_min = self._min_slack(active, now)
         lookup = self.lut.lookup
@@ -286,16 +294,16 @@ class KairosDecode(DecodeScheduler):
             batch = list(active)
         chosen = {r.request_id for r in batch}
         if len(batch) < len(active) and any(
-                r.policy_state.kairos_delay + 1 >= self.max_delay_steps
+                r.policy_state.of(Held).steps + 1 >= self.max_delay_steps
                 for r in active if r.request_id not in chosen):
             stats.forced_steps += 1
             batch = list(active)
             chosen = {r.request_id for r in batch}
         for req in active:
             if req.request_id in chosen:
-                req.policy_state.kairos_delay = 0
+                req.policy_state.of(Held).steps = 0
             else:
-                req.policy_state.kairos_delay += 1
+                req.policy_state.of(Held).steps += 1
                 stats.delayed += 1
         if len(batch) < len(active):
             stats.partial_steps += 1
@@ -379,5 +387,5 @@ class KairosDecode(DecodeScheduler):
         super()._advance_decode(req, sampled, stop_hit, self.pacer.release_time(req, now), outcome)
 
     def _remove(self, req: Request) -> None:
-        req.policy_state.kairos_delay = 0
+        req.policy_state.of(Held).steps = 0
         super()._remove(req)

@@ -60,10 +60,6 @@ class QuadNode:
     num_blocks: int = 0
     oldest: float = _INF
 
-    @property
-    def is_leaf(self) -> bool:
-        return self.entries is not None
-
     def __repr__(self) -> str:
         return f"QuadNode[{self.lo},{self.hi}] reqs={self.num_requests} blocks={self.num_blocks}"
 

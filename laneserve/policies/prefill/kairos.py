@@ -1,4 +1,4 @@
-"""Kairos urgency-based prefill (``kairos.txt`` §3.1, Algorithms 1–2): the literal algorithm
+"""Kairos urgency-based prefill (the Kairos paper, §3.1, Algorithms 1–2): the literal algorithm
 (``kairos-literal`` and its ablation presets) and the registered ``kairos``, a version that does
 no harm.
 
@@ -37,7 +37,7 @@ Choices where the paper is silent or inconsistent (say so in reports):
 The registered ``kairos`` (:class:`GuardedKairosPrefill`) keeps the mechanism — μ learned from its
 own steps, Algorithm 2's finish estimates, the length-normalised score, whole requests then one
 partial chunk — and departs from the paper where the policy league measured the literal one losing
-to the baselines (bursty short/long mix 0.02–0.05x, FlowPrefill mix 0.18–0.27x, ShareGPT 4P 0.23x):
+to the baselines (the figures: docs/design.md, "Kairos: what the league measured"):
 
 - **A request that cannot make its target goes last.** When even alone, started now, it would
   finish after its deadline (``max(arrival, now) + n_r / μ``), it cannot count towards attainment;
@@ -50,12 +50,10 @@ to the baselines (bursty short/long mix 0.02–0.05x, FlowPrefill mix 0.18–0.2
   queued prompt would take at least half of that target by itself (``HOL_SHARE``), the
   head-of-line blocking the length normalisation is for (``rank="auto"``; ``rank="urgency"`` /
   ``"edf"`` force either). With per-class or per-request targets the targets already encode the
-  priorities, and dividing by length a second time cost goodput (``rank="urgency"``, 1P+1D:
-  bursty mix 0.83x, FlowPrefill's mix 0.46x of the best baseline). With one target
-  but no prompt long against it, the score lost to FCFS order (ShareGPT 0.75–0.80x, Azure 4P+4D
-  0.94x); on the Kairos setup (Mooncake lengths, the longest prompts take about the whole target)
-  it gains 1.07x where EDF reaches 0.93x. 0.5 sits between the largest own-prefill / target of
-  those workloads (Azure 0.32, ShareGPT 0.30, Kairos setup 1.0; see benchmarks/league.py).
+  priorities, and dividing by length a second time cost goodput. With one target but no prompt
+  long against it, the score lost to FCFS order; where the longest prompts take about the whole
+  target (the Kairos setup) it gains. ``HOL_SHARE`` sits between the largest own-prefill / target
+  of the workloads where it lost and that setup.
 - **In the urgency order, the late go first.** Algorithm 2 estimates finish times under FCFS, but
   the queue is not served in FCFS order, so a request the walk calls on time can be passed over by
   higher scores until it is too late. The finish times are re-walked in the score order itself;
@@ -65,14 +63,12 @@ to the baselines (bursty short/long mix 0.02–0.05x, FlowPrefill mix 0.18–0.2
 - **Finish times from the instance's predictor.** With a cost model bound (``estimate="auto"``:
   the run's predictor, learned online from the instance's own steps by default) a request takes
   the predicted time of its remaining chunk instead of ``n_r / μ``; one mean throughput misjudged
-  the short re-prefills of a prefix-cached chat workload (ShareGPT 1P+1D, score order, online
-  predictor: 0.75x of the best baseline with ``n / μ``, 1.10x with the predictor). Without a
-  cost model it falls back to ``n_r / μ``.
+  the short re-prefills of a prefix-cached chat workload. Without a cost model it falls back to
+  ``n_r / μ``.
 - **No guard on an untrained predictor.** For its first ``warmup`` (8) completed steps the
   instance's predictor is still its prior (a deliberately slow generic model), so nothing is
-  called hopeless and the order is plain deadline order. At 4P+4D the whole ShareGPT run arrives
-  within a fraction of a second and was decided on the prior: 0.25x of the best baseline without
-  the warm-up, 1.0x with it.
+  called hopeless and the order is plain deadline order: a burst that arrives all at once would
+  otherwise be decided on the prior alone.
 - **``C`` = 2048 tokens** (``chunk=``), the chunk of the CP-EDF baseline: an 8K chunk let one long
   prompt hold short ones for a whole long step (``kairos-literal``'s 8192 stays available).
 """

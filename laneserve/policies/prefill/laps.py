@@ -1,4 +1,4 @@
-"""LAPS prefill scheduler (``laps.txt`` §3): length lanes, AWD short batching into captured shape
+"""LAPS prefill scheduler (the LAPS paper, §3): length lanes, AWD short batching into captured shape
 buckets, long prefills in chunks — on one instance ("temporal" mode) or as one instance of a
 spatially split pool ("spatial" mode, lanes assigned by the ``laps-pools`` router).
 
@@ -39,14 +39,13 @@ request per step, as the paper describes; "fill" is the default so that long pre
 L_m do not run in under-filled steps).
 
 Do no harm. The registered ``laps`` departs from the paper where the league measured
-harm (``benchmarks/league.py``, Llama-3-8B on the analytic H100 model: before these guards LAPS
-reached 0.72x the best baseline's goodput on a bursty short/long mix and 0.90x on AlignedServe's
-95%-short mix); ``laps-literal`` (``LITERAL``) is the paper's algorithm and the ablation presets
+harm (``benchmarks/league.py``; the figures: docs/design.md, "LAPS: what the league measured");
+``laps-literal`` (``LITERAL``) is the paper's algorithm and the ablation presets
 are ablations of it. Each guard is a constructor option:
 
 * ``order="edf"``: lanes in TTFT-deadline order. With one SLO class this is arrival order, as in
   the paper; with several (FlowPrefill's task classes) arrival order let loose-SLO requests block
-  tight ones, and LAPS lost two thirds of CP-EDF's goodput.
+  tight ones.
 * ``awd=False``: no batching window. Waiting only delays the queued short requests and idles the
   instance: graph replay saves ~2.5 ms a step on the analytic H100 model, a window costs up to
   ``w_max`` (30 ms) of every request in it, and requests that arrive during a step leave together
@@ -65,13 +64,13 @@ are ablations of it. Each guard is a constructor option:
 * ``step_slo_fraction=0.45``: long steps grow from ``long_chunk`` (2048) by doubling up to the
   instance's token budget (8192) while the predicted step takes at most that fraction of the
   tightest TTFT target seen, and only while no short request waits (:meth:`_long_budget`): each
-  step pays a fixed cost, and with 2048-token chunks LAPS lost 5-10% to whole-prompt FCFS on
-  chat traffic whose targets allow larger steps.
+  step pays a fixed cost, and fixed 2048-token chunks lost to whole-prompt FCFS on chat traffic
+  whose targets allow larger steps.
 
 The alternation and AWD below are the paper's mechanisms; with the defaults they run when the
 merge does not apply (one lane empty, or a short request too tight for a mixed step).
 
-Spatial mode: the router tags each request with its lane (``req.policy_state.lane``) and tells the
+Spatial mode: the router tags each request with its lane (:class:`~.laps_lanes.LaneTag`) and tells the
 instance its pool with :meth:`LapsPrefill.set_lane`. An instance that changes pool keeps its queued
 work and drains it by the same alternation (lanes still never mix in a step); new arrivals are only
 of its new lane. Without a tag the instance classifies the request itself.
@@ -85,11 +84,12 @@ from typing import Literal, get_args
 
 from laneserve.core.plan import PrefillChunk, StepPlan
 from laneserve.core.request import Request
+from laneserve.core.shapes import ShapeGrid
 from laneserve.costmodel.base import graphed_prefill_time
 from laneserve.policies.options import at_least, within
 from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
-from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig, ShapeGrid
-from laneserve.policies.prefill.laps_lanes import (LONG, SHORT, Classifier, Lane, LaneOrder,
+from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig
+from laneserve.policies.prefill.laps_lanes import (LONG, SHORT, Classifier, Lane, LaneOrder, LaneTag,
                                                    lane_order)
 from laneserve.policies.prefill.priority import make_predictor, priority_key
 from laneserve.policies.registry import register
@@ -201,11 +201,11 @@ class LapsPrefill(PrefillScheduler):
         self.assigned_lane = lane
 
     def lane_of(self, req: Request) -> str:
-        lane = req.policy_state.lane
+        tag = req.policy_state.of(LaneTag)
+        lane = tag.lane
         if lane is None:
             history = req.prompt_len - self.new_tokens(req)
-            lane = self.classifier.classify(self.new_tokens(req), history)
-            req.policy_state.lane = lane
+            lane = tag.lane = self.classifier.classify(self.new_tokens(req), history)
         return lane
 
     def _push(self, req: Request, now: float) -> None:

@@ -29,6 +29,14 @@ SHORT, LONG = "short", "long"
 LANES = (SHORT, LONG)
 
 
+@dataclass(slots=True)
+class LaneTag:
+    """A request's LAPS lane (``req.policy_state.of(LaneTag)``): set by the ``laps-pools`` router
+    or, when it comes untagged, by LAPS prefill on first sight."""
+
+    lane: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class LaneOrder:
     """``key(req, now)``: smaller runs first. ``dynamic``: the key changes with ``now``."""

@@ -87,17 +87,6 @@ def priority_key(ordering: str, req: Request, now: float, predicted: float = 0.0
         raise ValueError(f"unknown ordering {ordering!r}; choose one of {', '.join(ORDERINGS)}") from None
 
 
-def priority_value(ordering: str, req: Request, now: float, predicted: float = 0.0) -> float:
-    """The paper's scalar ``sgn(x)/deadline`` (for reports and tests; rank with :func:`priority_key`)."""
-    d = req.ttft_deadline
-    x = {"sedf": d - now - predicted, "dedf": d - now, "edf": 1.0}.get(ordering)
-    if x is None:
-        raise ValueError(f"ordering {ordering!r} has no scalar priority")
-    if d == INF:
-        return 0.0
-    return (1.0 if x >= 0 else -1.0) / d
-
-
 # ---- the TTFT predictor -------------------------------------------------------------------------
 class _Horner:
     """Fast scalar evaluation of a fitted PolynomialTTFT (numpy per call costs ~10 µs; ranking

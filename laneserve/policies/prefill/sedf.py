@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from laneserve.policies.prefill.base import PrefillScheduler
-from laneserve.policies.prefill.sedf_ordering import SEDFOrdering
 from laneserve.policies.prefill.sedf_tasks import (GRANULARITIES, Granularity, PreemptiveTasks,  # noqa: F401
                                                    PrefillTask, SEDFMechanismOptions, SEDFWiring,
                                                    check_sedf_options)
@@ -71,8 +70,6 @@ class SEDFPrefill(SEDFWiring, PrefillScheduler):
     name = "sedf"
     Options = SEDFOptions
     options: SEDFOptions
-    #: the ordering component (the reference form in tests/policy_references.py re-sorts every decision)
-    ordering_class: type[SEDFOrdering] = SEDFOrdering
 
     def __init__(self, kv, options: SEDFOptions | None = None, *, predictor: Any = None,
                  cost_model: Any = None, **opts) -> None:
@@ -80,4 +77,4 @@ class SEDFPrefill(SEDFWiring, PrefillScheduler):
         o = self.options
         self.name = (f"{o.ordering}" + ("" if o.batching else "-nobatch") + f"-g{o.token_budget}"
                      + ("" if o.preemption == "operator" else f"-{o.preemption}"))
-        self.compose_sedf(o, self.ordering_class, predictor=predictor, cost_model=cost_model)
+        self.compose_sedf(o, predictor=predictor, cost_model=cost_model)
