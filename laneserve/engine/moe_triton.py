@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from laneserve.engine.models.moe import MoEWeights, Routed
+from laneserve.engine.models.moe_types import MoEWeights, Routed
 
 # the interpreter computes bf16 dot products wrongly (numpy has no bf16): there, tiles widen to fp32
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
