@@ -36,9 +36,10 @@ def policy_config(spec: str, base: ClusterConfig) -> ClusterConfig:
 
 def split_policy_sets(text: str) -> list[str]:
     """Split ``a+b,c:k=v,k2=v2`` into policy sets: a comma followed by ``key=value`` continues
-    the previous set's options."""
+    the previous set's options; commas inside square brackets (a nested spec) never split."""
+    from laneserve.policies.registry import split_top_level
     sets: list[str] = []
-    for piece in text.split(","):
+    for piece in split_top_level(text):
         if sets and re.match(r"^\s*[A-Za-z_][\w-]*=", piece):
             sets[-1] += "," + piece
         elif piece.strip():

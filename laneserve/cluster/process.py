@@ -747,7 +747,8 @@ class ProcessCluster:
                 "num_decode": 0 if s.colocated else s.num_decode, "kv_tokens": s.kv_tokens,
                 "in_flight": len(self.tracks), "max_inflight": s.max_inflight, "restarts": self.restarts,
                 "kv_files": sum(1 for _ in self.kv_dir.iterdir()) if self.kv_dir.is_dir() else 0,
-                "instances": [{"id": h.instance_id, "role": h.role, "policy": h.policy, "device": h.device,
+                "instances": [{"id": h.instance_id, "role": h.role, "policy": h.policy,
+                               "options": _resolved_options(h.role, h.policy), "device": h.device,
                                "alive": h.alive, "ready": h.ready, "status": h.status, "restarts": h.gen,
                                "pid": h.info.pid if h.info is not None else None,
                                "exit_reason": h.exit_reason,
@@ -766,3 +767,13 @@ def _load_state(load: Stats | None) -> dict[str, Any]:
              "live_requests": "live", "preemptions": "preemptions", "kv_held": "kv_held", "kv_forks": "kv_forks",
              "steps": "steps"}
     return {shown: None if load is None else getattr(load, name) for shown, name in names.items()}
+
+
+def _resolved_options(role: str, spec: str) -> dict[str, Any] | None:
+    """The options an instance's policy spec puts in force (registry.resolved), None for a role
+    that is not a policy kind."""
+    from laneserve.policies import registry
+    try:
+        return registry.resolved(role, spec)
+    except ValueError:
+        return None

@@ -87,7 +87,8 @@ class Layout:
     def policy_label(self) -> str:
         p, d = self.policy_specs()
         if self.mode == "colocated":
-            return f"colocated:prefill={p},decode={d},token_budget={self.chunk}"
+            from laneserve.policies.registry import nested
+            return f"colocated:prefill={nested(p)},decode={nested(d)},token_budget={self.chunk}"
         return f"{p}+{d}"
 
 

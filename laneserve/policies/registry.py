@@ -41,16 +41,45 @@ def register(kind: str, name: str, *, aliases: dict[str, dict[str, Any]] | None 
 
 
 
+def split_top_level(text: str, sep: str = ",") -> list[str]:
+    """``text`` split at each ``sep`` outside square brackets: ``a=[x:k=1,j=2],b=y`` is two items."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in {text!r}")
+        elif ch == sep and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"unbalanced '[' in {text!r}")
+    items.append(text[start:])
+    return items
+
+
+def nested(spec: str) -> str:
+    """``spec`` as an option value of another spec: in square brackets when it has options, so its
+    commas stay its own (``colocated:prefill=[cp-edf:chunk=512],decode=[continuous:a=1,b=2]``)."""
+    return f"[{spec}]" if ":" in spec or "," in spec else spec
+
+
 def _split_spec(spec: str) -> tuple[str, dict[str, str]]:
-    """A spec's name and its options as written (text values)."""
+    """A spec's name and its options as written (text values; a value in square brackets, another
+    policy's spec, loses its brackets and keeps its commas)."""
     name, _, rest = spec.strip().partition(":")
     opts: dict[str, str] = {}
     if rest:
-        for item in rest.split(","):
+        for item in split_top_level(rest):
             key, eq, value = item.partition("=")
             if not eq or not key.strip():
                 raise ValueError(f"bad policy option {item!r} in {spec!r}: expected key=value")
-            opts[key.strip().replace("-", "_")] = value.strip()
+            value = value.strip()
+            if value.startswith("[") and value.endswith("]"):
+                value = value[1:-1].strip()
+            opts[key.strip().replace("-", "_")] = value
     return name.strip().lower(), opts
 
 
@@ -108,6 +137,28 @@ def resolve(kind: str, spec: str) -> tuple[Callable[..., Any], dict[str, Any]]:
             raise ValueError(f"{what}: {exc}") from None
         opts.update((k, inner_opts[k]) for k in forwarded)
     return factory, opts
+
+
+def resolved(kind: str, spec: str) -> dict[str, Any]:
+    """What a spec puts in force, for an operator to read (``/debug/state``): the policy's name and
+    every option with presets and defaults filled in; a colocated spec shows both halves resolved,
+    each as a policy of its own (the options it forwards counted on its prefill half)."""
+    import dataclasses
+    factory, opts = resolve(kind, spec)
+    name = _split_spec(spec)[0]
+    base = _ALIASES[kind][name][0] if name in _ALIASES[kind] else name
+    own_keys = option_defaults(factory.Options).keys()
+    shown: dict[str, Any] = {f.name: getattr(options(kind, spec), f.name)
+                             for f in dataclasses.fields(factory.Options)}
+    inner = getattr(factory, "forwards_options_to", None)
+    if kind == "colocated":
+        forwarded = ",".join(f"{k}={v}" for k, v in opts.items() if k not in own_keys)
+        for half in ("prefill", "decode"):
+            half_spec = shown[half]
+            if half == inner and forwarded:
+                half_spec += ("," if ":" in half_spec else ":") + forwarded
+            shown[half] = resolved(half, half_spec)
+    return {"policy": base, "options": shown}
 
 
 def options(kind: str, spec: str) -> PolicyOptions:

@@ -75,7 +75,8 @@ class Deployment:
         """The policy of the instances that take new requests."""
         if not self.colocated:
             return self.prefill_policy
-        return self.colocated_policy or f"colocated:prefill={self.prefill_policy},decode={self.decode_policy}"
+        return self.colocated_policy or (f"colocated:prefill={registry.nested(self.prefill_policy)},"
+                                         f"decode={registry.nested(self.decode_policy)}")
 
     def roles(self) -> list[tuple[str, str]]:
         """(role, policy spec) of every instance, in instance-id order: the front ones first."""
