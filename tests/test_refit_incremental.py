@@ -17,7 +17,9 @@ from laneserve.policies import registry
 from laneserve.policies.predictors import LearnedCostModel
 from laneserve.policies.prefill.kairos_slots import linear_prefill_times
 from laneserve.policies.prefill.priority import sedf_key
-from laneserve.policies.prefill.sedf_queue import BUCKET, MIGRATE_BATCH, SignedDeadlineQueue, refit_bounds
+from laneserve.policies.prefill import sedf_queue
+from laneserve.policies.prefill.sedf_queue import (BUCKET, BULK_FLIP, MIGRATE_BATCH, SignedDeadlineQueue,
+                                                   refit_bounds)
 from laneserve.sim.executor import SimExecutor
 
 COST = make_cost_model(model="llama-3-8b", hardware="h100")
@@ -49,8 +51,11 @@ def reference_order(queue: SignedDeadlineQueue, predictor: Quadratic, tokens: di
     return sorted(sedf_key(r, now, predictor(tokens[r.request_id])) for r in queue._reqs.values())
 
 
+@pytest.mark.parametrize("bulk_flip", [BULK_FLIP, 0])
 @pytest.mark.parametrize("seed", range(6))
-def test_refits_keep_the_order_of_a_full_reprediction(seed):
+def test_refits_keep_the_order_of_a_full_reprediction(seed, bulk_flip, monkeypatch):
+    """With ``bulk_flip`` 0 nearly every flip and due migration goes through the bulk passes."""
+    monkeypatch.setattr(sedf_queue, "BULK_FLIP", bulk_flip)
     rng = random.Random(seed)
     predictor = Quadratic(random_coefficients(rng))
     tokens: dict[int, int] = {}
@@ -165,6 +170,44 @@ def test_flowprefill_refit_decisions_stay_bounded():
         assert learner.prefill_version >= 8
         worst[n] = most
     assert worst[2_000] < 2_000 // 8 and worst[8_000] < 8_000 // 8, worst
+
+
+def flip_burst(spec: str, n: int, seed: int) -> tuple:
+    """``spec`` with an online predictor (padded attention), ``n`` requests arriving within 10 ms:
+    20% prompts of 2K-12K tokens, the rest 1-400, TTFT 0.3 / 1 / 4 s at random (whole classes
+    reach their flip points together)."""
+    sched = registry.make("prefill", spec, KVCacheManager(blocks_for(10**8, 16), 16))
+    learner = LearnedCostModel("padded")
+    sched.bind_cost_model(learner)
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        prompt = int(rng.integers(2048, 12289)) if rng.random() < 0.2 else int(rng.integers(1, 401))
+        t = 0.01 * i / n
+        sched.add_request(Request(i, t, prompt, 1, SLO(ttft=float(rng.choice([0.3, 1.0, 4.0])), tpot=0.1)), t)
+    return sched, learner
+
+
+@pytest.mark.parametrize("spec", ["sedf", "adaptive"])
+def test_flip_bursts_move_a_bounded_number_of_keys_one_by_one(spec):
+    """A burst whose TTFT classes turn negative together, with the predictor refitting early:
+    decisions re-predict thousands of requests at once, but the keys moved one at a time per
+    decision stay within the one-by-one thresholds (the rest go through the bulk passes)."""
+    padded = make_cost_model(model="llama-3-8b", hardware="h100", attention="padded")
+    for n in (2_000, 8_000):
+        sched, learner = flip_burst(spec, n, seed=2)
+        queue = sched.ordering.queue
+        now, executor, most_moves, most_rekeys = 0.01, SimExecutor(padded), 0, 0
+        sched.schedule(now)
+        for _ in range(120):
+            moves, rekeys = queue.moves, queue.rekeys
+            plan = sched.schedule(now)
+            most_moves = max(most_moves, queue.moves - moves)
+            most_rekeys = max(most_rekeys, queue.rekeys - rekeys)
+            if plan is None:
+                break
+            now = run_step(sched, learner, executor, plan, now)
+        assert most_rekeys > n // 8, (n, most_rekeys)              # the burst re-keys in bulk
+        assert most_moves <= 2 * (BULK_FLIP + n // 64) + MIGRATE_BATCH, (n, most_moves)
 
 
 @pytest.mark.parametrize("attention", ["ragged", "padded"])

@@ -40,9 +40,12 @@ members whose unflip check is at or after ``now`` the same way.
 Work proportional to the queue happens only in bulk, in C: when many keys flip at once (more than
 ``BULK_FLIP`` + 1/64 of the queue, e.g. after a long step, where moving them one by one would
 cost more) the sets they are in are filtered and merged with their new keys in one linear pass
-each; and
-:meth:`rebuild` (:meth:`set_predictor`, a new predictor) sorts everything afresh. :attr:`rekeys` counts the members re-predicted (for
-tests and benchmarks).
+each; the same when a refit makes many members of older generations due at once (a whole TTFT
+class of a burst near its flip point: they are re-predicted, and every set they leave or join is
+rebuilt once); and
+:meth:`rebuild` (:meth:`set_predictor`, a new predictor) sorts everything afresh. :attr:`rekeys` counts the members re-predicted,
+:attr:`moves` those moved one key at a time (for tests and benchmarks: at most a bounded number
+per decision, whatever the queue).
 
 ``ordered`` walks the keys best first; requests may be removed during the walk. EDF and FCFS keys
 never change. Every key is also filed in the sorted set of its *size class* (remaining prompt
@@ -102,6 +105,12 @@ def refit_bounds(old: Coefficients, new: Coefficients, band: int) -> tuple[float
     return max(top, 0.0) + margin, max(-bottom, 0.0) + margin
 
 
+def _merged(keys: SortedKeys, changed: dict[int, PriorityKey], added: list[PriorityKey]) -> SortedKeys:
+    """``keys`` without the members of ``changed`` (id last in each key), plus the sorted run
+    ``added``: two sorted runs, so the constructor's sort is one linear merge."""
+    return SortedKeys([k for k in keys.to_list() if k[3] not in changed] + added)
+
+
 class _Generation:
     """The members whose ``p`` was predicted under one fit: their flip and unflip checks, per band
     of step tokens, and (once a newer fit exists) per band the bounds of the change of ``p``."""
@@ -132,6 +141,23 @@ class _Generation:
         if not members:
             del sets[band]
         self.size -= 1
+
+    def drop(self, band: int, positive: bool, gone: set[int]) -> None:
+        """Remove the checks of the members ``gone`` (all in this band and sign) at once."""
+        sets = self.flips if positive else self.unflips
+        kept = [e for e in sets[band].to_list() if e[1] not in gone]
+        if kept:
+            sets[band] = SortedKeys(kept)
+        else:
+            del sets[band]
+        self.size -= len(gone)
+
+    def merge(self, band: int, positive: bool, added: list[tuple[float, int]]) -> None:
+        """Add the checks ``added`` (of members not in this generation yet) at once."""
+        sets = self.flips if positive else self.unflips
+        members = sets.get(band)
+        sets[band] = SortedKeys((members.to_list() if members else []) + sorted(added))
+        self.size += len(added)
 
     def bound(self, current: Coefficients) -> None:
         """Bounds of the change of ``p`` from this fit to ``current``, per band."""
@@ -166,6 +192,7 @@ class SignedDeadlineQueue:
         self._version = getattr(predict, "version", None)
         self._gens: list[_Generation] = [_Generation(self._coefficients())]   # oldest first
         self.rekeys = 0
+        self.moves = 0              # members moved one at a time (outside the bulk passes)
 
     # ---- membership ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -278,18 +305,15 @@ class SignedDeadlineQueue:
         self._settle(now, back)
 
     def _migrate_due(self, now: float) -> None:
-        """Re-predict every member of an older generation whose sign may have changed, then up to
-        :data:`MIGRATE_BATCH` more (oldest generation first)."""
-        margin = _MARGIN * (abs(now) + 1.0)
-        for gen in self._gens[:-1]:
-            for band, flips in list(gen.flips.items()):
-                limit = now + gen.up[band] + margin
-                while flips and flips.first()[0] <= limit:
-                    self._migrate(flips.first()[1], now)
-            for band, unflips in list(gen.unflips.items()):
-                limit = now - gen.down[band] - margin
-                while unflips and unflips.last()[0] >= limit:
-                    self._migrate(unflips.last()[1], now)
+        """Re-predict every member of an older generation whose sign may have changed (in one
+        bulk pass when they are many), then up to :data:`MIGRATE_BATCH` more (oldest generation
+        first)."""
+        due = self._due(now)
+        if len(due) > BULK_FLIP + len(self._reqs) // 64:
+            self._migrate_bulk(due, now)
+        else:
+            for rid in due:
+                self._migrate(rid, now)
         budget = MIGRATE_BATCH
         for gen in self._gens[:-1]:
             for sets, pick in ((gen.flips, SortedKeys.first), (gen.unflips, SortedKeys.last)):
@@ -301,6 +325,57 @@ class SignedDeadlineQueue:
                 break
         self._gens = [g for g in self._gens[:-1] if g.size] + [self._gens[-1]]
 
+    def _due(self, now: float) -> list[int]:
+        """The members of older generations whose sign the refits since their fit may have
+        changed by ``now``: flip checks within ``up`` of it, unflip checks within ``down``."""
+        margin = _MARGIN * (abs(now) + 1.0)
+        due: list[int] = []
+        for gen in self._gens[:-1]:
+            for band, flips in gen.flips.items():
+                limit = now + gen.up[band] + margin
+                for check in flips:
+                    if check[0] > limit:
+                        break
+                    due.append(check[1])
+            for band, unflips in gen.unflips.items():
+                limit = now - gen.down[band] - margin
+                for check in reversed(unflips):
+                    if check[0] < limit:
+                        break
+                    due.append(check[1])
+        return due
+
+    def _migrate_bulk(self, due: list[int], now: float) -> None:
+        """:meth:`_migrate` for every member of ``due`` at once: the same predictions, keys and
+        checks, but each sorted set they leave or join is rebuilt once (filtered, merged with the
+        new entries) instead of changed one key at a time."""
+        keys, ps, tokens, bands, entries, gen_of = (self._key, self._p, self._tokens, self._band,
+                                                    self._entry, self._gen_of)
+        predict, sedf, current = self.predict, self.ordering == "sedf", self._gens[-1]
+        leaving: dict[tuple[_Generation, int, bool], set[int]] = {}
+        joining: dict[tuple[int, bool], list[tuple[float, int]]] = {}
+        changed: dict[int, PriorityKey] = {}
+        for rid in due:
+            key, band = keys[rid], bands[rid]
+            positive = key[0] == 0
+            leaving.setdefault((gen_of[rid], band, positive), set()).add(rid)
+            d = key[1] if positive else -key[1]
+            p = ps[rid] = predict(tokens[rid]) if sedf else 0.0
+            negative = d - now - p < 0
+            if negative == positive:                      # the sign changed
+                changed[rid] = (2, -d, key[2], rid) if negative else (0, d, key[2], rid)
+            tol = 1e-9 * (abs(d) + abs(p) + 1.0)                     # _tol, inlined
+            entry = entries[rid] = (d - p + tol, rid) if negative else (d - p - tol, rid)
+            gen_of[rid] = current
+            joining.setdefault((band, not negative), []).append(entry)
+        self.rekeys += len(due)
+        for (gen, band, positive), gone in leaving.items():
+            gen.drop(band, positive, gone)
+        for (band, positive), added in joining.items():
+            current.merge(band, positive, added)
+        if changed:
+            self._rekey_bulk(changed)
+
     def _migrate(self, rid: int, now: float) -> None:
         """Re-predict member ``rid`` of an older generation under the current fit and file it in
         the current generation, its key fixed if the sign changed."""
@@ -310,6 +385,7 @@ class SignedDeadlineQueue:
         d = key[1] if positive else -key[1]
         p = self._p[rid] = self.predict(self._tokens[rid]) if self.ordering == "sedf" else 0.0
         self.rekeys += 1
+        self.moves += 1
         negative = d - now - p < 0
         if negative == positive:                          # the sign changed
             new = (2, -d, key[2], rid) if negative else (0, d, key[2], rid)
@@ -349,6 +425,7 @@ class SignedDeadlineQueue:
             self._flip_bulk(flipping)
             return
         bands = self._band
+        self.moves += len(flipping)
         for rid in flipping:
             old = keys[rid]
             gen.remove(self._entry[rid], bands[rid], True)
@@ -369,6 +446,7 @@ class SignedDeadlineQueue:
                 rid = check[1]
                 if not -keys[rid][1] - now - ps[rid] < 0:
                     turning.append(rid)
+        self.moves += len(turning)
         for rid in turning:
             old, band = keys[rid], self._band[rid]
             gen.remove(self._entry[rid], band, False)
@@ -380,31 +458,35 @@ class SignedDeadlineQueue:
         """Turn the keys of ``flipping`` (current generation, positive) negative and rebuild the
         sets they are in: each is the set without them merged with their new keys (two sorted
         runs, one linear C merge), not a re-sort."""
-        gen, keys, ps, bands, class_of = self._gens[-1], self._key, self._p, self._band, self._class_of
-        gone = set(flipping)
-        new_unflips: dict[int, list[tuple[float, int]]] = {}
-        new_keys: dict[int, list[PriorityKey]] = {}
-        entries = self._entry
+        gen, keys, ps, bands, entries = self._gens[-1], self._key, self._p, self._band, self._entry
+        leaving: dict[int, set[int]] = {}
+        joining: dict[int, list[tuple[float, int]]] = {}
+        changed: dict[int, PriorityKey] = {}
         for rid in flipping:
             _, d, arrival, _ = keys[rid]
-            key = keys[rid] = (2, -d, arrival, rid)
-            new_keys.setdefault(class_of[rid], []).append(key)
+            changed[rid] = (2, -d, arrival, rid)
             p = ps[rid]
             entry = entries[rid] = (d - p + 1e-9 * (abs(d) + abs(p) + 1.0), rid)
-            new_unflips.setdefault(bands[rid], []).append(entry)
-        for band, added in new_unflips.items():
-            kept = [e for e in gen.flips[band].to_list() if e[1] not in gone]
-            if kept:
-                gen.flips[band] = SortedKeys(kept)
-            else:
-                del gen.flips[band]
-            old_unflips = gen.unflips.get(band)
-            gen.unflips[band] = SortedKeys((old_unflips.to_list() if old_unflips else []) + sorted(added))
-        moved = sorted(k for ks in new_keys.values() for k in ks)
-        self._order = SortedKeys([k for k in self._order.to_list() if k[3] not in gone] + moved)
-        for c, ks in new_keys.items():
-            ks.sort()
-            self._classes[c] = SortedKeys([k for k in self._classes[c].to_list() if k[3] not in gone] + ks)
+            leaving.setdefault(bands[rid], set()).add(rid)
+            joining.setdefault(bands[rid], []).append(entry)
+        for band, gone in leaving.items():
+            gen.drop(band, True, gone)
+            gen.merge(band, False, joining[band])
+        self._rekey_bulk(changed)
+
+    def _rekey_bulk(self, changed: dict[int, PriorityKey]) -> None:
+        """Give each member of ``changed`` its new key in the sets of keys: every set holding one
+        of them is rebuilt once, the others kept in order plus the new keys sorted (a linear
+        merge in C)."""
+        keys, class_of = self._key, self._class_of
+        by_class: dict[int, list[PriorityKey]] = {}
+        for rid, key in changed.items():
+            keys[rid] = key
+            by_class.setdefault(class_of[rid], []).append(key)
+        self._order = _merged(self._order, changed, sorted(changed.values()))
+        for c, added in by_class.items():
+            added.sort()
+            self._classes[c] = _merged(self._classes[c], changed, added)
 
     def rebuild(self) -> None:
         """Re-predict every member and re-sort every structure (O(n log n), one C sort each): for
