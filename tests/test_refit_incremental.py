@@ -18,8 +18,8 @@ from laneserve.policies.predictors import LearnedCostModel
 from laneserve.policies.prefill.kairos_slots import linear_prefill_times
 from laneserve.policies.prefill.priority import sedf_key
 from laneserve.policies.prefill import sedf_queue
-from laneserve.policies.prefill.sedf_queue import (BUCKET, BULK_FLIP, MIGRATE_BATCH, SignedDeadlineQueue,
-                                                   refit_bounds)
+from laneserve.policies.prefill.sedf_queue import (BULK_FLIP, MIGRATE_BATCH, SignedDeadlineQueue,
+                                                   class_range, refit_bounds, size_class)
 from laneserve.sim.executor import SimExecutor
 
 COST = make_cost_model(model="llama-3-8b", hardware="h100")
@@ -80,8 +80,17 @@ def test_refits_keep_the_order_of_a_full_reprediction(seed, bulk_flip, monkeypat
         queue.advance(now)
         assert [k for k, _ in queue.ordered()] == reference_order(queue, predictor, tokens, now)
         for c, members in queue._classes.items():               # the size classes agree with the order
-            assert all(queue._reqs[k[3]].remaining_prefill // BUCKET == c for k in members)
+            assert all(size_class(queue._reqs[k[3]].remaining_prefill) == c for k in members)
         assert sum(len(m) for m in queue._classes.values()) == len(queue)
+
+
+def test_size_classes_partition_the_token_counts_in_order():
+    previous = -1
+    for n in range(0, 20_000):
+        c = size_class(n)
+        lo, hi = class_range(c)
+        assert lo <= n < hi and c >= previous
+        previous = c
 
 
 def test_refit_bounds_cover_the_change():

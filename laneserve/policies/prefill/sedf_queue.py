@@ -49,9 +49,11 @@ per decision, whatever the queue).
 
 ``ordered`` walks the keys best first; requests may be removed during the walk. EDF and FCFS keys
 never change. Every key is also filed in the sorted set of its *size class* (remaining prompt
-tokens // ``BUCKET``): :meth:`ordered_below` merges only the classes that can hold a request
-shorter than a bound that shrinks as Algorithm 1's batch grows, so the long prompts ahead of the
-short ones are not walked one by one when none of them can fit any more.
+tokens: 4 tokens wide below 128, 32 below 512, ``BUCKET`` above): :meth:`ordered_below` merges
+only the classes that can hold a request shorter than a bound that shrinks as Algorithm 1's batch
+grows, so the long prompts ahead of the short ones are not walked one by one when none of them
+can fit any more; the narrow short classes keep the boundary class small when the bound gets
+down to a few tokens with thousands of short prompts queued.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from laneserve.core.sorted_keys import SortedKeys
 from laneserve.policies.prefill.priority import INF, ORDERINGS, PriorityKey
 
 _FLIPPING = ("sedf", "dedf")
-BUCKET = 128                 # tokens per size class of :meth:`SignedDeadlineQueue.ordered_below`
+BUCKET = 128                 # tokens per size class of :meth:`SignedDeadlineQueue.ordered_below` (long prompts)
 MIGRATE_BATCH = 32           # members of older generations re-predicted per advance beyond the due ones
 BULK_FLIP = 64               # flips beyond this + 1/64 of the queue go in by one merge per set
 _MARGIN = 1e-9               # relative slack of the refit bounds (float evaluation of p and of d - now)
@@ -109,6 +111,25 @@ def _merged(keys: SortedKeys, changed: dict[int, PriorityKey], added: list[Prior
     """``keys`` without the members of ``changed`` (id last in each key), plus the sorted run
     ``added``: two sorted runs, so the constructor's sort is one linear merge."""
     return SortedKeys([k for k in keys.to_list() if k[3] not in changed] + added)
+
+
+def size_class(tokens: int) -> int:
+    """The size class of ``tokens`` remaining prompt tokens (classes are ordered like sizes)."""
+    if tokens < 128:
+        return tokens >> 2
+    if tokens < 512:
+        return 32 + ((tokens - 128) >> 5)
+    return 44 + (tokens - 512) // BUCKET
+
+
+def class_range(c: int) -> tuple[int, int]:
+    """``(lo, hi)``: the class holds the token counts ``lo <= n < hi``."""
+    if c < 32:
+        return 4 * c, 4 * c + 4
+    if c < 44:
+        return 128 + 32 * (c - 32), 160 + 32 * (c - 32)
+    lo = 512 + BUCKET * (c - 44)
+    return lo, lo + BUCKET
 
 
 class _Generation:
@@ -208,7 +229,7 @@ class SignedDeadlineQueue:
         if self.ordering in _FLIPPING:
             self._sync()
         self._reqs[rid] = req
-        self._class_of[rid] = c = req.remaining_prefill // BUCKET
+        self._class_of[rid] = c = size_class(req.remaining_prefill)
         self._rem[rid] = rem = (req.remaining_prefill, rid)
         key = self._file(req)
         self._order.add(key)
@@ -499,7 +520,7 @@ class SignedDeadlineQueue:
         for req in members:
             rid = req.request_id
             self._reqs[rid] = req
-            self._class_of[rid] = req.remaining_prefill // BUCKET
+            self._class_of[rid] = size_class(req.remaining_prefill)
             self._rem[rid] = (req.remaining_prefill, rid)
             self._file(req)
             self.rekeys += 1
@@ -536,26 +557,29 @@ class SignedDeadlineQueue:
         caller checks each). Removals during the walk are fine."""
         reqs = self._reqs
         limit = bound()
-        walks = {c: members.walk(after) for c, members in self._classes.items()
-                 if c * BUCKET < limit and (c + 1) * BUCKET > floor}
+        walks = {}
+        for c, members in self._classes.items():
+            lo, hi = class_range(c)
+            if lo < limit and hi > floor:
+                walks[c] = lo, members.walk(after)
         frontier = []
-        for c, walk in walks.items():
+        for c, (lo, walk) in walks.items():
             key = next(walk, None)
             if key is not None:
-                frontier.append((key, c))
+                frontier.append((key, c, lo))
         heapq.heapify(frontier)
         while frontier:
-            key, c = frontier[0]
-            if c * BUCKET >= limit:
+            key, c, lo = frontier[0]
+            if lo >= limit:
                 heapq.heappop(frontier)          # the class cannot fit any more: drop it
                 continue
             yield reqs[key[3]]
             limit = bound()
-            key = next(walks[c], None)
+            key = next(walks[c][1], None)
             if key is None:
                 heapq.heappop(frontier)
             else:
-                heapq.heapreplace(frontier, (key, c))
+                heapq.heapreplace(frontier, (key, c, lo))
 
     def min_remaining(self) -> int | None:
         """The fewest remaining prompt tokens of any member."""
