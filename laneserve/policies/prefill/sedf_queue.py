@@ -214,6 +214,7 @@ class SignedDeadlineQueue:
         self._gens: list[_Generation] = [_Generation(self._coefficients())]   # oldest first
         self.rekeys = 0
         self.moves = 0              # members moved one at a time (outside the bulk passes)
+        self._pending: dict[int, PriorityKey] = {}     # new keys not in the sorted sets yet (bulk)
 
     # ---- membership ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -315,7 +316,8 @@ class SignedDeadlineQueue:
     def advance(self, now: float) -> None:
         """Bring every key to ``now``: re-predict the members a refit may have moved (see the
         module docstring) and some more of the older generations, then move the requests whose
-        slack turned negative (or, after a step back in time, non-negative again)."""
+        slack turned negative (or, after a step back in time, non-negative again). The bulk
+        passes defer the sets of keys to one rebuild at the end."""
         if self.ordering not in _FLIPPING:
             return
         self._sync()
@@ -324,17 +326,21 @@ class SignedDeadlineQueue:
         if len(self._gens) > 1:
             self._migrate_due(now)
         self._settle(now, back)
+        if self._pending:
+            self._rekey_bulk(self._pending)
+            self._pending = {}
 
     def _migrate_due(self, now: float) -> None:
         """Re-predict every member of an older generation whose sign may have changed (in one
         bulk pass when they are many), then up to :data:`MIGRATE_BATCH` more (oldest generation
         first)."""
         due = self._due(now)
-        if len(due) > BULK_FLIP + len(self._reqs) // 64:
+        if sum(len(group[3]) for group in due) > BULK_FLIP + len(self._reqs) // 64:
             self._migrate_bulk(due, now)
         else:
-            for rid in due:
-                self._migrate(rid, now)
+            for group in due:
+                for rid in group[3]:
+                    self._migrate(rid, now)
         budget = MIGRATE_BATCH
         for gen in self._gens[:-1]:
             for sets, pick in ((gen.flips, SortedKeys.first), (gen.unflips, SortedKeys.last)):
@@ -346,56 +352,64 @@ class SignedDeadlineQueue:
                 break
         self._gens = [g for g in self._gens[:-1] if g.size] + [self._gens[-1]]
 
-    def _due(self, now: float) -> list[int]:
+    def _due(self, now: float) -> list[tuple[_Generation, int, bool, list[int]]]:
         """The members of older generations whose sign the refits since their fit may have
-        changed by ``now``: flip checks within ``up`` of it, unflip checks within ``down``."""
+        changed by ``now`` (flip checks within ``up`` of it, unflip checks within ``down``), per
+        generation, band and sign: ``(generation, band, positive, ids)``."""
         margin = _MARGIN * (abs(now) + 1.0)
-        due: list[int] = []
+        due = []
         for gen in self._gens[:-1]:
             for band, flips in gen.flips.items():
                 limit = now + gen.up[band] + margin
+                rids = []
                 for check in flips:
                     if check[0] > limit:
                         break
-                    due.append(check[1])
+                    rids.append(check[1])
+                if rids:
+                    due.append((gen, band, True, rids))
             for band, unflips in gen.unflips.items():
                 limit = now - gen.down[band] - margin
+                rids = []
                 for check in reversed(unflips):
                     if check[0] < limit:
                         break
-                    due.append(check[1])
+                    rids.append(check[1])
+                if rids:
+                    due.append((gen, band, False, rids))
         return due
 
-    def _migrate_bulk(self, due: list[int], now: float) -> None:
+    def _migrate_bulk(self, due: list[tuple[_Generation, int, bool, list[int]]], now: float) -> None:
         """:meth:`_migrate` for every member of ``due`` at once: the same predictions, keys and
         checks, but each sorted set they leave or join is rebuilt once (filtered, merged with the
         new entries) instead of changed one key at a time."""
-        keys, ps, tokens, bands, entries, gen_of = (self._key, self._p, self._tokens, self._band,
-                                                    self._entry, self._gen_of)
+        keys, ps, tokens, entries, gen_of = self._key, self._p, self._tokens, self._entry, self._gen_of
         predict, sedf, current = self.predict, self.ordering == "sedf", self._gens[-1]
-        leaving: dict[tuple[_Generation, int, bool], set[int]] = {}
         joining: dict[tuple[int, bool], list[tuple[float, int]]] = {}
-        changed: dict[int, PriorityKey] = {}
-        for rid in due:
-            key, band = keys[rid], bands[rid]
-            positive = key[0] == 0
-            leaving.setdefault((gen_of[rid], band, positive), set()).add(rid)
-            d = key[1] if positive else -key[1]
-            p = ps[rid] = predict(tokens[rid]) if sedf else 0.0
-            negative = d - now - p < 0
-            if negative == positive:                      # the sign changed
-                changed[rid] = (2, -d, key[2], rid) if negative else (0, d, key[2], rid)
-            tol = 1e-9 * (abs(d) + abs(p) + 1.0)                     # _tol, inlined
-            entry = entries[rid] = (d - p + tol, rid) if negative else (d - p - tol, rid)
-            gen_of[rid] = current
-            joining.setdefault((band, not negative), []).append(entry)
-        self.rekeys += len(due)
-        for (gen, band, positive), gone in leaving.items():
-            gen.drop(band, positive, gone)
+        changed = self._pending
+        for gen, band, positive, rids in due:
+            stay, turn = [], []                           # new checks: same sign, other sign
+            sign = 1.0 if positive else -1.0
+            for rid in rids:
+                key = keys[rid]
+                d = sign * key[1]
+                p = ps[rid] = predict(tokens[rid]) if sedf else 0.0
+                tol = 1e-9 * (abs(d) + abs(p) + 1.0)                 # _tol, inlined
+                if (d - now - p < 0) == positive:                    # the sign changed
+                    keys[rid] = changed[rid] = (2, -d, key[2], rid) if positive else (0, d, key[2], rid)
+                    entry = entries[rid] = (d - p + tol, rid) if positive else (d - p - tol, rid)
+                    turn.append(entry)
+                else:
+                    entry = entries[rid] = (d - p - tol, rid) if positive else (d - p + tol, rid)
+                    stay.append(entry)
+                gen_of[rid] = current
+            gen.drop(band, positive, set(rids))
+            for sign_now, added in ((positive, stay), (not positive, turn)):
+                if added:
+                    joining.setdefault((band, sign_now), []).extend(added)
+            self.rekeys += len(rids)
         for (band, positive), added in joining.items():
             current.merge(band, positive, added)
-        if changed:
-            self._rekey_bulk(changed)
 
     def _migrate(self, rid: int, now: float) -> None:
         """Re-predict member ``rid`` of an older generation under the current fit and file it in
@@ -421,6 +435,9 @@ class SignedDeadlineQueue:
     def _move(self, rid: int, old: PriorityKey, new: PriorityKey) -> None:
         """Replace ``rid``'s key in the sorted sets of keys."""
         self._key[rid] = new
+        if self._pending:                # a bulk pass is under way: its rebuild takes this one too
+            self._pending[rid] = new
+            return
         self._order.remove(old)
         self._order.add(new)
         members = self._classes[self._class_of[rid]]
@@ -478,14 +495,14 @@ class SignedDeadlineQueue:
     def _flip_bulk(self, flipping: list[int]) -> None:
         """Turn the keys of ``flipping`` (current generation, positive) negative and rebuild the
         sets they are in: each is the set without them merged with their new keys (two sorted
-        runs, one linear C merge), not a re-sort."""
+        runs, one linear C merge, at the end of :meth:`advance`), not a re-sort."""
         gen, keys, ps, bands, entries = self._gens[-1], self._key, self._p, self._band, self._entry
         leaving: dict[int, set[int]] = {}
         joining: dict[int, list[tuple[float, int]]] = {}
-        changed: dict[int, PriorityKey] = {}
+        changed = self._pending
         for rid in flipping:
             _, d, arrival, _ = keys[rid]
-            changed[rid] = (2, -d, arrival, rid)
+            keys[rid] = changed[rid] = (2, -d, arrival, rid)
             p = ps[rid]
             entry = entries[rid] = (d - p + 1e-9 * (abs(d) + abs(p) + 1.0), rid)
             leaving.setdefault(bands[rid], set()).add(rid)
@@ -493,16 +510,14 @@ class SignedDeadlineQueue:
         for band, gone in leaving.items():
             gen.drop(band, True, gone)
             gen.merge(band, False, joining[band])
-        self._rekey_bulk(changed)
 
     def _rekey_bulk(self, changed: dict[int, PriorityKey]) -> None:
         """Give each member of ``changed`` its new key in the sets of keys: every set holding one
         of them is rebuilt once, the others kept in order plus the new keys sorted (a linear
         merge in C)."""
-        keys, class_of = self._key, self._class_of
+        class_of = self._class_of
         by_class: dict[int, list[PriorityKey]] = {}
         for rid, key in changed.items():
-            keys[rid] = key
             by_class.setdefault(class_of[rid], []).append(key)
         self._order = _merged(self._order, changed, sorted(changed.values()))
         for c, added in by_class.items():
@@ -517,6 +532,7 @@ class SignedDeadlineQueue:
         self._band, self._tokens, self._entry, self._gen_of = {}, {}, {}, {}
         self._gens = [_Generation(self._coefficients())]
         self._now = -INF
+        self._pending = {}
         for req in members:
             rid = req.request_id
             self._reqs[rid] = req
