@@ -59,6 +59,7 @@ down to a few tokens with thousands of short prompts queued.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
 from laneserve.core.request import Request
@@ -107,10 +108,32 @@ def refit_bounds(old: Coefficients, new: Coefficients, band: int) -> tuple[float
     return max(top, 0.0) + margin, max(-bottom, 0.0) + margin
 
 
-def _merged(keys: SortedKeys, changed: dict[int, PriorityKey], added: list[PriorityKey]) -> SortedKeys:
-    """``keys`` without the members of ``changed`` (id last in each key), plus the sorted run
-    ``added``: two sorted runs, so the constructor's sort is one linear merge."""
-    return SortedKeys([k for k in keys.to_list() if k[3] not in changed] + added)
+def _merged(keys: SortedKeys, changed: dict[int, PriorityKey], old: list[PriorityKey],
+            added: list[PriorityKey]) -> SortedKeys:
+    """``keys`` without the keys ``old`` (sorted, all in ``keys``; their members are those of
+    ``changed``, id last in each key), plus the sorted run ``added``. When ``old`` is one
+    contiguous run of ``keys`` (a deadline class flipping together) it is cut out by slicing,
+    else the members of ``changed`` are filtered out."""
+    ordered = keys.to_list()
+    at = bisect_left(ordered, old[0])
+    end = at + len(old)
+    if end <= len(ordered) and ordered[end - 1] == old[-1]:      # every old key lies in [at, end)
+        kept = ordered[:at] + ordered[end:]
+    else:
+        kept = [k for k in ordered if k[3] not in changed]
+    return _joined(kept, added)
+
+
+def _joined(kept: list, added: list) -> SortedKeys:
+    """The sorted set of two sorted runs: ``added`` spliced in one piece when it falls between
+    two neighbours of ``kept`` (a deadline class flipping together: no comparison but two), else
+    one sort of the two runs (a linear merge in C)."""
+    if not added:
+        return SortedKeys.from_sorted(kept)
+    at = bisect_left(kept, added[0])
+    if at == len(kept) or added[-1] < kept[at]:
+        return SortedKeys.from_sorted(kept[:at] + added + kept[at:])
+    return SortedKeys(kept + added)
 
 
 def size_class(tokens: int) -> int:
@@ -166,9 +189,15 @@ class _Generation:
     def drop(self, band: int, positive: bool, gone: set[int]) -> None:
         """Remove the checks of the members ``gone`` (all in this band and sign) at once."""
         sets = self.flips if positive else self.unflips
-        kept = [e for e in sets[band].to_list() if e[1] not in gone]
+        checks, k = sets[band].to_list(), len(gone)
+        if all(e[1] in gone for e in checks[:k]):            # the first ones (due flips)
+            kept = checks[k:]
+        elif all(e[1] in gone for e in checks[len(checks) - k:]):     # the last ones (due unflips)
+            kept = checks[:len(checks) - k]
+        else:
+            kept = [e for e in checks if e[1] not in gone]
         if kept:
-            sets[band] = SortedKeys(kept)
+            sets[band] = SortedKeys.from_sorted(kept)
         else:
             del sets[band]
         self.size -= len(gone)
@@ -177,7 +206,7 @@ class _Generation:
         """Add the checks ``added`` (of members not in this generation yet) at once."""
         sets = self.flips if positive else self.unflips
         members = sets.get(band)
-        sets[band] = SortedKeys((members.to_list() if members else []) + sorted(added))
+        sets[band] = _joined(members.to_list() if members else [], sorted(added))
         self.size += len(added)
 
     def bound(self, current: Coefficients) -> None:
@@ -215,6 +244,7 @@ class SignedDeadlineQueue:
         self.rekeys = 0
         self.moves = 0              # members moved one at a time (outside the bulk passes)
         self._pending: dict[int, PriorityKey] = {}     # new keys not in the sorted sets yet (bulk)
+        self._was: dict[int, PriorityKey] = {}         # their keys in the sorted sets
 
     # ---- membership ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -327,8 +357,8 @@ class SignedDeadlineQueue:
             self._migrate_due(now)
         self._settle(now, back)
         if self._pending:
-            self._rekey_bulk(self._pending)
-            self._pending = {}
+            self._rekey_bulk(self._pending, self._was)
+            self._pending, self._was = {}, {}
 
     def _migrate_due(self, now: float) -> None:
         """Re-predict every member of an older generation whose sign may have changed (in one
@@ -386,7 +416,7 @@ class SignedDeadlineQueue:
         keys, ps, tokens, entries, gen_of = self._key, self._p, self._tokens, self._entry, self._gen_of
         predict, sedf, current = self.predict, self.ordering == "sedf", self._gens[-1]
         joining: dict[tuple[int, bool], list[tuple[float, int]]] = {}
-        changed = self._pending
+        changed, was = self._pending, self._was
         for gen, band, positive, rids in due:
             stay, turn = [], []                           # new checks: same sign, other sign
             sign = 1.0 if positive else -1.0
@@ -397,6 +427,7 @@ class SignedDeadlineQueue:
                 tol = 1e-9 * (abs(d) + abs(p) + 1.0)                 # _tol, inlined
                 if (d - now - p < 0) == positive:                    # the sign changed
                     keys[rid] = changed[rid] = (2, -d, key[2], rid) if positive else (0, d, key[2], rid)
+                    was.setdefault(rid, key)
                     entry = entries[rid] = (d - p + tol, rid) if positive else (d - p - tol, rid)
                     turn.append(entry)
                 else:
@@ -437,6 +468,7 @@ class SignedDeadlineQueue:
         self._key[rid] = new
         if self._pending:                # a bulk pass is under way: its rebuild takes this one too
             self._pending[rid] = new
+            self._was.setdefault(rid, old)
             return
         self._order.remove(old)
         self._order.add(new)
@@ -447,24 +479,28 @@ class SignedDeadlineQueue:
     def _settle(self, now: float, back: bool) -> None:
         keys, ps = self._key, self._p
         gen = self._gens[-1]
-        flipping = []
-        for flips in gen.flips.values():
-            for check in flips.walk():
+        by_band: dict[int, list[int]] = {}
+        for band, flips in gen.flips.items():
+            flipping = []
+            for check in flips:
                 if check[0] > now:
                     break
                 rid = check[1]
                 if keys[rid][1] - now - ps[rid] < 0:         # the reference's own expression
                     flipping.append(rid)
+            if flipping:
+                by_band[band] = flipping
         if back:
             self._unflip_back(now)
-        if not flipping:
+        if not by_band:
             return
-        if len(flipping) > BULK_FLIP + len(self._reqs) // 64:     # a burst: merge them in at once
-            self._flip_bulk(flipping)
+        count = sum(map(len, by_band.values()))
+        if count > BULK_FLIP + len(self._reqs) // 64:        # a burst: merge them in at once
+            self._flip_bulk(by_band)
             return
         bands = self._band
-        self.moves += len(flipping)
-        for rid in flipping:
+        self.moves += count
+        for rid in (rid for flipping in by_band.values() for rid in flipping):
             old = keys[rid]
             gen.remove(self._entry[rid], bands[rid], True)
             d = old[1]
@@ -492,37 +528,43 @@ class SignedDeadlineQueue:
             self._move(rid, old, (0, d, old[2], rid))
             self._file_entry(rid, d, ps[rid], band, True)
 
-    def _flip_bulk(self, flipping: list[int]) -> None:
-        """Turn the keys of ``flipping`` (current generation, positive) negative and rebuild the
-        sets they are in: each is the set without them merged with their new keys (two sorted
-        runs, one linear C merge, at the end of :meth:`advance`), not a re-sort."""
-        gen, keys, ps, bands, entries = self._gens[-1], self._key, self._p, self._band, self._entry
-        leaving: dict[int, set[int]] = {}
-        joining: dict[int, list[tuple[float, int]]] = {}
-        changed = self._pending
-        for rid in flipping:
-            _, d, arrival, _ = keys[rid]
-            keys[rid] = changed[rid] = (2, -d, arrival, rid)
-            p = ps[rid]
-            entry = entries[rid] = (d - p + 1e-9 * (abs(d) + abs(p) + 1.0), rid)
-            leaving.setdefault(bands[rid], set()).add(rid)
-            joining.setdefault(bands[rid], []).append(entry)
-        for band, gone in leaving.items():
-            gen.drop(band, True, gone)
-            gen.merge(band, False, joining[band])
+    def _flip_bulk(self, by_band: dict[int, list[int]]) -> None:
+        """Turn the keys of the members ``by_band`` (current generation, positive, per band)
+        negative and rebuild the sets they are in: each is the set without them merged with
+        their new keys (at the end of :meth:`advance` for the sets of keys), not changed one key
+        at a time."""
+        gen, keys, ps, entries = self._gens[-1], self._key, self._p, self._entry
+        changed, was = self._pending, self._was
+        for band, flipping in by_band.items():
+            added = []
+            for rid in flipping:
+                key = keys[rid]
+                _, d, arrival, _ = key
+                keys[rid] = changed[rid] = (2, -d, arrival, rid)
+                was.setdefault(rid, key)
+                p = ps[rid]
+                entry = entries[rid] = (d - p + 1e-9 * (abs(d) + abs(p) + 1.0), rid)
+                added.append(entry)
+            gen.drop(band, True, set(flipping))
+            gen.merge(band, False, added)
 
-    def _rekey_bulk(self, changed: dict[int, PriorityKey]) -> None:
-        """Give each member of ``changed`` its new key in the sets of keys: every set holding one
-        of them is rebuilt once, the others kept in order plus the new keys sorted (a linear
-        merge in C)."""
+    def _rekey_bulk(self, changed: dict[int, PriorityKey], was: dict[int, PriorityKey]) -> None:
+        """Give each member of ``changed`` its new key in the sets of keys (``was``: its key
+        there now): every set holding one of them is rebuilt once, the others kept in order
+        plus the new keys sorted (a linear merge in C)."""
         class_of = self._class_of
-        by_class: dict[int, list[PriorityKey]] = {}
+        by_class: dict[int, tuple[list[PriorityKey], list[PriorityKey]]] = {}
         for rid, key in changed.items():
-            by_class.setdefault(class_of[rid], []).append(key)
-        self._order = _merged(self._order, changed, sorted(changed.values()))
-        for c, added in by_class.items():
+            old_new = by_class.get(class_of[rid])
+            if old_new is None:
+                old_new = by_class[class_of[rid]] = ([], [])
+            old_new[0].append(was[rid])
+            old_new[1].append(key)
+        self._order = _merged(self._order, changed, sorted(was.values()), sorted(changed.values()))
+        for c, (old, added) in by_class.items():
+            old.sort()
             added.sort()
-            self._classes[c] = _merged(self._classes[c], changed, added)
+            self._classes[c] = _merged(self._classes[c], changed, old, added)
 
     def rebuild(self) -> None:
         """Re-predict every member and re-sort every structure (O(n log n), one C sort each): for
@@ -532,7 +574,7 @@ class SignedDeadlineQueue:
         self._band, self._tokens, self._entry, self._gen_of = {}, {}, {}, {}
         self._gens = [_Generation(self._coefficients())]
         self._now = -INF
-        self._pending = {}
+        self._pending, self._was = {}, {}
         for req in members:
             rid = req.request_id
             self._reqs[rid] = req
