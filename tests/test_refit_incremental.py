@@ -16,7 +16,7 @@ from laneserve.costmodel import make_cost_model
 from laneserve.policies import registry
 from laneserve.policies.predictors import LearnedCostModel
 from laneserve.policies.prefill.kairos_slots import linear_prefill_times
-from laneserve.policies.prefill.priority import sedf_key
+from laneserve.policies.prefill.priority import ORDERINGS, sedf_key
 from laneserve.policies.prefill import sedf_queue
 from laneserve.policies.prefill.sedf_queue import (BULK_FLIP, MIGRATE_BATCH, SignedDeadlineQueue,
                                                    class_range, refit_bounds, size_class)
@@ -258,3 +258,21 @@ def test_kairos_refit_recomputes_no_duration_one_by_one(spec):
             learner.prefill_time([(int(slots.rem[i]), int(slots.plen[i]) - int(slots.rem[i]))]) for i in sample]
         now = run_step(sched, learner, executor, plan, now)
     assert learner.prefill_version >= 7
+
+
+def test_dedf_class_flips_go_in_bulk_in_the_reference_order():
+    """D-EDF with 20K queued in three TTFT classes: when a class's deadlines pass together (one
+    decision flipping thousands), no key moves one at a time and the order is the reference's."""
+    queue = SignedDeadlineQueue("dedf", lambda n: 0.0, lambda r: r.prompt_len)
+    rng = random.Random(4)
+    for i in range(20_000):
+        queue.add(Request(i, 0.01 * rng.random(), rng.randint(1, 400), 1,
+                          SLO(ttft=rng.choice((0.3, 1.0, 4.0)), tpot=None)))
+    queue.advance(0.1)
+    for now in (0.305, 0.32, 1.02, 4.1):
+        moves, negative = queue.moves, sum(k[0] == 2 for k, _ in queue.ordered())
+        queue.advance(now)
+        flipped = sum(k[0] == 2 for k, _ in queue.ordered()) - negative
+        assert flipped > 1_000 and queue.moves == moves, (now, flipped)
+        assert [k for k, _ in queue.ordered()] == sorted(
+            ORDERINGS["dedf"](r, now, 0.0) for r in queue._reqs.values())
