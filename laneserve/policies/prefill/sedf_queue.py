@@ -155,6 +155,13 @@ def class_range(c: int) -> tuple[int, int]:
     return lo, lo + BUCKET
 
 
+def _class_of(req: Request) -> int:
+    """The class a member is filed in: its size class, as ``-1 - class`` once its prefill started
+    (it holds its KV: admitting it again needs none, so the started are walked apart)."""
+    c = size_class(req.remaining_prefill)
+    return c if req.times.prefill_start is None else -1 - c
+
+
 class _Generation:
     """The members whose ``p`` was predicted under one fit: their flip and unflip checks, per band
     of step tokens, and (once a newer fit exists) per band the bounds of the change of ``p``."""
@@ -260,7 +267,7 @@ class SignedDeadlineQueue:
         if self.ordering in _FLIPPING:
             self._sync()
         self._reqs[rid] = req
-        self._class_of[rid] = c = size_class(req.remaining_prefill)
+        self._class_of[rid] = c = _class_of(req)
         self._rem[rid] = rem = (req.remaining_prefill, rid)
         key = self._file(req)
         self._order.add(key)
@@ -578,7 +585,7 @@ class SignedDeadlineQueue:
         for req in members:
             rid = req.request_id
             self._reqs[rid] = req
-            self._class_of[rid] = size_class(req.remaining_prefill)
+            self._class_of[rid] = _class_of(req)
             self._rem[rid] = (req.remaining_prefill, rid)
             self._file(req)
             self.rekeys += 1
@@ -607,18 +614,38 @@ class SignedDeadlineQueue:
         for key in self._order.walk():
             yield key, reqs[key[3]]
 
-    def ordered_below(self, after: PriorityKey, bound: Callable[[], int], floor: int = 0) -> Iterator[Request]:
+    def ordered_below(self, after: PriorityKey, bound: Callable[[], int], floor: int = 0,
+                      fresh_bound: Callable[[], float] | None = None) -> Iterator[Request]:
         """Members ranked after ``after`` whose remaining prompt tokens may be below ``bound()``
-        (and, with ``floor``, may be at least ``floor``), best first, lazily: ``bound`` is re-read
-        at every step and may only shrink; a size class whose every member is at or above it (or
-        below ``floor``) is not walked (members of the boundary classes may still be yielded: the
-        caller checks each). Removals during the walk are fine."""
+        (and, with ``floor``, may be at least ``floor``; with ``fresh_bound``, below
+        ``fresh_bound()`` too for those not started), best first, lazily: the bounds are re-read
+        at every step and may only shrink; a size class whose every member is at or above them
+        (or below ``floor``) is not walked (members of the boundary classes may still be
+        yielded: the caller checks each). Removals during the walk are fine."""
         reqs = self._reqs
+        for key in self._merge_classes(after, bound, floor, fresh_bound):
+            yield reqs[key[3]]
+
+    def ordered_admissible(self, after: PriorityKey, fresh_bound: Callable[[], float]
+                           ) -> Iterator[tuple[PriorityKey, Request]]:
+        """Members ranked after ``after``, best first, lazily, leaving out those not started
+        whose remaining prompt tokens are at or above ``fresh_bound()`` (re-read at every step,
+        may only shrink): after a prompt of that many tokens found no KV memory, none of them
+        can be admitted, while the started hold theirs. Removals during the walk are fine."""
+        reqs = self._reqs
+        for key in self._merge_classes(after, lambda: INF, 0, fresh_bound):
+            yield key, reqs[key[3]]
+
+    def _merge_classes(self, after: PriorityKey | None, bound: Callable[[], float], floor: int,
+                       fresh_bound: Callable[[], float] | None) -> Iterator[PriorityKey]:
+        """The keys after ``after`` of the classes that may hold a member under the bounds, in
+        order (a heap merge of the classes' walks)."""
         limit = bound()
+        fresh = limit if fresh_bound is None else min(limit, fresh_bound())
         walks = {}
         for c, members in self._classes.items():
-            lo, hi = class_range(c)
-            if lo < limit and hi > floor:
+            lo, hi = class_range(c if c >= 0 else -1 - c)
+            if lo < (fresh if c >= 0 else limit) and hi > floor:
                 walks[c] = lo, members.walk(after)
         frontier = []
         for c, (lo, walk) in walks.items():
@@ -628,11 +655,12 @@ class SignedDeadlineQueue:
         heapq.heapify(frontier)
         while frontier:
             key, c, lo = frontier[0]
-            if lo >= limit:
+            if lo >= (fresh if c >= 0 else limit):
                 heapq.heappop(frontier)          # the class cannot fit any more: drop it
                 continue
-            yield reqs[key[3]]
+            yield key
             limit = bound()
+            fresh = limit if fresh_bound is None else min(limit, fresh_bound())
             key = next(walks[c][1], None)
             if key is None:
                 heapq.heappop(frontier)
