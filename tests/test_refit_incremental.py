@@ -276,3 +276,31 @@ def test_dedf_class_flips_go_in_bulk_in_the_reference_order():
         assert flipped > 1_000 and queue.moves == moves, (now, flipped)
         assert [k for k, _ in queue.ordered()] == sorted(
             ORDERINGS["dedf"](r, now, 0.0) for r in queue._reqs.values())
+
+
+@pytest.mark.parametrize("spec", ["sedf-chunk", "sedf", "adaptive"])
+def test_kv_full_decisions_ask_a_bounded_number_of_admissions(spec):
+    """With KV memory full, a decision does not ask every waiting request whether it fits: after
+    a prompt is refused, the not-started ones at least as long are skipped by size class (the
+    equivalence with asking each is tests/test_policy_incremental.py's)."""
+    kv = KVCacheManager(blocks_for(60_000, 16), 16)
+    sched = registry.make("prefill", spec, kv)
+    sched.bind_cost_model(LearnedCostModel("padded"))
+    rng = np.random.default_rng(5)
+    for i in range(4_000):
+        prompt = int(rng.integers(2048, 12289)) if rng.random() < 0.2 else int(rng.integers(1, 401))
+        t = 0.01 * i / 4_000
+        sched.add_request(Request(i, t, prompt, 1, SLO(ttft=float(rng.choice([0.3, 1.0, 4.0])), tpot=0.1)), t)
+    kv.allocate(-1, 60_000)                   # another holder fills the memory
+    asked = [0]
+    admit = sched.admit
+
+    def counted(req, now):
+        asked[0] += 1
+        return admit(req, now)
+
+    sched.admit = counted
+    for now in (0.01, 0.2, 0.35, 1.1, 5.0):
+        asked[0] = 0
+        assert sched.schedule(now) is None    # nothing fits
+        assert 0 < asked[0] <= 100, (now, asked[0])     # asking each would be 4,000
