@@ -22,6 +22,7 @@ Workloads and their SLO rules (also in the results):
 | bursty | short (32-256) / long (4-8K) 80/20 mix, gamma arrivals cv 3 | short 0.4 s, long 4 s TTFT; TPOT 50 ms |
 | multislo | Azure lengths and arrivals, three classes 30/50/20% | interactive 0.25 s / 25 ms, standard 0.6 s / 50 ms, relaxed 5 s / 100 ms (TTFT / TPOT) |
 | longctx | bundled Mooncake conversation trace (inputs 12K tokens on average, p99 85K), recorded arrivals (3 s ticks spread); 1P+1D only | TTFT 8 s, TPOT 50 ms |
+| longctx_synth | synthetic long-context traffic (`long_context_mix`: inputs mean 12.9K, p50 5.5K, p90 37K, p99 62K; outputs mean 193), Poisson; 1P+1D only | TTFT 8 s, TPOT 50 ms |
 
 The long-context workload is the bundled trace itself (no synthetic stand-in needed): its prompts
 are the long contexts of the held-out check that found every good policy on an attainment plateau
@@ -175,6 +176,10 @@ def longctx(n: int, cost, seed: int = 0) -> Workload:
     return trace_block("mooncake_conv", n, seed).spread_ticks(3.0, seed=seed).with_slo(SLO(ttft=8.0, tpot=TPOT))
 
 
+def longctx_synth(n: int, cost, seed: int = 0) -> Workload:
+    return make_workload("long_context_mix", n=n, seed=seed)
+
+
 def tpot_feasible_share(workload: Workload, cost) -> float:
     """The share of requests whose decode step alone, on an idle instance at the request's final
     context (prompt + output tokens), fits its TPOT target (1.0 without TPOT targets)."""
@@ -213,6 +218,9 @@ WORKLOADS = [
     LeagueWorkload("longctx", "TTFT 8 s, TPOT 50 ms", longctx,
                    "bundled Mooncake conversation trace as a long-context workload (inputs 12K tokens on "
                    "average, p99 85K), recorded arrivals (3 s ticks spread)", shapes=("1P+1D",)),
+    LeagueWorkload("longctx_synth", "TTFT 8 s, TPOT 50 ms", longctx_synth,
+                   "synthetic long-context traffic (laneserve.workloads long_context_mix: inputs mean 12.9K, "
+                   "p50 5.5K, p90 37K, p99 62K; outputs mean 193), Poisson", shapes=("1P+1D",)),
 ]
 
 ONE, FOUR = ("1P+1D",), ("4P+4D",)

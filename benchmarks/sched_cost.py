@@ -44,7 +44,12 @@ machine's 1-minute load average at the start and end of the run). The fill is no
 garbage collector is frozen after it (``gc.freeze``) so that collections scan only what the
 measured steps allocate.
 
-    python benchmarks/sched_cost.py [--sizes 1000,10000,100000] [--steps 200] [--prefill-steps 1300]
+``--case flip-burst`` replaces the prefill set-up by a burst within 10 ms (short prompts 1-400
+tokens, TPOT 0.1 s, padded attention): each TTFT class's slack turns negative together while the
+predictor's early refits re-key the queue. ``cpu_max_call`` is the 1-based index of the slowest
+call (CPU time) among its event's calls (a ``schedule`` index ``k`` is decision ``k + 1``).
+
+    python benchmarks/sched_cost.py [--case refits|flip-burst] [--sizes 1000,10000,100000] [--steps 200] [--prefill-steps 1300]
         [--only sedf,kairos] [--name sched_cost]
 """
 
@@ -79,6 +84,11 @@ LIVE_RATE = 20.0            # requests/s arriving while the steps run
 LONG_SHARE = 0.2
 SHORT_TOKENS, LONG_TOKENS = (32, 256), (2048, 12288)
 TTFT_CLASSES = (0.3, 1.0, 4.0)
+TPOT = 0.05
+ATTENTION = "ragged"
+#: ``--case flip-burst``: the prefill burst arrives within 10 ms, short prompts 1-400 tokens, TPOT
+#: 0.1 s, padded attention: whole TTFT classes reach their flip points together
+FLIP_BURST = {"BURST_SECONDS": 0.01, "SHORT_TOKENS": (1, 400), "TPOT": 0.1, "ATTENTION": "padded"}
 DECODE_BLOCK = 256
 NUM_ROUTED_INSTANCES = 4
 
@@ -119,7 +129,7 @@ def burst_requests(n: int, *, seed: int, rate: float, start: float = 0.0, first_
                       rng.integers(SHORT_TOKENS[0], SHORT_TOKENS[1] + 1, n))
     ttft = rng.choice(TTFT_CLASSES, n)
     arrival = start + np.sort(rng.random(n)) * (n / rate)
-    return [Request(first_id + i, float(arrival[i]), int(prompt[i]), 128, SLO(ttft=float(ttft[i]), tpot=0.05))
+    return [Request(first_id + i, float(arrival[i]), int(prompt[i]), 128, SLO(ttft=float(ttft[i]), tpot=TPOT))
             for i in range(n)]
 
 
@@ -322,6 +332,7 @@ def summarise(kind: str, spec: str, n: int, clock: Clock) -> list[dict]:
                      "mean_ms": 1e3 * sum(walls) / len(walls), "p99_ms": 1e3 * _p99(walls),
                      "max_ms": 1e3 * max(walls), "cpu_mean_ms": 1e3 * sum(cpus) / len(cpus),
                      "cpu_p99_ms": 1e3 * _p99(cpus), "cpu_max_ms": 1e3 * max(cpus),
+                     "cpu_max_call": max(range(len(cpus)), key=cpus.__getitem__) + (event != "first"),
                      **(clock.extra if event == "schedule" else {})})
     return rows
 
@@ -335,8 +346,12 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated policy names to run (default: all)")
     ap.add_argument("--name", default="sched_cost", help="result file name")
     ap.add_argument("--list", action="store_true", help="print the policies measured and exit")
+    ap.add_argument("--case", choices=("refits", "flip-burst"), default="refits",
+                    help="prefill set-up: the 1 s burst (default) or the 10 ms flip burst")
     args = ap.parse_args()
-    cost = make_cost_model(model="llama-3-8b", hardware="h100")
+    if args.case == "flip-burst":
+        globals().update(FLIP_BURST)
+    cost = make_cost_model(model="llama-3-8b", hardware="h100", attention=ATTENTION)
     only = {s for s in args.only.split(",") if s}
     cases = [(kind, spec) for kind in ("prefill", "decode", "router") for spec in distinct_specs(kind)
              if not only or spec in only]
@@ -372,12 +387,12 @@ def main() -> None:
     load = [round(load_start, 2), round(os.getloadavg()[0], 2)]
     metrics.update(target_worst_mean_decision_ms_10k=1.0, target_worst_p99_decision_ms_10k=2.0,
                    target_worst_max_decision_ms_10k=20.0, target_worst_max_decision_ms_100k=100.0,
-                   steps_per_case=args.steps, prefill_steps_per_case=args.prefill_steps)
+                   steps_per_case=args.steps, prefill_steps_per_case=args.prefill_steps, case=args.case)
     note = (f"1-minute load average {load[0]} at the start, {load[1]} at the end, on "
             f"{os.cpu_count()} cores: wall times above their CPU twins are waits for the CPU")
     write_result(args.name, metrics, extra={"load_average": load, "note": note, "rows": rows},
                  markdown=f"{note}.\n\n" + markdown_table(rows, ["kind", "policy", "queued", "event", "count", "mean_ms",
-                                                "p99_ms", "max_ms", "cpu_mean_ms", "cpu_p99_ms", "cpu_max_ms",
+                                                "p99_ms", "max_ms", "cpu_mean_ms", "cpu_p99_ms", "cpu_max_ms", "cpu_max_call",
                                                 "refits", "max_after_refit_ms", "max_rekeys"]))
 
 

@@ -38,8 +38,11 @@ class ScanSEDFOrdering(SEDFOrdering):
     def batch_closed(self, tokens: int, limit: int, t_remain: float) -> bool:
         return False
 
-    def candidates(self, walk, head_key, bound):
+    def candidates(self, walk, head_key, bound, fresh_bound=None):
         return (r for _, r in walk)
+
+    def admissible(self, walk, after, fresh_bound):
+        return walk
 
 
 class SEDFPrefillReference(SEDFPrefill):

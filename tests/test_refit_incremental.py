@@ -16,8 +16,10 @@ from laneserve.costmodel import make_cost_model
 from laneserve.policies import registry
 from laneserve.policies.predictors import LearnedCostModel
 from laneserve.policies.prefill.kairos_slots import linear_prefill_times
-from laneserve.policies.prefill.priority import sedf_key
-from laneserve.policies.prefill.sedf_queue import BUCKET, MIGRATE_BATCH, SignedDeadlineQueue, refit_bounds
+from laneserve.policies.prefill.priority import ORDERINGS, sedf_key
+from laneserve.policies.prefill import sedf_queue
+from laneserve.policies.prefill.sedf_queue import (BULK_FLIP, MIGRATE_BATCH, SignedDeadlineQueue,
+                                                   class_range, refit_bounds, size_class)
 from laneserve.sim.executor import SimExecutor
 
 COST = make_cost_model(model="llama-3-8b", hardware="h100")
@@ -49,8 +51,11 @@ def reference_order(queue: SignedDeadlineQueue, predictor: Quadratic, tokens: di
     return sorted(sedf_key(r, now, predictor(tokens[r.request_id])) for r in queue._reqs.values())
 
 
+@pytest.mark.parametrize("bulk_flip", [BULK_FLIP, 0])
 @pytest.mark.parametrize("seed", range(6))
-def test_refits_keep_the_order_of_a_full_reprediction(seed):
+def test_refits_keep_the_order_of_a_full_reprediction(seed, bulk_flip, monkeypatch):
+    """With ``bulk_flip`` 0 nearly every flip and due migration goes through the bulk passes."""
+    monkeypatch.setattr(sedf_queue, "BULK_FLIP", bulk_flip)
     rng = random.Random(seed)
     predictor = Quadratic(random_coefficients(rng))
     tokens: dict[int, int] = {}
@@ -75,8 +80,17 @@ def test_refits_keep_the_order_of_a_full_reprediction(seed):
         queue.advance(now)
         assert [k for k, _ in queue.ordered()] == reference_order(queue, predictor, tokens, now)
         for c, members in queue._classes.items():               # the size classes agree with the order
-            assert all(queue._reqs[k[3]].remaining_prefill // BUCKET == c for k in members)
+            assert all(size_class(queue._reqs[k[3]].remaining_prefill) == (c if c >= 0 else -1 - c) for k in members)
         assert sum(len(m) for m in queue._classes.values()) == len(queue)
+
+
+def test_size_classes_partition_the_token_counts_in_order():
+    previous = -1
+    for n in range(0, 20_000):
+        c = size_class(n)
+        lo, hi = class_range(c)
+        assert lo <= n < hi and c >= previous
+        previous = c
 
 
 def test_refit_bounds_cover_the_change():
@@ -167,6 +181,44 @@ def test_flowprefill_refit_decisions_stay_bounded():
     assert worst[2_000] < 2_000 // 8 and worst[8_000] < 8_000 // 8, worst
 
 
+def flip_burst(spec: str, n: int, seed: int) -> tuple:
+    """``spec`` with an online predictor (padded attention), ``n`` requests arriving within 10 ms:
+    20% prompts of 2K-12K tokens, the rest 1-400, TTFT 0.3 / 1 / 4 s at random (whole classes
+    reach their flip points together)."""
+    sched = registry.make("prefill", spec, KVCacheManager(blocks_for(10**8, 16), 16))
+    learner = LearnedCostModel("padded")
+    sched.bind_cost_model(learner)
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        prompt = int(rng.integers(2048, 12289)) if rng.random() < 0.2 else int(rng.integers(1, 401))
+        t = 0.01 * i / n
+        sched.add_request(Request(i, t, prompt, 1, SLO(ttft=float(rng.choice([0.3, 1.0, 4.0])), tpot=0.1)), t)
+    return sched, learner
+
+
+@pytest.mark.parametrize("spec", ["sedf", "adaptive"])
+def test_flip_bursts_move_a_bounded_number_of_keys_one_by_one(spec):
+    """A burst whose TTFT classes turn negative together, with the predictor refitting early:
+    decisions re-predict thousands of requests at once, but the keys moved one at a time per
+    decision stay within the one-by-one thresholds (the rest go through the bulk passes)."""
+    padded = make_cost_model(model="llama-3-8b", hardware="h100", attention="padded")
+    for n in (2_000, 8_000):
+        sched, learner = flip_burst(spec, n, seed=2)
+        queue = sched.ordering.queue
+        now, executor, most_moves, most_rekeys = 0.01, SimExecutor(padded), 0, 0
+        sched.schedule(now)
+        for _ in range(120):
+            moves, rekeys = queue.moves, queue.rekeys
+            plan = sched.schedule(now)
+            most_moves = max(most_moves, queue.moves - moves)
+            most_rekeys = max(most_rekeys, queue.rekeys - rekeys)
+            if plan is None:
+                break
+            now = run_step(sched, learner, executor, plan, now)
+        assert most_rekeys > n // 8, (n, most_rekeys)              # the burst re-keys in bulk
+        assert most_moves <= 2 * (BULK_FLIP + n // 64) + MIGRATE_BATCH, (n, most_moves)
+
+
 @pytest.mark.parametrize("attention", ["ragged", "padded"])
 def test_linear_prefill_times_equal_the_models_own(attention):
     model = LearnedCostModel(attention)
@@ -206,3 +258,49 @@ def test_kairos_refit_recomputes_no_duration_one_by_one(spec):
             learner.prefill_time([(int(slots.rem[i]), int(slots.plen[i]) - int(slots.rem[i]))]) for i in sample]
         now = run_step(sched, learner, executor, plan, now)
     assert learner.prefill_version >= 7
+
+
+def test_dedf_class_flips_go_in_bulk_in_the_reference_order():
+    """D-EDF with 20K queued in three TTFT classes: when a class's deadlines pass together (one
+    decision flipping thousands), no key moves one at a time and the order is the reference's."""
+    queue = SignedDeadlineQueue("dedf", lambda n: 0.0, lambda r: r.prompt_len)
+    rng = random.Random(4)
+    for i in range(20_000):
+        queue.add(Request(i, 0.01 * rng.random(), rng.randint(1, 400), 1,
+                          SLO(ttft=rng.choice((0.3, 1.0, 4.0)), tpot=None)))
+    queue.advance(0.1)
+    for now in (0.305, 0.32, 1.02, 4.1):
+        moves, negative = queue.moves, sum(k[0] == 2 for k, _ in queue.ordered())
+        queue.advance(now)
+        flipped = sum(k[0] == 2 for k, _ in queue.ordered()) - negative
+        assert flipped > 1_000 and queue.moves == moves, (now, flipped)
+        assert [k for k, _ in queue.ordered()] == sorted(
+            ORDERINGS["dedf"](r, now, 0.0) for r in queue._reqs.values())
+
+
+@pytest.mark.parametrize("spec", ["sedf-chunk", "sedf", "adaptive"])
+def test_kv_full_decisions_ask_a_bounded_number_of_admissions(spec):
+    """With KV memory full, a decision does not ask every waiting request whether it fits: after
+    a prompt is refused, the not-started ones at least as long are skipped by size class (the
+    equivalence with asking each is tests/test_policy_incremental.py's)."""
+    kv = KVCacheManager(blocks_for(60_000, 16), 16)
+    sched = registry.make("prefill", spec, kv)
+    sched.bind_cost_model(LearnedCostModel("padded"))
+    rng = np.random.default_rng(5)
+    for i in range(4_000):
+        prompt = int(rng.integers(2048, 12289)) if rng.random() < 0.2 else int(rng.integers(1, 401))
+        t = 0.01 * i / 4_000
+        sched.add_request(Request(i, t, prompt, 1, SLO(ttft=float(rng.choice([0.3, 1.0, 4.0])), tpot=0.1)), t)
+    kv.allocate(-1, 60_000)                   # another holder fills the memory
+    asked = [0]
+    admit = sched.admit
+
+    def counted(req, now):
+        asked[0] += 1
+        return admit(req, now)
+
+    sched.admit = counted
+    for now in (0.01, 0.2, 0.35, 1.1, 5.0):
+        asked[0] = 0
+        assert sched.schedule(now) is None    # nothing fits
+        assert 0 < asked[0] <= 100, (now, asked[0])     # asking each would be 4,000

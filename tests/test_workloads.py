@@ -371,3 +371,16 @@ def test_sharegpt_multiturn_prefixes_and_cache(tmp_path, monkeypatch):
 def test_workloads_do_not_import_torch():
     code = "import sys, laneserve.workloads; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_long_context_mix_has_the_traces_shape():
+    from laneserve.workloads import make_workload
+    w = make_workload("long_context_mix", n=20_000, rate=1.0, seed=3)
+    prompts = np.array([s.prompt_len for s in w.specs])
+    outputs = np.array([s.output_len for s in w.specs])
+    p50, p90, p99 = np.percentile(prompts, [50, 90, 99])
+    assert 5_000 < p50 < 6_000 and 34_000 < p90 < 40_000 and 58_000 < p99 < 66_000
+    assert 12_000 < prompts.mean() < 13_800 and prompts.max() <= 100_000
+    assert 170 < outputs.mean() < 215
+    assert {s.slo.ttft for s in w.specs} == {8.0} and {s.slo.tpot for s in w.specs} == {0.05}
+    assert make_workload("long_context_mix", n=50, seed=3).specs == make_workload("long_context_mix", n=50, seed=3).specs

@@ -5,7 +5,8 @@ re-sorting per decision).
 The keys live in blocks of at most ``2 * LOAD`` (a "sorted list of sorted lists"): a search
 bisects the block maxima, then one block; inserting or deleting moves at most one block's tail.
 Unlike a heap with lazily deleted entries there is nothing to compact later, so no single call
-pays for the deletions of others. Building from many keys at once is one ``sorted`` call.
+pays for the deletions of others. Building from many keys at once is one ``sorted`` call (none
+for keys known to be sorted: :meth:`from_sorted`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ class SortedKeys:
         self._maxes = [b[-1] for b in self._blocks]
         self._len = len(ordered)
         self._version = 0                  # bumped by every change: walks re-locate after one
+
+    @classmethod
+    def from_sorted(cls, ordered: list[Any]) -> SortedKeys:
+        """The set of ``ordered``, a list already sorted without duplicates (not checked): no
+        comparison at all, only the list cut in blocks."""
+        keys = cls()
+        keys._blocks = [ordered[i:i + LOAD] for i in range(0, len(ordered), LOAD)]
+        keys._maxes = [b[-1] for b in keys._blocks]
+        keys._len = len(ordered)
+        return keys
 
     def __len__(self) -> int:
         return self._len

@@ -17,7 +17,7 @@ from laneserve.workloads.sharegpt import sharegpt_workload
 from laneserve.workloads.slo_tables import (CHAT_SLO, FLOWPREFILL_CLASSES, FLOWPREFILL_TTFT_SLO,
                                             LONG_CONTEXT_SLO, flowprefill_model_key, flowprefill_slos)
 from laneserve.workloads.synthetic import (FLOWPREFILL_PROMPT_STATS, alignedserve_mix, flowprefill_mix,
-                                           lmsys_multiturn, short_long_mix)
+                                           lmsys_multiturn, long_context_mix, short_long_mix)
 from laneserve.workloads.traces import (AZURE_CONV_PATH, MOONCAKE_CONV_PATH, IdleLatencySLO, detect_format,
                                         load_azure_csv, load_mooncake_jsonl, load_trace)
 from laneserve.workloads.workload import Workload
@@ -46,6 +46,7 @@ _REGISTRY: dict[str, Callable[..., Workload]] = {
     "alignedserve_mix": alignedserve_mix,
     "lmsys_multiturn": lmsys_multiturn,
     "short_long_mix": short_long_mix,
+    "long_context_mix": long_context_mix,
 }
 
 

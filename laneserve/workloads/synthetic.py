@@ -20,7 +20,7 @@ from laneserve.core.request import RequestSpec
 from laneserve.core.slo import SLO
 from laneserve.workloads.arrivals import arrival_times
 from laneserve.workloads.sessions import build_sessions
-from laneserve.workloads.slo_tables import (CHAT_SLO, FLOWPREFILL_CLASSES, flowprefill_model_key,
+from laneserve.workloads.slo_tables import (CHAT_SLO, FLOWPREFILL_CLASSES, LONG_CONTEXT_SLO, flowprefill_model_key,
                                             flowprefill_slos)
 from laneserve.workloads.workload import Workload
 
@@ -158,6 +158,29 @@ def short_long_mix(n: int = 1000, long_share: float = 0.1, *, short_len: int | t
     return _assemble("short_long_mix", labels, prompts, outputs, slos, rate=rate, process=process,
                      cv=cv, rng=rng, meta={"long_share": long_share, "short_len": short_len,
                                            "long_len": long_len, "seed": seed})
+
+
+#: ``(quantile, prompt tokens)`` knots of :func:`long_context_mix`: a long-context chat trace's
+#: shape (mean 12.9K tokens, p50 5.5K, p90 37K, p99 62K), log-linear between the knots
+LONG_CONTEXT_KNOTS = ((0.0, 600), (0.5, 5500), (0.9, 37000), (0.99, 62000), (1.0, 100000))
+LONG_CONTEXT_OUTPUT_MEAN = 193
+
+
+def long_context_mix(n: int = 400, *, rate: float = 1.0, process: str = "poisson", cv: float = 1.0,
+                     seed: int = 0, slo: SLO = LONG_CONTEXT_SLO) -> Workload:
+    """Long-context traffic: prompts drawn from :data:`LONG_CONTEXT_KNOTS` (inverse CDF,
+    log-linear between the knots: mean ~12.9K tokens, heavy tail to 100K), outputs lognormal with
+    mean :data:`LONG_CONTEXT_OUTPUT_MEAN` (std equal to the mean, 1-2048). One SLO class (default
+    TTFT 8 s, TPOT 50 ms). The shape where the order prefills finish in decides how many long
+    contexts a decode instance carries at once."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng = _rng(seed)
+    quantiles, tokens = zip(*LONG_CONTEXT_KNOTS)
+    prompts = np.rint(np.exp(np.interp(rng.random(n), quantiles, np.log(tokens)))).astype(np.int64)
+    outputs = lognormal_lengths(rng, n, LONG_CONTEXT_OUTPUT_MEAN, LONG_CONTEXT_OUTPUT_MEAN, hi=2048)
+    return _assemble("long_context_mix", ["long_context"] * n, prompts, outputs, {"long_context": slo},
+                     rate=rate, process=process, cv=cv, rng=rng, meta={"seed": seed})
 
 
 def lmsys_multiturn(n_conversations: int = 1000, *, max_turns: int = 8, continue_prob: float = 0.5,

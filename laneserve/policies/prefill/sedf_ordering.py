@@ -88,10 +88,27 @@ class SEDFOrdering:
 
     # ---- what Algorithm 1 walks ------------------------------------------------------------
     def candidates(self, walk: Iterator[tuple[PriorityKey, Request]], head_key: PriorityKey,
-                   bound: Callable[[], int]) -> Iterable[Request]:
+                   bound: Callable[[], int], fresh_bound: Callable[[], float] | None = None) -> Iterable[Request]:
         """Algorithm 1's candidates after the head, in priority order; those whose remaining
-        tokens are at or above ``bound()`` (which Algorithm 1 would reject) may be left out."""
-        return self.queue.ordered_below(head_key, bound)
+        tokens are at or above ``bound()`` (which Algorithm 1 would reject), and those not
+        started at or above ``fresh_bound()`` (which find no KV memory), may be left out."""
+        return self.queue.ordered_below(head_key, bound, fresh_bound=fresh_bound)
+
+    def admissible(self, walk: Iterator[tuple[PriorityKey, Request]], after: PriorityKey,
+                   fresh_bound: Callable[[], float]) -> Iterator[tuple[PriorityKey, Request]]:
+        """The rest of ``walk`` (ranked after ``after``) where those not started at or above
+        ``fresh_bound()`` tokens (which find no KV memory) may be left out."""
+        return self.queue.ordered_admissible(after, fresh_bound)
+
+    def refusal_bound(self, host: Any, req: Request) -> float | None:
+        """After ``host`` found no KV memory for ``req``: a prompt length at or above which no
+        waiting request that has not started can be admitted either until memory is freed (its
+        own, when it needs the blocks of its whole prompt), else None (it had started, holds
+        blocks, or prefix caching makes the need depend on more than the length)."""
+        kv = host.kv
+        if req.times.prefill_start is not None or kv.prefix_caching or req.request_id in kv.tables:
+            return None
+        return req.prompt_len
 
     def batch_closed(self, tokens: int, limit: int, t_remain: float) -> bool:
         """No waiting request can join a batch of ``tokens`` any more (Algorithm 1 would reject

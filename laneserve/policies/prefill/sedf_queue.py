@@ -40,20 +40,26 @@ members whose unflip check is at or after ``now`` the same way.
 Work proportional to the queue happens only in bulk, in C: when many keys flip at once (more than
 ``BULK_FLIP`` + 1/64 of the queue, e.g. after a long step, where moving them one by one would
 cost more) the sets they are in are filtered and merged with their new keys in one linear pass
-each; and
-:meth:`rebuild` (:meth:`set_predictor`, a new predictor) sorts everything afresh. :attr:`rekeys` counts the members re-predicted (for
-tests and benchmarks).
+each; the same when a refit makes many members of older generations due at once (a whole TTFT
+class of a burst near its flip point: they are re-predicted, and every set they leave or join is
+rebuilt once); and
+:meth:`rebuild` (:meth:`set_predictor`, a new predictor) sorts everything afresh. :attr:`rekeys` counts the members re-predicted,
+:attr:`moves` those moved one key at a time (for tests and benchmarks: at most a bounded number
+per decision, whatever the queue).
 
 ``ordered`` walks the keys best first; requests may be removed during the walk. EDF and FCFS keys
 never change. Every key is also filed in the sorted set of its *size class* (remaining prompt
-tokens // ``BUCKET``): :meth:`ordered_below` merges only the classes that can hold a request
-shorter than a bound that shrinks as Algorithm 1's batch grows, so the long prompts ahead of the
-short ones are not walked one by one when none of them can fit any more.
+tokens: 4 tokens wide below 128, 32 below 512, ``BUCKET`` above): :meth:`ordered_below` merges
+only the classes that can hold a request shorter than a bound that shrinks as Algorithm 1's batch
+grows, so the long prompts ahead of the short ones are not walked one by one when none of them
+can fit any more; the narrow short classes keep the boundary class small when the bound gets
+down to a few tokens with thousands of short prompts queued.
 """
 
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
 from laneserve.core.request import Request
@@ -61,7 +67,7 @@ from laneserve.core.sorted_keys import SortedKeys
 from laneserve.policies.prefill.priority import INF, ORDERINGS, PriorityKey
 
 _FLIPPING = ("sedf", "dedf")
-BUCKET = 128                 # tokens per size class of :meth:`SignedDeadlineQueue.ordered_below`
+BUCKET = 128                 # tokens per size class of :meth:`SignedDeadlineQueue.ordered_below` (long prompts)
 MIGRATE_BATCH = 32           # members of older generations re-predicted per advance beyond the due ones
 BULK_FLIP = 64               # flips beyond this + 1/64 of the queue go in by one merge per set
 _MARGIN = 1e-9               # relative slack of the refit bounds (float evaluation of p and of d - now)
@@ -102,6 +108,60 @@ def refit_bounds(old: Coefficients, new: Coefficients, band: int) -> tuple[float
     return max(top, 0.0) + margin, max(-bottom, 0.0) + margin
 
 
+def _merged(keys: SortedKeys, changed: dict[int, PriorityKey], old: list[PriorityKey],
+            added: list[PriorityKey]) -> SortedKeys:
+    """``keys`` without the keys ``old`` (sorted, all in ``keys``; their members are those of
+    ``changed``, id last in each key), plus the sorted run ``added``. When ``old`` is one
+    contiguous run of ``keys`` (a deadline class flipping together) it is cut out by slicing,
+    else the members of ``changed`` are filtered out."""
+    ordered = keys.to_list()
+    at = bisect_left(ordered, old[0])
+    end = at + len(old)
+    if end <= len(ordered) and ordered[end - 1] == old[-1]:      # every old key lies in [at, end)
+        kept = ordered[:at] + ordered[end:]
+    else:
+        kept = [k for k in ordered if k[3] not in changed]
+    return _joined(kept, added)
+
+
+def _joined(kept: list, added: list) -> SortedKeys:
+    """The sorted set of two sorted runs: ``added`` spliced in one piece when it falls between
+    two neighbours of ``kept`` (a deadline class flipping together: no comparison but two), else
+    one sort of the two runs (a linear merge in C)."""
+    if not added:
+        return SortedKeys.from_sorted(kept)
+    at = bisect_left(kept, added[0])
+    if at == len(kept) or added[-1] < kept[at]:
+        return SortedKeys.from_sorted(kept[:at] + added + kept[at:])
+    return SortedKeys(kept + added)
+
+
+def size_class(tokens: int) -> int:
+    """The size class of ``tokens`` remaining prompt tokens (classes are ordered like sizes)."""
+    if tokens < 128:
+        return tokens >> 2
+    if tokens < 512:
+        return 32 + ((tokens - 128) >> 5)
+    return 44 + (tokens - 512) // BUCKET
+
+
+def class_range(c: int) -> tuple[int, int]:
+    """``(lo, hi)``: the class holds the token counts ``lo <= n < hi``."""
+    if c < 32:
+        return 4 * c, 4 * c + 4
+    if c < 44:
+        return 128 + 32 * (c - 32), 160 + 32 * (c - 32)
+    lo = 512 + BUCKET * (c - 44)
+    return lo, lo + BUCKET
+
+
+def _class_of(req: Request) -> int:
+    """The class a member is filed in: its size class, as ``-1 - class`` once its prefill started
+    (it holds its KV: admitting it again needs none, so the started are walked apart)."""
+    c = size_class(req.remaining_prefill)
+    return c if req.times.prefill_start is None else -1 - c
+
+
 class _Generation:
     """The members whose ``p`` was predicted under one fit: their flip and unflip checks, per band
     of step tokens, and (once a newer fit exists) per band the bounds of the change of ``p``."""
@@ -132,6 +192,29 @@ class _Generation:
         if not members:
             del sets[band]
         self.size -= 1
+
+    def drop(self, band: int, positive: bool, gone: set[int]) -> None:
+        """Remove the checks of the members ``gone`` (all in this band and sign) at once."""
+        sets = self.flips if positive else self.unflips
+        checks, k = sets[band].to_list(), len(gone)
+        if all(e[1] in gone for e in checks[:k]):            # the first ones (due flips)
+            kept = checks[k:]
+        elif all(e[1] in gone for e in checks[len(checks) - k:]):     # the last ones (due unflips)
+            kept = checks[:len(checks) - k]
+        else:
+            kept = [e for e in checks if e[1] not in gone]
+        if kept:
+            sets[band] = SortedKeys.from_sorted(kept)
+        else:
+            del sets[band]
+        self.size -= len(gone)
+
+    def merge(self, band: int, positive: bool, added: list[tuple[float, int]]) -> None:
+        """Add the checks ``added`` (of members not in this generation yet) at once."""
+        sets = self.flips if positive else self.unflips
+        members = sets.get(band)
+        sets[band] = _joined(members.to_list() if members else [], sorted(added))
+        self.size += len(added)
 
     def bound(self, current: Coefficients) -> None:
         """Bounds of the change of ``p`` from this fit to ``current``, per band."""
@@ -166,6 +249,9 @@ class SignedDeadlineQueue:
         self._version = getattr(predict, "version", None)
         self._gens: list[_Generation] = [_Generation(self._coefficients())]   # oldest first
         self.rekeys = 0
+        self.moves = 0              # members moved one at a time (outside the bulk passes)
+        self._pending: dict[int, PriorityKey] = {}     # new keys not in the sorted sets yet (bulk)
+        self._was: dict[int, PriorityKey] = {}         # their keys in the sorted sets
 
     # ---- membership ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -181,7 +267,7 @@ class SignedDeadlineQueue:
         if self.ordering in _FLIPPING:
             self._sync()
         self._reqs[rid] = req
-        self._class_of[rid] = c = req.remaining_prefill // BUCKET
+        self._class_of[rid] = c = _class_of(req)
         self._rem[rid] = rem = (req.remaining_prefill, rid)
         key = self._file(req)
         self._order.add(key)
@@ -267,7 +353,8 @@ class SignedDeadlineQueue:
     def advance(self, now: float) -> None:
         """Bring every key to ``now``: re-predict the members a refit may have moved (see the
         module docstring) and some more of the older generations, then move the requests whose
-        slack turned negative (or, after a step back in time, non-negative again)."""
+        slack turned negative (or, after a step back in time, non-negative again). The bulk
+        passes defer the sets of keys to one rebuild at the end."""
         if self.ordering not in _FLIPPING:
             return
         self._sync()
@@ -276,20 +363,21 @@ class SignedDeadlineQueue:
         if len(self._gens) > 1:
             self._migrate_due(now)
         self._settle(now, back)
+        if self._pending:
+            self._rekey_bulk(self._pending, self._was)
+            self._pending, self._was = {}, {}
 
     def _migrate_due(self, now: float) -> None:
-        """Re-predict every member of an older generation whose sign may have changed, then up to
-        :data:`MIGRATE_BATCH` more (oldest generation first)."""
-        margin = _MARGIN * (abs(now) + 1.0)
-        for gen in self._gens[:-1]:
-            for band, flips in list(gen.flips.items()):
-                limit = now + gen.up[band] + margin
-                while flips and flips.first()[0] <= limit:
-                    self._migrate(flips.first()[1], now)
-            for band, unflips in list(gen.unflips.items()):
-                limit = now - gen.down[band] - margin
-                while unflips and unflips.last()[0] >= limit:
-                    self._migrate(unflips.last()[1], now)
+        """Re-predict every member of an older generation whose sign may have changed (in one
+        bulk pass when they are many), then up to :data:`MIGRATE_BATCH` more (oldest generation
+        first)."""
+        due = self._due(now)
+        if sum(len(group[3]) for group in due) > BULK_FLIP + len(self._reqs) // 64:
+            self._migrate_bulk(due, now)
+        else:
+            for group in due:
+                for rid in group[3]:
+                    self._migrate(rid, now)
         budget = MIGRATE_BATCH
         for gen in self._gens[:-1]:
             for sets, pick in ((gen.flips, SortedKeys.first), (gen.unflips, SortedKeys.last)):
@@ -301,6 +389,66 @@ class SignedDeadlineQueue:
                 break
         self._gens = [g for g in self._gens[:-1] if g.size] + [self._gens[-1]]
 
+    def _due(self, now: float) -> list[tuple[_Generation, int, bool, list[int]]]:
+        """The members of older generations whose sign the refits since their fit may have
+        changed by ``now`` (flip checks within ``up`` of it, unflip checks within ``down``), per
+        generation, band and sign: ``(generation, band, positive, ids)``."""
+        margin = _MARGIN * (abs(now) + 1.0)
+        due = []
+        for gen in self._gens[:-1]:
+            for band, flips in gen.flips.items():
+                limit = now + gen.up[band] + margin
+                rids = []
+                for check in flips:
+                    if check[0] > limit:
+                        break
+                    rids.append(check[1])
+                if rids:
+                    due.append((gen, band, True, rids))
+            for band, unflips in gen.unflips.items():
+                limit = now - gen.down[band] - margin
+                rids = []
+                for check in reversed(unflips):
+                    if check[0] < limit:
+                        break
+                    rids.append(check[1])
+                if rids:
+                    due.append((gen, band, False, rids))
+        return due
+
+    def _migrate_bulk(self, due: list[tuple[_Generation, int, bool, list[int]]], now: float) -> None:
+        """:meth:`_migrate` for every member of ``due`` at once: the same predictions, keys and
+        checks, but each sorted set they leave or join is rebuilt once (filtered, merged with the
+        new entries) instead of changed one key at a time."""
+        keys, ps, tokens, entries, gen_of = self._key, self._p, self._tokens, self._entry, self._gen_of
+        predict, sedf, current = self.predict, self.ordering == "sedf", self._gens[-1]
+        joining: dict[tuple[int, bool], list[tuple[float, int]]] = {}
+        changed, was = self._pending, self._was
+        for gen, band, positive, rids in due:
+            stay, turn = [], []                           # new checks: same sign, other sign
+            sign = 1.0 if positive else -1.0
+            for rid in rids:
+                key = keys[rid]
+                d = sign * key[1]
+                p = ps[rid] = predict(tokens[rid]) if sedf else 0.0
+                tol = 1e-9 * (abs(d) + abs(p) + 1.0)                 # _tol, inlined
+                if (d - now - p < 0) == positive:                    # the sign changed
+                    keys[rid] = changed[rid] = (2, -d, key[2], rid) if positive else (0, d, key[2], rid)
+                    was.setdefault(rid, key)
+                    entry = entries[rid] = (d - p + tol, rid) if positive else (d - p - tol, rid)
+                    turn.append(entry)
+                else:
+                    entry = entries[rid] = (d - p - tol, rid) if positive else (d - p + tol, rid)
+                    stay.append(entry)
+                gen_of[rid] = current
+            gen.drop(band, positive, set(rids))
+            for sign_now, added in ((positive, stay), (not positive, turn)):
+                if added:
+                    joining.setdefault((band, sign_now), []).extend(added)
+            self.rekeys += len(rids)
+        for (band, positive), added in joining.items():
+            current.merge(band, positive, added)
+
     def _migrate(self, rid: int, now: float) -> None:
         """Re-predict member ``rid`` of an older generation under the current fit and file it in
         the current generation, its key fixed if the sign changed."""
@@ -310,6 +458,7 @@ class SignedDeadlineQueue:
         d = key[1] if positive else -key[1]
         p = self._p[rid] = self.predict(self._tokens[rid]) if self.ordering == "sedf" else 0.0
         self.rekeys += 1
+        self.moves += 1
         negative = d - now - p < 0
         if negative == positive:                          # the sign changed
             new = (2, -d, key[2], rid) if negative else (0, d, key[2], rid)
@@ -324,6 +473,10 @@ class SignedDeadlineQueue:
     def _move(self, rid: int, old: PriorityKey, new: PriorityKey) -> None:
         """Replace ``rid``'s key in the sorted sets of keys."""
         self._key[rid] = new
+        if self._pending:                # a bulk pass is under way: its rebuild takes this one too
+            self._pending[rid] = new
+            self._was.setdefault(rid, old)
+            return
         self._order.remove(old)
         self._order.add(new)
         members = self._classes[self._class_of[rid]]
@@ -333,23 +486,28 @@ class SignedDeadlineQueue:
     def _settle(self, now: float, back: bool) -> None:
         keys, ps = self._key, self._p
         gen = self._gens[-1]
-        flipping = []
-        for flips in gen.flips.values():
-            for check in flips.walk():
+        by_band: dict[int, list[int]] = {}
+        for band, flips in gen.flips.items():
+            flipping = []
+            for check in flips:
                 if check[0] > now:
                     break
                 rid = check[1]
                 if keys[rid][1] - now - ps[rid] < 0:         # the reference's own expression
                     flipping.append(rid)
+            if flipping:
+                by_band[band] = flipping
         if back:
             self._unflip_back(now)
-        if not flipping:
+        if not by_band:
             return
-        if len(flipping) > BULK_FLIP + len(self._reqs) // 64:     # a burst: merge them in at once
-            self._flip_bulk(flipping)
+        count = sum(map(len, by_band.values()))
+        if count > BULK_FLIP + len(self._reqs) // 64:        # a burst: merge them in at once
+            self._flip_bulk(by_band)
             return
         bands = self._band
-        for rid in flipping:
+        self.moves += count
+        for rid in (rid for flipping in by_band.values() for rid in flipping):
             old = keys[rid]
             gen.remove(self._entry[rid], bands[rid], True)
             d = old[1]
@@ -369,6 +527,7 @@ class SignedDeadlineQueue:
                 rid = check[1]
                 if not -keys[rid][1] - now - ps[rid] < 0:
                     turning.append(rid)
+        self.moves += len(turning)
         for rid in turning:
             old, band = keys[rid], self._band[rid]
             gen.remove(self._entry[rid], band, False)
@@ -376,35 +535,43 @@ class SignedDeadlineQueue:
             self._move(rid, old, (0, d, old[2], rid))
             self._file_entry(rid, d, ps[rid], band, True)
 
-    def _flip_bulk(self, flipping: list[int]) -> None:
-        """Turn the keys of ``flipping`` (current generation, positive) negative and rebuild the
-        sets they are in: each is the set without them merged with their new keys (two sorted
-        runs, one linear C merge), not a re-sort."""
-        gen, keys, ps, bands, class_of = self._gens[-1], self._key, self._p, self._band, self._class_of
-        gone = set(flipping)
-        new_unflips: dict[int, list[tuple[float, int]]] = {}
-        new_keys: dict[int, list[PriorityKey]] = {}
-        entries = self._entry
-        for rid in flipping:
-            _, d, arrival, _ = keys[rid]
-            key = keys[rid] = (2, -d, arrival, rid)
-            new_keys.setdefault(class_of[rid], []).append(key)
-            p = ps[rid]
-            entry = entries[rid] = (d - p + 1e-9 * (abs(d) + abs(p) + 1.0), rid)
-            new_unflips.setdefault(bands[rid], []).append(entry)
-        for band, added in new_unflips.items():
-            kept = [e for e in gen.flips[band].to_list() if e[1] not in gone]
-            if kept:
-                gen.flips[band] = SortedKeys(kept)
-            else:
-                del gen.flips[band]
-            old_unflips = gen.unflips.get(band)
-            gen.unflips[band] = SortedKeys((old_unflips.to_list() if old_unflips else []) + sorted(added))
-        moved = sorted(k for ks in new_keys.values() for k in ks)
-        self._order = SortedKeys([k for k in self._order.to_list() if k[3] not in gone] + moved)
-        for c, ks in new_keys.items():
-            ks.sort()
-            self._classes[c] = SortedKeys([k for k in self._classes[c].to_list() if k[3] not in gone] + ks)
+    def _flip_bulk(self, by_band: dict[int, list[int]]) -> None:
+        """Turn the keys of the members ``by_band`` (current generation, positive, per band)
+        negative and rebuild the sets they are in: each is the set without them merged with
+        their new keys (at the end of :meth:`advance` for the sets of keys), not changed one key
+        at a time."""
+        gen, keys, ps, entries = self._gens[-1], self._key, self._p, self._entry
+        changed, was = self._pending, self._was
+        for band, flipping in by_band.items():
+            added = []
+            for rid in flipping:
+                key = keys[rid]
+                _, d, arrival, _ = key
+                keys[rid] = changed[rid] = (2, -d, arrival, rid)
+                was.setdefault(rid, key)
+                p = ps[rid]
+                entry = entries[rid] = (d - p + 1e-9 * (abs(d) + abs(p) + 1.0), rid)
+                added.append(entry)
+            gen.drop(band, True, set(flipping))
+            gen.merge(band, False, added)
+
+    def _rekey_bulk(self, changed: dict[int, PriorityKey], was: dict[int, PriorityKey]) -> None:
+        """Give each member of ``changed`` its new key in the sets of keys (``was``: its key
+        there now): every set holding one of them is rebuilt once, the others kept in order
+        plus the new keys sorted (a linear merge in C)."""
+        class_of = self._class_of
+        by_class: dict[int, tuple[list[PriorityKey], list[PriorityKey]]] = {}
+        for rid, key in changed.items():
+            old_new = by_class.get(class_of[rid])
+            if old_new is None:
+                old_new = by_class[class_of[rid]] = ([], [])
+            old_new[0].append(was[rid])
+            old_new[1].append(key)
+        self._order = _merged(self._order, changed, sorted(was.values()), sorted(changed.values()))
+        for c, (old, added) in by_class.items():
+            old.sort()
+            added.sort()
+            self._classes[c] = _merged(self._classes[c], changed, old, added)
 
     def rebuild(self) -> None:
         """Re-predict every member and re-sort every structure (O(n log n), one C sort each): for
@@ -414,10 +581,11 @@ class SignedDeadlineQueue:
         self._band, self._tokens, self._entry, self._gen_of = {}, {}, {}, {}
         self._gens = [_Generation(self._coefficients())]
         self._now = -INF
+        self._pending, self._was = {}, {}
         for req in members:
             rid = req.request_id
             self._reqs[rid] = req
-            self._class_of[rid] = req.remaining_prefill // BUCKET
+            self._class_of[rid] = _class_of(req)
             self._rem[rid] = (req.remaining_prefill, rid)
             self._file(req)
             self.rekeys += 1
@@ -446,34 +614,58 @@ class SignedDeadlineQueue:
         for key in self._order.walk():
             yield key, reqs[key[3]]
 
-    def ordered_below(self, after: PriorityKey, bound: Callable[[], int], floor: int = 0) -> Iterator[Request]:
+    def ordered_below(self, after: PriorityKey, bound: Callable[[], int], floor: int = 0,
+                      fresh_bound: Callable[[], float] | None = None) -> Iterator[Request]:
         """Members ranked after ``after`` whose remaining prompt tokens may be below ``bound()``
-        (and, with ``floor``, may be at least ``floor``), best first, lazily: ``bound`` is re-read
-        at every step and may only shrink; a size class whose every member is at or above it (or
-        below ``floor``) is not walked (members of the boundary classes may still be yielded: the
-        caller checks each). Removals during the walk are fine."""
+        (and, with ``floor``, may be at least ``floor``; with ``fresh_bound``, below
+        ``fresh_bound()`` too for those not started), best first, lazily: the bounds are re-read
+        at every step and may only shrink; a size class whose every member is at or above them
+        (or below ``floor``) is not walked (members of the boundary classes may still be
+        yielded: the caller checks each). Removals during the walk are fine."""
         reqs = self._reqs
+        for key in self._merge_classes(after, bound, floor, fresh_bound):
+            yield reqs[key[3]]
+
+    def ordered_admissible(self, after: PriorityKey, fresh_bound: Callable[[], float]
+                           ) -> Iterator[tuple[PriorityKey, Request]]:
+        """Members ranked after ``after``, best first, lazily, leaving out those not started
+        whose remaining prompt tokens are at or above ``fresh_bound()`` (re-read at every step,
+        may only shrink): after a prompt of that many tokens found no KV memory, none of them
+        can be admitted, while the started hold theirs. Removals during the walk are fine."""
+        reqs = self._reqs
+        for key in self._merge_classes(after, lambda: INF, 0, fresh_bound):
+            yield key, reqs[key[3]]
+
+    def _merge_classes(self, after: PriorityKey | None, bound: Callable[[], float], floor: int,
+                       fresh_bound: Callable[[], float] | None) -> Iterator[PriorityKey]:
+        """The keys after ``after`` of the classes that may hold a member under the bounds, in
+        order (a heap merge of the classes' walks)."""
         limit = bound()
-        walks = {c: members.walk(after) for c, members in self._classes.items()
-                 if c * BUCKET < limit and (c + 1) * BUCKET > floor}
+        fresh = limit if fresh_bound is None else min(limit, fresh_bound())
+        walks = {}
+        for c, members in self._classes.items():
+            lo, hi = class_range(c if c >= 0 else -1 - c)
+            if lo < (fresh if c >= 0 else limit) and hi > floor:
+                walks[c] = lo, members.walk(after)
         frontier = []
-        for c, walk in walks.items():
+        for c, (lo, walk) in walks.items():
             key = next(walk, None)
             if key is not None:
-                frontier.append((key, c))
+                frontier.append((key, c, lo))
         heapq.heapify(frontier)
         while frontier:
-            key, c = frontier[0]
-            if c * BUCKET >= limit:
+            key, c, lo = frontier[0]
+            if lo >= (fresh if c >= 0 else limit):
                 heapq.heappop(frontier)          # the class cannot fit any more: drop it
                 continue
-            yield reqs[key[3]]
+            yield key
             limit = bound()
-            key = next(walks[c], None)
+            fresh = limit if fresh_bound is None else min(limit, fresh_bound())
+            key = next(walks[c][1], None)
             if key is None:
                 heapq.heappop(frontier)
             else:
-                heapq.heapreplace(frontier, (key, c))
+                heapq.heapreplace(frontier, (key, c, lo))
 
     def min_remaining(self) -> int | None:
         """The fewest remaining prompt tokens of any member."""

@@ -23,6 +23,7 @@ to waiting and the plan is listed in the host's ``dropped_plans``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -30,7 +31,7 @@ from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Phase, Request
 from laneserve.policies.options import above, at_least
 from laneserve.policies.prefill.base import PrefillOptions
-from laneserve.policies.prefill.priority import Ordering
+from laneserve.policies.prefill.priority import INF, Ordering, PriorityKey
 from laneserve.policies.prefill.sedf_ordering import SEDFOrdering
 from laneserve.policies.prefill.slo_batching import SLOAwareBatching
 
@@ -154,13 +155,21 @@ class PreemptiveTasks:
         parked = min(((ordering.task_key(t, now, False), t) for t in self.parked.values()),
                      key=lambda item: item[0], default=None)
         walk = ordering.ranked(now)
-        for key, req in walk:                 # waiting requests merged with the best parked task
+        heads: Iterator[tuple[PriorityKey, Request]] = walk     # merged with the best parked task
+        refused = INF          # a prompt this long found no KV: the not started as long are skipped
+        while (head := next(heads, None)) is not None:
+            key, req = head
             if parked is not None and parked[0] < key:
                 return self._resume(parked[1], now, forced=False)
             if self.host.admit(req, now):
                 plan, tokens = self.batcher.submit(req, key, walk, now, budget)
                 self.running = PrefillTask(plan, req, tokens, ordering.predict(tokens), run_since=now)
                 return plan
+            bound = ordering.refusal_bound(self.host, req)
+            if bound is not None and bound < refused:
+                if refused == INF:            # walk on without those that cannot be admitted
+                    heads = ordering.admissible(walk, key, lambda: refused)  # noqa: B023 (read late)
+                refused = bound
         if parked is not None:
             return self._resume(parked[1], now, forced=False)
         return None        # nothing fits in KV memory now; a completion will free some

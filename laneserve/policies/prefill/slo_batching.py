@@ -21,7 +21,7 @@ from typing import Any
 
 from laneserve.core.plan import StepPlan
 from laneserve.core.request import Request
-from laneserve.policies.prefill.priority import PriorityKey
+from laneserve.policies.prefill.priority import INF, PriorityKey
 from laneserve.policies.prefill.sedf_ordering import SEDFOrdering
 
 
@@ -39,11 +39,12 @@ class SLOAwareBatching:
         self.lanes = lanes
 
     def _candidates(self, head: Request, walk: Iterator[tuple[PriorityKey, Request]],
-                    head_key: PriorityKey, bound: Callable[[], int]) -> Iterable[Request]:
+                    head_key: PriorityKey, bound: Callable[[], int],
+                    fresh_bound: Callable[[], float]) -> Iterable[Request]:
         lanes = self.lanes
         if lanes is not None and lanes.bimodal:
             return lanes.candidates(self.ordering.queue, head, head_key, bound)
-        return self.ordering.candidates(walk, head_key, bound)
+        return self.ordering.candidates(walk, head_key, bound, fresh_bound)
 
     def submit(self, head: Request, head_key: PriorityKey, walk: Iterator[tuple[PriorityKey, Request]],
                now: float, budget: int) -> tuple[StepPlan, int]:
@@ -62,14 +63,18 @@ class SLOAwareBatching:
             t_remain = head.ttft_deadline - now
             limit = budget if cap is None else min(budget, cap + 1)
             cutoff = ordering.fit_cutoff(tokens, limit, t_remain)
-            # late binding wanted: the walk reads the tokens taken so far
-            for r in self._candidates(head, walk, head_key, lambda: cutoff - tokens):  # noqa: B023
+            refused = INF      # a prompt this long found no KV: the not started as long are skipped
+            # late binding wanted: the walk reads the tokens taken so far and the refusals
+            for r in self._candidates(head, walk, head_key, lambda: cutoff - tokens,  # noqa: B023
+                                      lambda: refused):                                # noqa: B023
                 if len(plan.prefills) >= host.max_batch_size or ordering.batch_closed(tokens, limit, t_remain):
                     break
                 n = tokens + host.new_tokens(r)
-                if n < limit and t_remain > ordering.predict(n) \
-                        and (lanes is None or lanes.may_join(head, r)) and host.admit(r, now):
-                    plan.prefills.append(host.chunk(r, r.remaining_prefill))
-                    ordering.unwait(r.request_id)
-                    tokens = n
+                if n < limit and t_remain > ordering.predict(n) and (lanes is None or lanes.may_join(head, r)):
+                    if host.admit(r, now):
+                        plan.prefills.append(host.chunk(r, r.remaining_prefill))
+                        ordering.unwait(r.request_id)
+                        tokens = n
+                    elif (bound := ordering.refusal_bound(host, r)) is not None:
+                        refused = min(refused, bound)
         return plan, tokens
