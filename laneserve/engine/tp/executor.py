@@ -1,0 +1,165 @@
+"""Rank 0 of a tensor-parallel instance: :class:`TPExecutor` has the ``EngineExecutor`` interface
+(``execute(plan, should_stop)``, ``discard``, ``copy_block``), so the instance runtime and the
+scheduler above it never see the ranks.
+
+Rank 0 lives in the instance's own process and holds shard 0 of the model; :class:`RankGroup`
+spawns ranks 1..N-1 (spawn context: no fork after torch or CUDA initialisation), joins them in a
+private process group and agrees with them on the KV block count (the minimum). Each step it
+publishes one :class:`~laneserve.engine.tp.step_message.StepMessage` (a diff) on the shared-memory
+channel, then runs its own shard of the forward; sampling happens here only, on the gathered
+logits. :meth:`TPExecutor.close` (also run when the executor is collected or the process exits)
+tells the ranks to stop, joins them and kills any that do not; the channel's name is removed
+once every rank has mapped it, so no shared memory outlives the group.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from laneserve.core.kv import BlockCopy, KVCacheManager
+from laneserve.core.plan import StepPlan
+from laneserve.engine.config import EngineConfig
+from laneserve.engine.executor import EngineExecutor, EngineStepResult
+from laneserve.engine.runner import plan_sequences, prompt_logprob_rows
+from laneserve.engine.tp.channel import StepChannel
+from laneserve.engine.tp.group import GroupSpec, agree_min, join, local_kv_blocks
+from laneserve.engine.tp.layout import TensorParallelError, check_degree
+from laneserve.engine.tp.loader import load_shard
+from laneserve.engine.tp.step_message import StepEncoder
+from laneserve.engine.tp.stop import make_stop_agreement
+from laneserve.engine.tp.worker import rank_main
+
+
+def tp_config(config: EngineConfig) -> EngineConfig:
+    """The config every rank runs with, refusing what the group cannot do yet."""
+    import dataclasses
+
+    if config.num_host_blocks:
+        raise TensorParallelError("a host KV pool (num_host_blocks) is not supported with tensor_parallel_size > 1")
+    if config.cuda_graphs:
+        raise TensorParallelError("cuda_graphs is not supported with tensor_parallel_size > 1 yet")
+    return dataclasses.replace(config, cuda_graphs=False)
+
+
+class RankGroup:
+    """Ranks 1..N-1 as processes, and rank 0's membership (in this process)."""
+
+    def __init__(self, model_path: str | Path, world: int, config: EngineConfig, timeout_s: float = 300.0) -> None:
+        from laneserve.engine.models.config import ModelConfig
+
+        check_degree(ModelConfig.from_folder(Path(model_path)), world)
+        self.world = world
+        self._dir = tempfile.mkdtemp(prefix="laneserve-tp-")
+        self.spec = GroupSpec(str(model_path), world, config, os.path.join(self._dir, "store"), timeout_s)
+        ctx = mp.get_context("spawn")
+        self.channel = StepChannel.create(ctx, world - 1)
+        self.procs = [ctx.Process(target=rank_main, args=(self.spec, r, self.channel.handle(r - 1), os.getpid()),
+                                  name=f"laneserve-tp-rank{r}", daemon=True) for r in range(1, world)]
+        self._closed = False
+        try:
+            for p in self.procs:
+                p.start()
+            self.joined = join(self.spec, 0)
+            self.channel.unlink()          # every rank mapped it before joining the group
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def publish(self, message: object) -> int:
+        return self.channel.publish(message, self.alive)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every rank (politely, then by force) and remove the channel and the store."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.procs and self.alive():
+                self.channel.publish(("shutdown",), self.alive)
+        except Exception:
+            pass
+        for p in self.procs:
+            if p.pid is not None:
+                p.join(timeout_s)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout_s)
+        self.channel.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class TPExecutor(EngineExecutor):
+    """``EngineExecutor`` over a rank group (rank 0's shard is this executor's model)."""
+
+    def __init__(self, group: RankGroup, model, kv: KVCacheManager, config: EngineConfig) -> None:
+        super().__init__(model, kv, config, None)
+        self.group = group
+        self.stop = make_stop_agreement(group.joined.control, group.world)
+        self.encoder = StepEncoder()
+        self._finalizer = weakref.finalize(self, group.close)
+
+    @classmethod
+    def start(cls, path: str | Path, world: int, config: EngineConfig, kv_factory=None) -> TPExecutor:
+        """Spawn the group, load rank 0's shard, agree on the KV blocks and build the executor;
+        ``kv_factory(num_blocks)`` makes the KV manager (default: a plain ``KVCacheManager``)."""
+        config = tp_config(config)
+        group = RankGroup(path, world, config)
+        try:
+            model = load_shard(path, 0, world, group.joined.device, config.dtype, group.joined.comm,
+                               load_tokenizer_too=True)
+            blocks = agree_min(group.joined.control, local_kv_blocks(config, model))
+            kv = kv_factory(blocks) if kv_factory else KVCacheManager(blocks, config.block_size)
+            return cls(group, model, kv, config)
+        except BaseException:
+            group.close()
+            raise
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.group.world
+
+    def execute(self, plan: StepPlan, should_stop: Callable[[], bool] | None = None) -> EngineStepResult:
+        check = plan.preemptible and should_stop is not None and plan.preempt_granularity != "chunk"
+        if plan.plan_id in self._parked:
+            self.group.publish(("resume", plan.plan_id, check))
+        elif not plan.ops_done and not plan.swap_in and not plan.swap_out:
+            seqs = plan_sequences(plan, self.kv)
+            if seqs:
+                self.group.publish(self.encoder.encode(plan, seqs, prompt_logprob_rows(seqs), self.kv, check))
+        agreed = None
+        if should_stop is not None:
+            def agreed() -> bool:
+                return self.stop.leader(should_stop())
+        return super().execute(plan, agreed)
+
+    def discard(self, plan: StepPlan) -> bool:
+        if plan.plan_id in self._parked:
+            self.group.publish(("discard", plan.plan_id))
+        return super().discard(plan)
+
+    def copy_block(self, copy: BlockCopy) -> None:
+        self.group.publish(("copy_block", copy))
+        super().copy_block(copy)
+
+    def export_kv(self, request_id: int, num_tokens: int | None = None, *, from_host: bool = False):
+        raise TensorParallelError("KV export from a tensor-parallel instance is not supported yet")
+
+    def import_kv(self, request_id: int, payload, *, into_host: bool = False) -> None:
+        raise TensorParallelError("KV import into a tensor-parallel instance is not supported yet")
+
+    def close(self) -> None:
+        self._finalizer()
