@@ -1,7 +1,8 @@
 """Tiny random checkpoints whose shapes bite tensor parallelism: a vocabulary not divisible by 2
 or 4, fewer KV heads than ranks (Llama-3 GQA with 2, Qwen2 MQA with 1), Qwen2 biases and tied
 embeddings, Qwen3 q/k norms. The LM head is scaled up so greedy choices and logprobs are far from
-ties that a different reduction order could flip."""
+ties that a different reduction order could flip (through the final norm's weight, which
+scales the logits without touching a tied embedding)."""
 
 from __future__ import annotations
 
@@ -41,11 +42,10 @@ def tp_checkpoint(family: str) -> Path:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2 and p.shape[0] != VOCAB:
-                p.mul_(2.5)
+                p.mul_(6.0 if family == "qwen2" else 2.5)
             elif "bias" in name:
                 p.normal_(0.0, 0.5)
-        head = model.get_output_embeddings().weight
-        head.mul_(8.0)            # wide logit margins (tied: the embedding grows too; RMSNorm absorbs it)
+        model.model.norm.weight.mul_(8.0)     # wide logit margins (the tied embedding is left alone)
     path = Path(_TMP.name) / family
     model.save_pretrained(path)
     return path
