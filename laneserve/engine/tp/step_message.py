@@ -24,19 +24,22 @@ class StepMessage:
     granularity: str
     check: bool                                   # rank 0 asks "stop here?" at the boundaries
     padded_shape: tuple[int, int] | None
-    #: (request id, start, count, sample, is_decode)
-    seqs: list[tuple[int, int, int, bool, bool]]
-    #: request id -> tokens to append to its known tokens (array of int32 / int64)
+    #: the sequences as columns: request ids, starts, token counts, flags (1: sampled, 2: decode)
+    rids: array
+    starts: array
+    counts: array
+    flags: bytes
+    #: request id -> tokens to append to its known tokens (int32)
     tokens: dict[int, array] = field(default_factory=dict)
     #: request id -> (keep, blocks): keep the first ``keep`` blocks of the mirrored table, append ``blocks``
     tables: dict[int, tuple[int, array]] = field(default_factory=dict)
     gone: list[int] = field(default_factory=list)
-    #: index into ``seqs`` -> (first position, count) of prompt-logprob rows
+    #: index of a sequence -> (first position, count) of prompt-logprob rows
     prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def _ids(values) -> array:
-    return array("q", values)
+    return array("i", values)      # token ids, positions and block ids fit 32 bits
 
 
 class StepEncoder:
@@ -48,7 +51,10 @@ class StepEncoder:
 
     def encode(self, plan, seqs: list[SeqInput], prompt_rows, kv, check: bool) -> StepMessage:
         msg = StepMessage(plan.plan_id, plan.preemptible, plan.preempt_granularity, check,
-                          plan.padded_shape, [])
+                          plan.padded_shape, array("q", (s.request.request_id for s in seqs)),
+                          _ids(s.start for s in seqs),
+                          _ids(len(s.token_ids) for s in seqs),
+                          bytes(int(s.sample) | 2 * int(s.is_decode) for s in seqs))
         live = kv.tables
         msg.gone = [rid for rid in self._sent_tables if rid not in live]
         for rid in msg.gone:
@@ -59,7 +65,6 @@ class StepEncoder:
             req = s.request
             rid = req.request_id
             index_of[id(s)] = i
-            msg.seqs.append((rid, s.start, len(s.token_ids), s.sample, s.is_decode))
             need = s.start + len(s.token_ids)
             have = self._sent_tokens.get(rid, 0)
             if need > have:
@@ -107,6 +112,6 @@ class StepMirror:
             self.tokens.setdefault(rid, []).extend(new)
         for rid, (keep, blocks) in msg.tables.items():
             self.tables[rid] = self.tables.get(rid, [])[:keep] + list(blocks)
-        seqs = [SeqInput(_MirrorRequest(rid), self.tokens[rid][start:start + n], start, sample, dec)  # type: ignore[arg-type]
-                for rid, start, n, sample, dec in msg.seqs]
+        seqs = [SeqInput(_MirrorRequest(rid), self.tokens[rid][start:start + n], start, bool(f & 1), bool(f & 2))  # type: ignore[arg-type]
+                for rid, start, n, f in zip(msg.rids, msg.starts, msg.counts, msg.flags)]
         return seqs, [(seqs[i], first, count) for i, first, count in msg.prompt_rows]
