@@ -159,6 +159,9 @@ def discard_descriptor(desc: dict[str, Any] | None) -> None:
     elif desc and desc.get("t") == "ray":
         from laneserve.cluster.ray_kv import release
         release(desc)
+    elif desc and desc.get("t") == "sharded":     # a tensor-parallel group's shards (engine/tp/kv_reshard.py)
+        for shard in desc.get("shards", ()):
+            discard_descriptor(shard)
 
 
 def tensor_to_bytes(kv):
