@@ -14,6 +14,7 @@ once every rank has mapped it, so no shared memory outlives the group.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -29,18 +30,16 @@ from laneserve.engine.config import EngineConfig
 from laneserve.engine.executor import EngineExecutor, EngineStepResult
 from laneserve.engine.runner import plan_sequences, prompt_logprob_rows
 from laneserve.engine.tp.channel import StepChannel
-from laneserve.engine.tp.group import GroupSpec, agree_min, join, local_kv_blocks
+from laneserve.engine.tp.group import GroupSpec, agree_min, barrier, join, local_kv_blocks
 from laneserve.engine.tp.layout import TensorParallelError, check_degree
 from laneserve.engine.tp.loader import load_shard
 from laneserve.engine.tp.step_message import StepEncoder
-from laneserve.engine.tp.stop import make_stop_agreement
+from laneserve.engine.tp.stop_protocol import StopBoard, StopProtocol
 from laneserve.engine.tp.worker import rank_main
 
 
 def tp_config(config: EngineConfig) -> EngineConfig:
     """The config every rank runs with, refusing what the group cannot do yet."""
-    import dataclasses
-
     if config.num_host_blocks:
         raise TensorParallelError("a host KV pool (num_host_blocks) is not supported with tensor_parallel_size > 1")
     if config.cuda_graphs:
@@ -58,6 +57,8 @@ class RankGroup:
         self.world = world
         self._dir = tempfile.mkdtemp(prefix="laneserve-tp-")
         self.spec = GroupSpec(str(model_path), world, config, os.path.join(self._dir, "store"), timeout_s)
+        self.board = StopBoard.create(world)
+        self.spec = dataclasses.replace(self.spec, stop_board=self.board.name)
         ctx = mp.get_context("spawn")
         self.channel = StepChannel.create(ctx, world - 1)
         self.procs = [ctx.Process(target=rank_main, args=(self.spec, r, self.channel.handle(r - 1), os.getpid()),
@@ -68,6 +69,9 @@ class RankGroup:
                 p.start()
             self.joined = join(self.spec, 0)
             self.channel.unlink()          # every rank mapped it before joining the group
+            self.stop = StopProtocol(self.board, 0)
+            barrier(self.joined.control)   # every rank attached to the board
+            os.unlink(self.board.name)
         except BaseException:
             self.close()
             raise
@@ -99,6 +103,7 @@ class RankGroup:
                     p.kill()
                     p.join(timeout_s)
         self.channel.close()
+        self.board.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -108,7 +113,7 @@ class TPExecutor(EngineExecutor):
     def __init__(self, group: RankGroup, model, kv: KVCacheManager, config: EngineConfig) -> None:
         super().__init__(model, kv, config, None)
         self.group = group
-        self.stop = make_stop_agreement(group.joined.control, group.world)
+        self.stop = group.stop
         self.encoder = StepEncoder()
         self._finalizer = weakref.finalize(self, group.close)
 
@@ -141,6 +146,8 @@ class TPExecutor(EngineExecutor):
             if seqs:
                 self.group.publish(self.encoder.encode(plan, seqs, prompt_logprob_rows(seqs), self.kv, check))
         agreed = None
+        if check:
+            self.stop.begin_plan(plan.ops_done, self.num_operators, plan.preempt_granularity)
         if should_stop is not None:
             def agreed() -> bool:
                 return self.stop.leader(should_stop())

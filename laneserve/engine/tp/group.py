@@ -28,6 +28,8 @@ class GroupSpec:
     config: EngineConfig
     store_path: str
     timeout_s: float = 300.0
+    #: the shared-memory stop board (``stop_protocol.StopBoard``); None: a broadcast per boundary
+    stop_board: str | None = None
 
 
 @dataclass
@@ -64,6 +66,10 @@ def agree_min(control, value: int) -> int:
     opts.reduceOp = dist.ReduceOp.MIN
     control.allreduce([t], opts).wait()
     return int(t[0])
+
+
+def barrier(control) -> None:
+    control.barrier().wait()
 
 
 def local_kv_blocks(config: EngineConfig, model) -> int:

@@ -15,7 +15,7 @@ import torch
 from laneserve.engine.attention import sdpa_backends
 from laneserve.engine.executor import EngineExecutor
 from laneserve.engine.tp.channel import ChannelClosed, ChannelHandle, ChannelReader
-from laneserve.engine.tp.group import GroupSpec, agree_min, join, local_kv_blocks, parent_alive
+from laneserve.engine.tp.group import GroupSpec, agree_min, barrier, join, local_kv_blocks, parent_alive
 from laneserve.engine.tp.loader import load_shard
 from laneserve.engine.tp.step_message import StepMessage, StepMirror
 from laneserve.engine.tp.stop import make_stop_agreement
@@ -40,11 +40,12 @@ class RankWorker:
         if spec.config.num_threads is not None:
             torch.set_num_threads(spec.config.num_threads)
         joined = join(spec, rank)
+        self.stop = make_stop_agreement(joined.control, spec.world, rank, spec.stop_board)
+        barrier(joined.control)                      # rank 0 unlinks the board's name after it
         self.model = load_shard(spec.model_path, rank, spec.world, joined.device, spec.config.dtype, joined.comm)
         blocks = agree_min(joined.control, local_kv_blocks(spec.config, self.model))
         self.mirror = StepMirror(blocks, spec.config.block_size)
         self.executor = EngineExecutor(self.model, self.mirror, spec.config)  # type: ignore[arg-type]
-        self.stop = make_stop_agreement(joined.control, spec.world)
         self.steps = 0
 
     def step(self, msg) -> None:
@@ -58,6 +59,8 @@ class RankWorker:
             else:                                         # ("resume", plan_id, check)
                 parked = ex._parked.pop(msg[1])
                 plan, forward, seqs, check = parked.plan, parked.forward, parked.seqs, msg[2]
+            if check:
+                self.stop.begin_plan(plan.ops_done, ex.num_operators, plan.preempt_granularity)
             ex._advance(plan, forward, seqs, self.stop.follower if check else None, time.perf_counter())
         self.steps += 1
 
