@@ -229,3 +229,34 @@ def test_two_groups_side_by_side_then_nothing_left():
         assert not Path(g.spec.store_path).parent.exists()
     mine = (f"laneserve-tp-{os.getpid()}-", f"laneserve-stop-{os.getpid()}-")      # step channel, stop board
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(mine)]
+
+
+def test_every_rank_makes_one_host_sync_per_step_at_most(monkeypatch):
+    """Rank 1 as a thread of this process (the same rank loop), so the shim counts both ranks:
+    a step's only sync is rank 0's sampled tokens; rank 1 reads nothing back."""
+    from test_engine_host_sync import counting
+
+    from laneserve.engine.tp.executor import TPExecutor
+
+    ex = TPExecutor.start(tp_checkpoint("qwen3"), 2, _config(), launch="thread")
+    try:
+        assert ex.group.pids == []
+        driver = Driver(ex)
+        a, b, c = (_clip(p) for p in prompts([14, 9, 12], seed=4))
+        ra, rb, rc = make_request(0, a, 3), make_request(1, b, 3), make_request(2, c, 3)
+        driver.step([(ra, 6)], [])
+        counts = {}
+        with counting(monkeypatch) as measure:
+            with measure() as n:
+                driver.step([(ra, 8), (rb, 9)], [])
+            counts["mixed"] = list(n.syncs)
+            with measure() as n:
+                driver.step([], [ra, rb])
+            counts["decode"] = list(n.syncs)
+            with measure() as n:
+                driver.step([(rc, 12)], [ra, rb], preemptible=True, should_stop=lambda: False)
+            counts["preemptible"] = list(n.syncs)
+    finally:
+        ex.close()
+    assert all(len(syncs) == 1 for syncs in counts.values()), counts
+    assert not any(t.is_alive() for t in ex.group.procs)

@@ -18,6 +18,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -48,9 +49,12 @@ def tp_config(config: EngineConfig) -> EngineConfig:
 
 
 class RankGroup:
-    """Ranks 1..N-1 as processes, and rank 0's membership (in this process)."""
+    """Ranks 1..N-1 as processes, and rank 0's membership (in this process). ``launch="thread"``
+    runs ranks 1..N-1 as threads of this process instead (the same code; tests count every rank's
+    host work that way)."""
 
-    def __init__(self, model_path: str | Path, world: int, config: EngineConfig, timeout_s: float = 300.0) -> None:
+    def __init__(self, model_path: str | Path, world: int, config: EngineConfig, timeout_s: float = 300.0,
+                 launch: str = "process") -> None:
         from laneserve.engine.models.config import ModelConfig
 
         check_degree(ModelConfig.from_folder(Path(model_path)), world)
@@ -61,8 +65,12 @@ class RankGroup:
         self.spec = dataclasses.replace(self.spec, stop_board=self.board.name)
         ctx = mp.get_context("spawn")
         self.channel = StepChannel.create(ctx, world - 1)
-        self.procs = [ctx.Process(target=rank_main, args=(self.spec, r, self.channel.handle(r - 1), os.getpid()),
-                                  name=f"laneserve-tp-rank{r}", daemon=True) for r in range(1, world)]
+        if launch not in ("process", "thread"):
+            raise ValueError(f"launch must be 'process' or 'thread', got {launch!r}")
+        make = ctx.Process if launch == "process" else threading.Thread
+        parent = os.getpid() if launch == "process" else os.getppid()
+        self.procs = [make(target=rank_main, args=(self.spec, r, self.channel.handle(r - 1), parent),
+                           name=f"laneserve-tp-rank{r}", daemon=True) for r in range(1, world)]
         self._closed = False
         try:
             for p in self.procs:
@@ -78,7 +86,7 @@ class RankGroup:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs if p.pid is not None]
+        return [p.pid for p in self.procs if getattr(p, "pid", None) is not None]
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -97,9 +105,9 @@ class RankGroup:
         except Exception:
             pass
         for p in self.procs:
-            if p.pid is not None:
+            if p.ident is not None:
                 p.join(timeout_s)
-                if p.is_alive():
+                if p.is_alive() and hasattr(p, "kill"):
                     p.kill()
                     p.join(timeout_s)
         self.channel.close()
@@ -118,11 +126,12 @@ class TPExecutor(EngineExecutor):
         self._finalizer = weakref.finalize(self, group.close)
 
     @classmethod
-    def start(cls, path: str | Path, world: int, config: EngineConfig, kv_factory=None) -> TPExecutor:
+    def start(cls, path: str | Path, world: int, config: EngineConfig, kv_factory=None,
+              launch: str = "process") -> TPExecutor:
         """Spawn the group, load rank 0's shard, agree on the KV blocks and build the executor;
         ``kv_factory(num_blocks)`` makes the KV manager (default: a plain ``KVCacheManager``)."""
         config = tp_config(config)
-        group = RankGroup(path, world, config)
+        group = RankGroup(path, world, config, launch=launch)
         try:
             model = load_shard(path, 0, world, group.joined.device, config.dtype, group.joined.comm,
                                load_tokenizer_too=True)
