@@ -113,7 +113,7 @@ def test_the_flags_mean_what_they_mean_in_vllm(hf_cache, tmp_path):
     d = make_defaults(ok)
     assert d.max_model_len == 4096 and ok.dtype == "auto"
 
-    with pytest.raises(ValueError, match="tensor parallelism is not supported by laneserve's engine yet"):
+    with pytest.raises(ValueError, match="needs --colocated for now"):
         _applied(VLLM_SERVE_LINES[7])
     with pytest.raises(ValueError, match="no such file"):                      # the template file is not here
         _applied(VLLM_SERVE_LINES[8])

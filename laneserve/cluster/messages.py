@@ -461,8 +461,10 @@ class InstanceInfo(_Record):
     prefix_caching: bool = False
     prefix_root: Any = None                    # the prefix hash chain's root (core/prefix_summary.py)
     stub: bool = False
+    tensor_parallel_size: int = 1              # ranks (engine/tp); rank 0 is ``pid``
+    rank_pids: Any = ()                        # the processes of ranks 1..N-1
 
-    _checks = (_count, _count, _count, _count, _count, _str, _str, _str, _bool, _any, _bool)
+    _checks = (_count, _count, _count, _count, _count, _str, _str, _str, _bool, _any, _bool, _count, _any)
 
 
 # ---- messages ---------------------------------------------------------------------------------------

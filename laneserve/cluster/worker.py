@@ -66,6 +66,7 @@ class WorkerSpec:
     policy_opts: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
     gen: int = 0                             # incarnation: the router ignores messages of older ones
+    tensor_parallel_size: int = 1            # ranks of this instance (engine/tp): one process each
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -155,6 +156,18 @@ class _SharedKV:
         return value
 
 
+def _tensor_parallel_executor(spec: WorkerSpec, config, kv):
+    """Rank 0's executor over a group of ``spec.tensor_parallel_size`` rank processes, on the KV
+    manager ``kv`` the scheduler allocates in (every rank sizes its cache to its block count)."""
+    import dataclasses
+
+    from laneserve.engine.tp.executor import TPExecutor
+
+    config = dataclasses.replace(config, num_kv_blocks=kv.num_blocks)
+    executor = TPExecutor.start(spec.model, spec.tensor_parallel_size, config, kv_factory=lambda _blocks: kv)
+    return executor.model, executor
+
+
 class InstanceWorker:
     def __init__(self, spec: WorkerSpec, context: zmq.Context | None = None) -> None:
         self.spec = spec
@@ -189,7 +202,7 @@ class InstanceWorker:
 
         spec = self.spec
         config = EngineConfig(**{"device": spec.device, **spec.engine})
-        model = load_model(spec.model, config.device, config.dtype)
+        model = load_model(spec.model, config.device, config.dtype) if spec.tensor_parallel_size == 1 else None
         blocks = max(1, spec.kv_tokens // config.block_size)
         kv = make_kv_manager(blocks, config, role=spec.role, model_id=spec.model)
         host = HostKVPool(config.num_host_blocks, config.block_size) if config.num_host_blocks else None
@@ -199,7 +212,11 @@ class InstanceWorker:
         if host is not None and spec.role != "prefill":
             opts["host_pool"] = host
         scheduler = registry.make(spec.role, spec.policy, kv, **opts)
-        executor = _RecordingExecutor(EngineExecutor(model, kv, config, host))
+        if spec.tensor_parallel_size > 1:
+            model, inner = _tensor_parallel_executor(spec, config, kv)
+        else:
+            inner = EngineExecutor(model, kv, config, host)
+        executor = _RecordingExecutor(inner)
         stop = StopChecker(model.tokenizer) if model.tokenizer is not None else None
         self.inbox = Inbox(self.clock)          # the receiver thread puts adds here (_accept)
         self.instance = EngineInstance(scheduler, executor, clock=self.clock, instance_id=spec.instance_id,
@@ -210,7 +227,8 @@ class InstanceWorker:
             vocab_size=model.config.vocab_size, pid=os.getpid(),
             policy=scheduler.name if hasattr(scheduler, "name") else spec.policy, role=spec.role,
             device=config.device, prefix_caching=kv.prefix_caching,
-            prefix_root=kv.root if kv.prefix_caching else None)
+            prefix_root=kv.root if kv.prefix_caching else None, tensor_parallel_size=spec.tensor_parallel_size,
+            rank_pids=tuple(getattr(getattr(inner, "group", None), "pids", ())))
         if kv.prefix_caching:
             kv.allocator.record_events()   # the router's summary (core/prefix_summary.py)
         if spec.role == "decode":          # the tpot-aware decode router reads its last decode step
@@ -597,3 +615,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
