@@ -462,7 +462,7 @@ class InstanceInfo(_Record):
     prefix_root: Any = None                    # the prefix hash chain's root (core/prefix_summary.py)
     stub: bool = False
     tensor_parallel_size: int = 1              # ranks (engine/tp); rank 0 is ``pid``
-    rank_pids: Any = ()                        # the processes of ranks 1..N-1
+    rank_pids: Any = None                      # the processes of ranks 1..N-1 (a list; None: one rank)
 
     _checks = (_count, _count, _count, _count, _count, _str, _str, _str, _bool, _any, _bool, _count, _any)
 

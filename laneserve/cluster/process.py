@@ -757,7 +757,7 @@ class ProcessCluster:
                 "kv_files": sum(1 for _ in self.kv_dir.iterdir()) if self.kv_dir.is_dir() else 0,
                 "instances": [{"id": h.instance_id, "role": h.role, "policy": h.policy, "device": h.device,
                                "tensor_parallel_size": self._tensor_parallel_size(h.role),
-                               "rank_pids": list(h.info.rank_pids) if h.info is not None else None,
+                               "rank_pids": h.info.rank_pids if h.info is not None else None,
                                "alive": h.alive, "ready": h.ready, "status": h.status, "restarts": h.gen,
                                "pid": h.info.pid if h.info is not None else None,
                                "exit_reason": h.exit_reason,

@@ -228,7 +228,7 @@ class InstanceWorker:
             policy=scheduler.name if hasattr(scheduler, "name") else spec.policy, role=spec.role,
             device=config.device, prefix_caching=kv.prefix_caching,
             prefix_root=kv.root if kv.prefix_caching else None, tensor_parallel_size=spec.tensor_parallel_size,
-            rank_pids=tuple(getattr(getattr(inner, "group", None), "pids", ())))
+            rank_pids=list(inner.group.pids) if spec.tensor_parallel_size > 1 else None)
         if kv.prefix_caching:
             kv.allocator.record_events()   # the router's summary (core/prefix_summary.py)
         if spec.role == "decode":          # the tpot-aware decode router reads its last decode step
