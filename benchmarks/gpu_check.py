@@ -10,7 +10,10 @@
   (f) the prefill policies end to end on the engine (1 prefill + 1 decode instance in-process; a
       short/long mix: 24% long prompts of 6,144-8,192 tokens, the rest 64-512, one output token,
       TTFT SLO 0.15 s short / 3 s long, Poisson arrivals) beside the simulator fed this engine's own
-      GPU profile (``EngineProfiler``, what ``laneserve profile`` runs; saved next to the results).
+      GPU profile (``EngineProfiler``, what ``laneserve profile`` runs; saved next to the results);
+  (g) tensor parallelism, where two or more GPUs are visible (one line says so where there is
+      one): greedy tokens of TP2 (and TP4 with four GPUs) against TP1, fp32, and the wall time of
+      the same generation.
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py            # on a CUDA machine
     PYTHONPATH=. python3 benchmarks/gpu_check.py --dry-run  # every section on CPU at tiny sizes
@@ -546,6 +549,45 @@ def section_f(args) -> dict:
             "attention": engine_attention(args), "rows": rows}
 
 
+def section_g(args) -> dict:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from laneserve.engine import EngineConfig
+    from laneserve.engine.llm import LLM
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.device == "cuda" and gpus < 2:
+        print(f"gpu_check (g): {gpus} GPU visible; the tensor-parallel section needs two or more: skipped")
+        return {"skipped": f"{gpus} GPU visible; tensor parallelism needs two or more"}
+    degrees = [2] if args.dry_run else [d for d in (2, 4, 8) if d <= gpus]
+    shape = TINY if args.dry_run else CHECK_MODEL
+    new_tokens = 6 if args.dry_run else 32
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, shape["vocab_size"] - 1) for _ in range(n)] for n in (9, 40, 200)]
+    folder = Path(tempfile.mkdtemp(prefix="gpu-check-tp-"))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**shape, tie_word_embeddings=False)).save_pretrained(folder)
+    config = EngineConfig(device=args.device, dtype="float32", attention="ragged", cuda_graphs=False,
+                          num_kv_blocks=256)
+    rows, ref = [], None
+    for tp in [1] + degrees:
+        llm = LLM(folder, config=config, quiet=True, tensor_parallel_size=tp)
+        try:
+            llm.generate(prompts[:1], greedy_params(2))                 # warm-up
+            sync(args.device)
+            t0 = time.perf_counter()
+            outs = [o.token_ids for o in llm.generate(prompts, greedy_params(new_tokens))]
+            sync(args.device)
+            wall = time.perf_counter() - t0
+        finally:
+            llm.close()
+        ref = ref or outs
+        same = sum(a == b for o, r in zip(outs, ref) for a, b in zip(o, r))
+        rows.append({"tp": tp, "identical_to_tp1": same / sum(len(r) for r in ref), "wall_s": wall})
+        cleanup()
+    return {"model": shape, "gpus": gpus, "new_tokens": new_tokens, "rows": rows,
+            "all_identical": all(r["identical_to_tp1"] == 1.0 for r in rows)}
+
+
 SECTIONS = {
     "a": ("greedy tokens vs HF generate, fp32, every attention path, graphs on/off", section_a),
     "b": ("decode step time, Llama-3.1-8B-shaped, ~1K context, fraction of copy bandwidth", section_b),
@@ -553,13 +595,14 @@ SECTIONS = {
     "d": ("preemption latency of an 8K prefill per granularity", section_d),
     "e": ("offline throughput, default settings vs HF generate", section_e),
     "f": ("prefill policies end to end vs the simulator fed this GPU's profile", section_f),
+    "g": ("tensor parallelism (two or more GPUs): greedy tokens of TP2/TP4 vs TP1, wall time", section_g),
 }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="every section on CPU at tiny sizes")
-    parser.add_argument("--sections", default="abcdef")
+    parser.add_argument("--sections", default="abcdefg")
     parser.add_argument("--requests", type=int, default=120, help="(f) requests per policy (the issue's mix: 240)")
     parser.add_argument("--budget", type=float, default=300.0, help="seconds; (f) skips policies past it")
     parser.add_argument("--results-dir", default=str(HERE / "results"))

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
+import logging
+
 from laneserve.core.kv import BlockCopy, KVCacheManager
 from laneserve.core.plan import StepPlan
 from laneserve.engine.config import EngineConfig
@@ -38,13 +40,15 @@ from laneserve.engine.tp.step_message import StepEncoder
 from laneserve.engine.tp.stop_protocol import StopBoard, StopProtocol
 from laneserve.engine.tp.worker import rank_main
 
+log = logging.getLogger(__name__)
+
 
 def tp_config(config: EngineConfig) -> EngineConfig:
     """The config every rank runs with, refusing what the group cannot do yet."""
     if config.num_host_blocks:
         raise TensorParallelError("a host KV pool (num_host_blocks) is not supported with tensor_parallel_size > 1")
     if config.cuda_graphs:
-        raise TensorParallelError("cuda_graphs is not supported with tensor_parallel_size > 1 yet")
+        log.info("tensor parallelism runs eager steps: cuda_graphs turned off")
     return dataclasses.replace(config, cuda_graphs=False)
 
 
