@@ -260,3 +260,45 @@ def test_every_rank_makes_one_host_sync_per_step_at_most(monkeypatch):
         ex.close()
     assert all(len(syncs) == 1 for syncs in counts.values()), counts
     assert not any(t.is_alive() for t in ex.group.procs)
+
+
+def _prefilled(ex, rid: int, prompt: list[int]):
+    req = make_request(rid, prompt, 5)
+    Driver(ex).step([(req, len(prompt))], [])
+    return req
+
+
+def _take_over(ex, rid: int, src, payload) -> list[int]:
+    """``src``'s request continued on ``ex`` from ``payload``: four decode steps."""
+    req = make_request(rid, list(src.prompt_token_ids), 5)
+    req.num_computed_tokens = src.num_computed_tokens
+    req.record_token(0.0, src.output_token_ids[0])
+    ex.kv.allocate(rid, req.context_len)
+    ex.import_kv(rid, payload)
+    driver = Driver(ex)
+    for _ in range(4):
+        driver.step([], [req])
+    ex.kv.free(rid)
+    return list(req.output_token_ids)
+
+
+def test_kv_hands_off_between_this_degree_and_one_rank(group):
+    """A request prefilled on the group continues on one rank from the exported (sharded) KV, and
+    one prefilled on one rank continues on the group: both decode the tokens of one rank alone."""
+    family, tp, llm = group
+    ref_llm, _ = _reference(family)
+    one, many = ref_llm.executor, llm.executor
+    prompt = _clip(prompts([19], seed=21)[0])
+    alone = _prefilled(one, 3000, prompt)
+    expected = _take_over(one, 3001, alone, one.export_kv(3000, alone.num_computed_tokens))
+    one.kv.free(3000)
+
+    src = _prefilled(many, 3002, prompt)
+    payload = many.export_kv(3002, src.num_computed_tokens)
+    assert payload.tp == tp and src.output_token_ids == alone.output_token_ids
+    assert _take_over(one, 3003, src, payload) == expected              # TP-N -> TP1
+    many.kv.free(3002)
+
+    src = _prefilled(one, 3004, prompt)
+    assert _take_over(many, 3005, src, one.export_kv(3004, src.num_computed_tokens)) == expected   # TP1 -> TP-N
+    one.kv.free(3004)

@@ -33,7 +33,10 @@ from laneserve.engine.config import EngineConfig
 from laneserve.engine.executor import EngineExecutor, EngineStepResult
 from laneserve.engine.runner import plan_sequences, prompt_logprob_rows
 from laneserve.engine.tp.channel import StepChannel
-from laneserve.engine.tp.group import GroupSpec, agree_min, barrier, join, local_kv_blocks
+from laneserve.engine.kv_cache import KVPayload
+from laneserve.engine.tp.group import (GroupSpec, agree_min, barrier, gather_to_first, join, local_kv_blocks,
+                                       scatter_from_first)
+from laneserve.engine.tp.kv_reshard import ShardedKVPayload, kv_for_rank
 from laneserve.engine.tp.layout import TensorParallelError, check_degree
 from laneserve.engine.tp.loader import load_shard
 from laneserve.engine.tp.step_message import StepEncoder
@@ -127,6 +130,8 @@ class TPExecutor(EngineExecutor):
         self.group = group
         self.stop = group.stop
         self.encoder = StepEncoder()
+        from laneserve.engine.models.config import ModelConfig
+        self.full_num_kv_heads = ModelConfig.from_folder(Path(group.spec.model_path)).num_kv_heads
         self._finalizer = weakref.finalize(self, group.close)
 
     @classmethod
@@ -175,11 +180,34 @@ class TPExecutor(EngineExecutor):
         self.group.publish(("copy_block", copy))
         super().copy_block(copy)
 
-    def export_kv(self, request_id: int, num_tokens: int | None = None, *, from_host: bool = False):
-        raise TensorParallelError("KV export from a tensor-parallel instance is not supported yet")
+    def export_kv(self, request_id: int, num_tokens: int | None = None, *,
+                  from_host: bool = False) -> ShardedKVPayload:
+        """Every rank's KV heads of the request, gathered here as one sharded payload (each rank's
+        export as it is: ``kv_reshard`` cuts it for whatever degree imports it)."""
+        if from_host:
+            raise TensorParallelError("a tensor-parallel instance has no host KV pool")
+        table = self.kv.table(request_id)
+        if not table:
+            raise KeyError(f"request {request_id} holds no KV blocks")
+        if num_tokens is None:
+            num_tokens = len(table) * self.kv.block_size
+        self.group.publish(("export", list(table), num_tokens))
+        local = super().export_kv(request_id, num_tokens)
+        shards = gather_to_first(self.group.joined.control, local.kv, self.group.world)
+        return ShardedKVPayload(self.full_num_kv_heads, [KVPayload(num_tokens, t) for t in shards])
 
     def import_kv(self, request_id: int, payload, *, into_host: bool = False) -> None:
-        raise TensorParallelError("KV import into a tensor-parallel instance is not supported yet")
+        """Each rank imports the KV heads it owns from ``payload`` (a plain payload from one rank or
+        a sharded one from a group of any degree)."""
+        if into_host:
+            raise TensorParallelError("a tensor-parallel instance has no host KV pool")
+        world = self.group.world
+        parts = [kv_for_rank(payload, self.full_num_kv_heads, world, r) for r in range(world)]
+        table = self.kv.table(request_id)
+        self.group.publish(("import", list(table), parts[0].num_tokens))
+        scatter_from_first(self.group.joined.control,
+                           [p.kv.to(self.model.dtype).contiguous() for p in parts], parts[0].kv.shape)
+        super().import_kv(request_id, parts[0])
 
     def close(self) -> None:
         self._finalizer()

@@ -68,6 +68,27 @@ def agree_min(control, value: int) -> int:
     return int(t[0])
 
 
+def gather_to_first(control, t: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same shape and dtype everywhere) on rank 0; ``[]`` on the others."""
+    rank = control.rank()
+    out = [torch.empty_like(t) for _ in range(world)] if rank == 0 else []
+    opts = dist.GatherOptions()
+    opts.rootRank = 0
+    control.gather([out] if rank == 0 else [], [t.contiguous()], opts).wait()
+    return out
+
+
+def scatter_from_first(control, parts: list[torch.Tensor], shape, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rank 0 sends ``parts[r]`` to rank ``r``; every rank returns its own (``shape``/``dtype``:
+    what the others receive)."""
+    rank = control.rank()
+    out = torch.empty(tuple(shape), dtype=parts[0].dtype if parts else dtype)
+    opts = dist.ScatterOptions()
+    opts.rootRank = 0
+    control.scatter([out], [parts] if rank == 0 else [], opts).wait()
+    return out
+
+
 def barrier(control) -> None:
     control.barrier().wait()
 

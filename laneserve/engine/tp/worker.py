@@ -15,7 +15,9 @@ import torch
 from laneserve.engine.attention import sdpa_backends
 from laneserve.engine.executor import EngineExecutor
 from laneserve.engine.tp.channel import ChannelClosed, ChannelHandle, ChannelReader
-from laneserve.engine.tp.group import GroupSpec, agree_min, barrier, join, local_kv_blocks, parent_alive
+from laneserve.engine.kv_cache import KVPayload
+from laneserve.engine.tp.group import (GroupSpec, agree_min, barrier, gather_to_first, join, local_kv_blocks,
+                                       parent_alive, scatter_from_first)
 from laneserve.engine.tp.loader import load_shard
 from laneserve.engine.tp.step_message import StepMessage, StepMirror
 from laneserve.engine.tp.stop import make_stop_agreement
@@ -47,6 +49,7 @@ class RankWorker:
         self.mirror = StepMirror(blocks, spec.config.block_size)
         self.executor = EngineExecutor(self.model, self.mirror, spec.config)  # type: ignore[arg-type]
         self.steps = 0
+        self.control, self.world = joined.control, spec.world
 
     def step(self, msg) -> None:
         ex = self.executor
@@ -70,6 +73,15 @@ class RankWorker:
             self.step(msg)
         elif msg[0] == "discard":
             self.executor._parked.pop(msg[1], None)
+        elif msg[0] == "export":                      # (export, table, num_tokens)
+            payload = self.executor.runner.cache.export_tokens(msg[1], msg[2])
+            gather_to_first(self.control, payload.kv, self.world)
+        elif msg[0] == "import":                      # (import, table, num_tokens)
+            cache = self.executor.runner.cache
+            shape = (cache.num_layers, 2, msg[2], cache.num_kv_heads, cache.head_dim)
+            kv = scatter_from_first(self.control, [], shape, self.model.dtype)
+            with torch.inference_mode():
+                cache.import_tokens(msg[1], KVPayload(msg[2], kv))
         elif msg[0] == "copy_block":
             self.executor.copy_block(msg[1])
         elif msg[0] == "shutdown":
