@@ -1,8 +1,7 @@
 """``laneserve serve --colocated -tp 2``: the instance worker hosts a two-rank group and answers
 greedily as the same model on one rank; ``/debug/state`` and ``/metrics`` show the degree and the
-rank processes; stopping the server leaves no rank process. Per-role degrees without
-``--colocated`` are refused with a clear error (the KV hand-off out of a sharded prefill
-instance is not wired into the workers)."""
+rank processes; stopping the server leaves no rank process. A TP2 prefill instance hands its
+sharded KV to a TP1 decode instance (different degrees per role) and the answer is the same."""
 
 from __future__ import annotations
 
@@ -62,7 +61,20 @@ def test_degrees_per_role_resolve_and_what_cannot_run_is_refused():
     a = _args()
     _tensor_parallel_sizes(a)
     assert (a.prefill_tensor_parallel_size, a.decode_tensor_parallel_size) == (1, 1)
-    with pytest.raises(ValueError, match="needs --colocated"):
-        _tensor_parallel_sizes(_args(prefill_tensor_parallel_size=2))
+    a = _args(prefill_tensor_parallel_size=2)
+    _tensor_parallel_sizes(a)
+    assert (a.prefill_tensor_parallel_size, a.decode_tensor_parallel_size) == (2, 1)
     with pytest.raises(ValueError, match="per-role"):
         _tensor_parallel_sizes(_args(colocated=True, decode_tensor_parallel_size=2))
+
+
+def test_tp2_prefill_hands_its_kv_to_a_tp1_decode_instance():
+    ref = LLM(quiet=True).generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    with serving("--prefill", "1", "--decode", "1", "--prefill-tensor-parallel-size", "2") as s:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                         "ignore_eos": True}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref.text
+        state = httpx.get(s.url + "/debug/state", timeout=TIMEOUT).json()
+        assert {i["role"]: i["tensor_parallel_size"] for i in state["instances"]} == {"prefill": 2, "decode": 1}
+        assert state["kv_files"] == 0                     # every shard's file was consumed

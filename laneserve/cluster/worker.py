@@ -141,7 +141,7 @@ class _SharedKV:
 
     def take(self):
         if self.payload is None:
-            self.payload = self.transport.get(self.source)
+            self.payload = get_kv(self.transport, self.source)
         return self._release(self.payload)
 
     def drop(self) -> None:
@@ -151,9 +151,33 @@ class _SharedKV:
         self.users -= 1
         if self.users == 0:
             if self.payload is None:
-                self.transport.discard(self.source)
+                discard_kv(self.transport, self.source)
             self.source = self.payload = None
         return value
+
+
+def put_kv(transport, rid: int, payload) -> Any:
+    """``payload`` on the transport: one descriptor, the shards of a tensor-parallel group's
+    export listed in a ``"sharded"`` one (``engine/tp/kv_reshard.py``)."""
+    if hasattr(payload, "shards"):
+        from laneserve.engine.tp.kv_reshard import put_sharded
+        return put_sharded(transport, rid, payload)
+    return transport.put(rid, payload)
+
+
+def get_kv(transport, desc) -> Any:
+    if isinstance(desc, dict) and desc.get("t") == "sharded":
+        from laneserve.engine.tp.kv_reshard import get_sharded
+        return get_sharded(transport, desc)
+    return transport.get(desc)
+
+
+def discard_kv(transport, desc) -> None:
+    if isinstance(desc, dict) and desc.get("t") == "sharded":
+        for shard in desc.get("shards", ()):
+            transport.discard(shard)
+        return
+    transport.discard(desc)
 
 
 def _tensor_parallel_executor(spec: WorkerSpec, config, kv):
@@ -330,13 +354,13 @@ class InstanceWorker:
             self.instance.offer_kv(req, shared)
 
     def _fetch(self, payload):
-        return payload.take() if isinstance(payload, _SharedKV) else self.transport.get(payload)
+        return payload.take() if isinstance(payload, _SharedKV) else get_kv(self.transport, payload)
 
     def _discard(self, payload) -> None:
         if isinstance(payload, _SharedKV):
             payload.drop()
         else:
-            self.transport.discard(payload)
+            discard_kv(self.transport, payload)
 
     def _fail_step(self, exc: BaseException) -> None:
         """A step raised: fail the requests of the plan it ran (their KV is freed), keep serving."""
@@ -490,8 +514,8 @@ class InstanceWorker:
         rid = req.request_id
         inst = self.instance
         try:          # the prefill side of the hand-off (the router's runtime does the rest)
-            return inst.hand_off(req, lambda r: self.transport.put(
-                rid, inst.executor.export_kv(rid, r.num_computed_tokens)))
+            return inst.hand_off(req, lambda r: put_kv(
+                self.transport, rid, inst.executor.export_kv(rid, r.num_computed_tokens)))
         except Exception as exc:  # noqa: BLE001
             inst.scheduler.abort(rid, self.clock.now())
             self._fail([rid], f"KV export failed: {exc}")

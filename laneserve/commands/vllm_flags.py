@@ -23,8 +23,8 @@ What each flag does here:
     no CUDA graphs (laneserve's default; refused together with ``--cuda-graphs``).
 ``--tensor-parallel-size`` / ``-tp``, ``--prefill-tensor-parallel-size``, ``--decode-tensor-parallel-size``
     ranks per instance (one process each, ``laneserve.engine.tp``): every instance, or per role
-    (colocated instances use ``-tp``). Degrees above 1 need ``--colocated`` for now: a KV hand-off
-    out of a tensor-parallel prefill instance is not wired into the instance workers yet.
+    (colocated instances use ``-tp``); prefill and decode degrees may differ (the KV hand-off
+    reshards the heads).
 ``--gpu-memory-utilization``
     checked, then ignored with a log line: the KV cache is sized by ``--kv-tokens``.
 ``--chat-template``
@@ -69,7 +69,7 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     v.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (laneserve's default already; excludes --cuda-graphs)")
     v.add_argument("--tensor-parallel-size", "-tp", type=POSITIVE, default=1,
-                   help="ranks (GPUs) per instance, one process each (above 1: --colocated only, for now)")
+                   help="ranks (GPUs) per instance, one process each")
     v.add_argument("--prefill-tensor-parallel-size", type=POSITIVE, default=None,
                    help="ranks per prefill instance (default: --tensor-parallel-size)")
     v.add_argument("--decode-tensor-parallel-size", type=POSITIVE, default=None,
@@ -192,9 +192,5 @@ def _tensor_parallel_sizes(args: argparse.Namespace) -> None:
         raise ValueError("colocated instances take --tensor-parallel-size, not the per-role flags")
     args.prefill_tensor_parallel_size = args.prefill_tensor_parallel_size or tp
     args.decode_tensor_parallel_size = args.decode_tensor_parallel_size or tp
-    if not colocated and max(args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size) > 1:
-        raise ValueError("tensor parallelism (--tensor-parallel-size / --prefill-tensor-parallel-size / "
-                         "--decode-tensor-parallel-size above 1) needs --colocated for now: the KV hand-off "
-                         "between tensor-parallel prefill and decode instances is not wired into the workers")
     if getattr(args, "stub", False) and max(args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size) > 1:
         raise ValueError("--stub instances have no engine to shard: drop --tensor-parallel-size")
