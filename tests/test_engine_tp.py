@@ -302,3 +302,35 @@ def test_kv_hands_off_between_this_degree_and_one_rank(group):
     src = _prefilled(one, 3004, prompt)
     assert _take_over(many, 3005, src, one.export_kv(3004, src.num_computed_tokens)) == expected   # TP1 -> TP-N
     one.kv.free(3004)
+
+
+def test_a_dead_rank_fails_the_next_step_promptly_and_close_still_cleans_up():
+    import signal
+    import threading
+
+    from laneserve.engine.tp.executor import TPExecutor
+
+    ex = TPExecutor.start(tp_checkpoint("llama"), 2, _config())
+    try:
+        driver = Driver(ex)
+        req = make_request(0, _clip(prompts([6], seed=2)[0]), 4)
+        driver.step([(req, 6)], [])
+        rank1 = ex.group.pids[0]
+        os.kill(rank1, signal.SIGKILL)
+        outcome: list = []
+
+        def step() -> None:
+            try:
+                driver.step([], [req])
+                outcome.append(None)
+            except Exception as exc:       # noqa: BLE001 - which error gloo or the channel raises
+                outcome.append(exc)
+
+        t = threading.Thread(target=step, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "a step on a group with a dead rank hangs"
+        assert isinstance(outcome[0], Exception)
+    finally:
+        ex.close()
+    assert not _alive(rank1)

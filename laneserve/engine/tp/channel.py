@@ -1,6 +1,8 @@
 """Rank 0's once-per-step broadcast to the other ranks of its group: one pickled message written
-into a memory-mapped buffer that every rank maps, and one event per reader saying it is there
-(the scheme of nano-vllm: no socket, no per-layer traffic).
+into a memory-mapped buffer that every rank maps, and one semaphore per reader saying it is there
+(the scheme of nano-vllm: no socket, no per-layer traffic). Semaphores, not ``Event``s: setting a
+multiprocessing ``Event`` waits for every sleeping waiter to wake, so a reader killed while it
+waited would hang the writer; a semaphore's release never waits.
 
 The buffer is a file under ``/dev/shm`` (the temp folder where there is none) with a name
 unique to the instance. Rank 0 unlinks it as soon as every rank has mapped it
@@ -40,8 +42,8 @@ class ChannelHandle:
 
     path: str
     capacity: int
-    ready: object          # multiprocessing Event: a message is waiting for this reader
-    taken: object          # multiprocessing Event: this reader has copied it out
+    ready: object          # multiprocessing Semaphore: a message is waiting for this reader
+    taken: object          # multiprocessing Semaphore: this reader has copied it out
 
 
 class StepChannel:
@@ -65,9 +67,7 @@ class StepChannel:
             buf = mmap.mmap(fd, capacity)
         finally:
             os.close(fd)
-        events = [(ctx.Event(), ctx.Event()) for _ in range(readers)]
-        for _, taken in events:
-            taken.set()
+        events = [(ctx.Semaphore(0), ctx.Semaphore(1)) for _ in range(readers)]
         return cls(path, capacity, buf, events)
 
     def handle(self, reader: int) -> ChannelHandle:
@@ -87,14 +87,13 @@ class StepChannel:
         if len(data) + _HEADER.size > self.capacity:
             raise ValueError(f"step message of {len(data)} B exceeds the channel's {self.capacity} B")
         for _, taken in self._events:
-            while not taken.wait(poll_s):
+            while not taken.acquire(timeout=poll_s):
                 if not alive():
                     raise ChannelClosed("a rank stopped reading the step channel")
-            taken.clear()
         _HEADER.pack_into(self._buf, 0, len(data))
         self._buf[_HEADER.size:_HEADER.size + len(data)] = data
         for ready, _ in self._events:
-            ready.set()
+            ready.release()
         self.bytes_sent += len(data)
         self.last_size = len(data)
         return len(data)
@@ -114,13 +113,12 @@ class ChannelReader:
         self._ready, self._taken = handle.ready, handle.taken
 
     def receive(self, alive: Callable[[], bool], poll_s: float = 1.0) -> object:
-        while not self._ready.wait(poll_s):
+        while not self._ready.acquire(timeout=poll_s):
             if not alive():
                 raise ChannelClosed("the step channel's writer is gone")
-        self._ready.clear()
         (size,) = _HEADER.unpack_from(self._buf, 0)
         data = bytes(self._buf[_HEADER.size:_HEADER.size + size])
-        self._taken.set()
+        self._taken.release()
         return pickle.loads(data)
 
     def close(self) -> None:
