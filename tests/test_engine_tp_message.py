@@ -89,3 +89,20 @@ def test_channel_delivers_each_message_to_every_reader_once():
         assert not t.is_alive()
     chan.close()
     assert all([m["n"] for m in g] == list(range(50)) for g in got)
+
+
+def test_files_of_a_dead_group_are_swept_and_live_ones_kept(tmp_path, monkeypatch):
+    import os
+    import subprocess
+
+    from laneserve.engine.tp import channel
+
+    monkeypatch.setattr(channel, "shm_folder", lambda: tmp_path)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = [tmp_path / f"laneserve-tp-{dead.pid}-abc", tmp_path / f"laneserve-stop-{dead.pid}-abc"]
+    live = [tmp_path / f"laneserve-tp-{os.getpid()}-abc", tmp_path / "other-file"]
+    for f in stale + live:
+        f.write_bytes(b"x")
+    assert sorted(channel.sweep_stale()) == sorted(f.name for f in stale)
+    assert [f.exists() for f in stale + live] == [False, False, True, True]

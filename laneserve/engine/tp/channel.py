@@ -32,6 +32,34 @@ def shm_folder() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
+def sweep_stale(prefixes: tuple[str, ...] = ("laneserve-tp-", "laneserve-stop-")) -> list[str]:
+    """Remove group files (``PREFIX<pid>-<id>``) whose creating process is gone: a rank 0 killed
+    during start-up, before every rank had mapped them, leaves them behind. Returns their names."""
+    removed = []
+    for f in shm_folder().iterdir():
+        if not f.name.startswith(prefixes):
+            continue
+        pid = f.name.split("-")[2]
+        if not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        try:
+            f.unlink()
+            removed.append(f.name)
+        except OSError:
+            pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class ChannelClosed(RuntimeError):
     """The writer is gone (a reader's ``alive()`` turned false)."""
 

@@ -32,7 +32,7 @@ from laneserve.core.plan import StepPlan
 from laneserve.engine.config import EngineConfig
 from laneserve.engine.executor import EngineExecutor, EngineStepResult
 from laneserve.engine.runner import plan_sequences, prompt_logprob_rows
-from laneserve.engine.tp.channel import StepChannel
+from laneserve.engine.tp.channel import StepChannel, sweep_stale
 from laneserve.engine.kv_cache import KVPayload
 from laneserve.engine.tp.group import (GroupSpec, agree_min, barrier, gather_to_first, join, local_kv_blocks,
                                        scatter_from_first)
@@ -66,6 +66,7 @@ class RankGroup:
 
         check_degree(ModelConfig.from_folder(Path(model_path)), world)
         self.world = world
+        sweep_stale()                          # files of a group whose rank 0 was killed while starting
         self._dir = tempfile.mkdtemp(prefix="laneserve-tp-")
         self.spec = GroupSpec(str(model_path), world, config, os.path.join(self._dir, "store"), timeout_s)
         self.board = StopBoard.create(world)
