@@ -15,6 +15,9 @@
       two MoE operators' step time at batch 1/32/128 against the bytes of the expert weights the
       batch touches (a fraction of the copy bandwidth), the grouped Triton path against a loop over
       the experts, its output against that loop, and one CUDA-graph capture and replay of it.
+  (h) tensor parallelism, where two or more GPUs are visible (one line says so where there is
+      one): greedy tokens of TP2 (and TP4 with four GPUs) against TP1, fp32, and the wall time of
+      the same generation.
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py            # on a CUDA machine
     PYTHONPATH=. python3 benchmarks/gpu_check.py --dry-run  # every section on CPU at tiny sizes
@@ -630,6 +633,43 @@ def section_g(args) -> dict:
 def _float_moe(w):
     from laneserve.engine.models.moe import MoEWeights
     return MoEWeights(w.router.float(), w.gate_up.float(), w.down.float(), w.top_k, w.renormalize)
+def section_h(args) -> dict:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from laneserve.engine import EngineConfig
+    from laneserve.engine.llm import LLM
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.device == "cuda" and gpus < 2:
+        print(f"gpu_check (h): {gpus} GPU visible; the tensor-parallel section needs two or more: skipped")
+        return {"skipped": f"{gpus} GPU visible; tensor parallelism needs two or more"}
+    degrees = [2] if args.dry_run else [d for d in (2, 4, 8) if d <= gpus]
+    shape = TINY if args.dry_run else CHECK_MODEL
+    new_tokens = 6 if args.dry_run else 32
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, shape["vocab_size"] - 1) for _ in range(n)] for n in (9, 40, 200)]
+    folder = Path(tempfile.mkdtemp(prefix="gpu-check-tp-"))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**shape, tie_word_embeddings=False)).save_pretrained(folder)
+    config = EngineConfig(device=args.device, dtype="float32", attention="ragged", cuda_graphs=False,
+                          num_kv_blocks=256)
+    rows, ref = [], None
+    for tp in [1] + degrees:
+        llm = LLM(folder, config=config, quiet=True, tensor_parallel_size=tp)
+        try:
+            llm.generate(prompts[:1], greedy_params(2))                 # warm-up
+            sync(args.device)
+            t0 = time.perf_counter()
+            outs = [o.token_ids for o in llm.generate(prompts, greedy_params(new_tokens))]
+            sync(args.device)
+            wall = time.perf_counter() - t0
+        finally:
+            llm.close()
+        ref = ref or outs
+        same = sum(a == b for o, r in zip(outs, ref) for a, b in zip(o, r))
+        rows.append({"tp": tp, "identical_to_tp1": same / sum(len(r) for r in ref), "wall_s": wall})
+        cleanup()
+    return {"model": shape, "gpus": gpus, "new_tokens": new_tokens, "rows": rows,
+            "all_identical": all(r["identical_to_tp1"] == 1.0 for r in rows)}
 
 
 SECTIONS = {
@@ -640,13 +680,14 @@ SECTIONS = {
     "e": ("offline throughput, default settings vs HF generate", section_e),
     "f": ("prefill policies end to end vs the simulator fed this GPU's profile", section_f),
     "g": ("MoE layers (Qwen3-30B-A3B-shaped): step time vs expert bytes, fused vs expert loop", section_g),
+    "h": ("tensor parallelism (two or more GPUs): greedy tokens of TP2/TP4 vs TP1, wall time", section_h),
 }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="every section on CPU at tiny sizes")
-    parser.add_argument("--sections", default="abcdefg")
+    parser.add_argument("--sections", default="abcdefgh")
     parser.add_argument("--requests", type=int, default=120, help="(f) requests per policy (the issue's mix: 240)")
     parser.add_argument("--budget", type=float, default=300.0, help="seconds; (f) skips policies past it")
     parser.add_argument("--results-dir", default=str(HERE / "results"))

@@ -113,8 +113,8 @@ def test_the_flags_mean_what_they_mean_in_vllm(hf_cache, tmp_path):
     d = make_defaults(ok)
     assert d.max_model_len == 4096 and ok.dtype == "auto"
 
-    with pytest.raises(ValueError, match="tensor parallelism is not supported by laneserve's engine yet"):
-        _applied(VLLM_SERVE_LINES[7])
+    seventy = _applied(VLLM_SERVE_LINES[7])                   # -tp 4: every instance over 4 ranks
+    assert (seventy.prefill_tensor_parallel_size, seventy.decode_tensor_parallel_size) == (4, 4)
     with pytest.raises(ValueError, match="no such file"):                      # the template file is not here
         _applied(VLLM_SERVE_LINES[8])
     template = tmp_path / "t.jinja"

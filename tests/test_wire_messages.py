@@ -133,6 +133,8 @@ BAD = [
     (MESSAGES[11], (20,), [1, 2], "decode"),
     (MESSAGES[11], (21,), [1, 2, 3], "last_decode"),
     (MESSAGES[13], (1, 0), "7", "rids[0]"),
+    (MESSAGES[7], (1, 11), -1, "info.tensor_parallel_size"),
+    (MESSAGES[7], (1, 12), ["x"], "info.rank_pids"),
     (MESSAGES[15], (1,), "4", "inst"),
 ]
 

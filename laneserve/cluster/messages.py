@@ -233,6 +233,8 @@ class InstanceInfo(_Record):
     prefix_caching: bool = False
     prefix_root: Any = None                    # the prefix hash chain's root (core/prefix_summary.py)
     stub: bool = False
+    tensor_parallel_size: Annotated[int, Meta(ge=1, le=4096)] = 1   # ranks (engine/tp); rank 0 is ``pid``
+    rank_pids: list[Count] | None = None       # the processes of ranks 1..N-1 (a list; None: one rank)
 
 
 # ---- messages ---------------------------------------------------------------------------------------

@@ -104,6 +104,9 @@ class ClusterSpec:
     startup_timeout: float = 180.0
     heartbeat_timeout: float = 10.0       # seconds without any message before an instance is hung
     max_restarts: int = 5                 # per instance; 0 = never restart
+    #: ranks per instance (engine/tp): prefill and colocated instances, decode instances
+    prefill_tensor_parallel_size: int = 1
+    decode_tensor_parallel_size: int = 1
     restart_backoff: float = 0.5          # first restart delay (doubles per restart, at most 30 s)
 
     @property
@@ -367,11 +370,16 @@ class ProcessCluster:
         wspec = WorkerSpec(instance_id=h.instance_id, role=h.role, policy=h.policy, model=str(s.model), inbox=inbox,
                            outbox=self._outbox, epoch=self.clock.epoch, transport=s.transport,
                            transport_dir=str(self.kv_dir), kv_tokens=s.kv_tokens, engine=dict(s.engine),
-                           policy_opts=opts, device=h.device, gen=h.gen)
+                           policy_opts=opts, device=h.device, gen=h.gen,
+                           tensor_parallel_size=self._tensor_parallel_size(h.role))
         h.alive, h.ready, h.exit_reason = True, False, None
         h.load, h.sent, h.seq, h.prefix = None, deque(), 0, None
         h.last_seen = time.monotonic()
         h.proc = self._launch(wspec)
+
+    def _tensor_parallel_size(self, role: str) -> int:
+        s = self.spec
+        return s.decode_tensor_parallel_size if role == "decode" else s.prefill_tensor_parallel_size
 
     def _bind(self, sock: zmq.Socket, name: str) -> str:
         """Bind ``sock`` where the instances can reach it; the address they connect to. Here a
@@ -749,6 +757,8 @@ class ProcessCluster:
                 "kv_files": sum(1 for _ in self.kv_dir.iterdir()) if self.kv_dir.is_dir() else 0,
                 "instances": [{"id": h.instance_id, "role": h.role, "policy": h.policy,
                                "options": _resolved_options(h.role, h.policy), "device": h.device,
+                               "tensor_parallel_size": self._tensor_parallel_size(h.role),
+                               "rank_pids": h.info.rank_pids if h.info is not None else None,
                                "alive": h.alive, "ready": h.ready, "status": h.status, "restarts": h.gen,
                                "pid": h.info.pid if h.info is not None else None,
                                "exit_reason": h.exit_reason,

@@ -66,6 +66,7 @@ class WorkerSpec:
     policy_opts: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
     gen: int = 0                             # incarnation: the router ignores messages of older ones
+    tensor_parallel_size: int = 1            # ranks of this instance (engine/tp): one process each
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -140,7 +141,7 @@ class _SharedKV:
 
     def take(self):
         if self.payload is None:
-            self.payload = self.transport.get(self.source)
+            self.payload = get_kv(self.transport, self.source)
         return self._release(self.payload)
 
     def drop(self) -> None:
@@ -150,9 +151,45 @@ class _SharedKV:
         self.users -= 1
         if self.users == 0:
             if self.payload is None:
-                self.transport.discard(self.source)
+                discard_kv(self.transport, self.source)
             self.source = self.payload = None
         return value
+
+
+def put_kv(transport, rid: int, payload) -> Any:
+    """``payload`` on the transport: one descriptor, the shards of a tensor-parallel group's
+    export listed in a ``"sharded"`` one (``engine/tp/kv_reshard.py``)."""
+    if hasattr(payload, "shards"):
+        from laneserve.engine.tp.kv_reshard import put_sharded
+        return put_sharded(transport, rid, payload)
+    return transport.put(rid, payload)
+
+
+def get_kv(transport, desc) -> Any:
+    if isinstance(desc, dict) and desc.get("t") == "sharded":
+        from laneserve.engine.tp.kv_reshard import get_sharded
+        return get_sharded(transport, desc)
+    return transport.get(desc)
+
+
+def discard_kv(transport, desc) -> None:
+    if isinstance(desc, dict) and desc.get("t") == "sharded":
+        for shard in desc.get("shards", ()):
+            transport.discard(shard)
+        return
+    transport.discard(desc)
+
+
+def _tensor_parallel_executor(spec: WorkerSpec, config, kv):
+    """Rank 0's executor over a group of ``spec.tensor_parallel_size`` rank processes, on the KV
+    manager ``kv`` the scheduler allocates in (every rank sizes its cache to its block count)."""
+    import dataclasses
+
+    from laneserve.engine.tp.executor import TPExecutor
+
+    config = dataclasses.replace(config, num_kv_blocks=kv.num_blocks)
+    executor = TPExecutor.start(spec.model, spec.tensor_parallel_size, config, kv_factory=lambda _blocks: kv)
+    return executor.model, executor
 
 
 class InstanceWorker:
@@ -189,7 +226,7 @@ class InstanceWorker:
 
         spec = self.spec
         config = EngineConfig(**{"device": spec.device, **spec.engine})
-        model = load_model(spec.model, config.device, config.dtype)
+        model = load_model(spec.model, config.device, config.dtype) if spec.tensor_parallel_size == 1 else None
         blocks = max(1, spec.kv_tokens // config.block_size)
         kv = make_kv_manager(blocks, config, role=spec.role, model_id=spec.model)
         host = HostKVPool(config.num_host_blocks, config.block_size) if config.num_host_blocks else None
@@ -199,7 +236,11 @@ class InstanceWorker:
         if host is not None and spec.role != "prefill":
             opts["host_pool"] = host
         scheduler = registry.make(spec.role, spec.policy, kv, **opts)
-        executor = _RecordingExecutor(EngineExecutor(model, kv, config, host))
+        if spec.tensor_parallel_size > 1:
+            model, inner = _tensor_parallel_executor(spec, config, kv)
+        else:
+            inner = EngineExecutor(model, kv, config, host)
+        executor = _RecordingExecutor(inner)
         stop = StopChecker(model.tokenizer) if model.tokenizer is not None else None
         self.inbox = Inbox(self.clock)          # the receiver thread puts adds here (_accept)
         self.instance = EngineInstance(scheduler, executor, clock=self.clock, instance_id=spec.instance_id,
@@ -210,7 +251,8 @@ class InstanceWorker:
             vocab_size=model.config.vocab_size, pid=os.getpid(),
             policy=scheduler.name if hasattr(scheduler, "name") else spec.policy, role=spec.role,
             device=config.device, prefix_caching=kv.prefix_caching,
-            prefix_root=kv.root if kv.prefix_caching else None)
+            prefix_root=kv.root if kv.prefix_caching else None, tensor_parallel_size=spec.tensor_parallel_size,
+            rank_pids=list(inner.group.pids) if spec.tensor_parallel_size > 1 else None)
         if kv.prefix_caching:
             kv.allocator.record_events()   # the router's summary (core/prefix_summary.py)
         if spec.role == "decode":          # the tpot-aware decode router reads its last decode step
@@ -312,13 +354,13 @@ class InstanceWorker:
             self.instance.offer_kv(req, shared)
 
     def _fetch(self, payload):
-        return payload.take() if isinstance(payload, _SharedKV) else self.transport.get(payload)
+        return payload.take() if isinstance(payload, _SharedKV) else get_kv(self.transport, payload)
 
     def _discard(self, payload) -> None:
         if isinstance(payload, _SharedKV):
             payload.drop()
         else:
-            self.transport.discard(payload)
+            discard_kv(self.transport, payload)
 
     def _fail_step(self, exc: BaseException) -> None:
         """A step raised: fail the requests of the plan it ran (their KV is freed), keep serving."""
@@ -472,8 +514,8 @@ class InstanceWorker:
         rid = req.request_id
         inst = self.instance
         try:          # the prefill side of the hand-off (the router's runtime does the rest)
-            return inst.hand_off(req, lambda r: self.transport.put(
-                rid, inst.executor.export_kv(rid, r.num_computed_tokens)))
+            return inst.hand_off(req, lambda r: put_kv(
+                self.transport, rid, inst.executor.export_kv(rid, r.num_computed_tokens)))
         except Exception as exc:  # noqa: BLE001
             inst.scheduler.abort(rid, self.clock.now())
             self._fail([rid], f"KV export failed: {exc}")
@@ -597,3 +639,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -333,7 +333,9 @@ def _cluster_spec(args: argparse.Namespace, model, engine: dict, transport: str)
                        transport=transport, worker="stub" if args.stub else "engine",
                        stub_token_delay=args.stub_token_delay, max_inflight=args.max_inflight,
                        max_queued_tokens=args.max_queued_tokens, heartbeat_timeout=args.heartbeat_timeout,
-                       max_restarts=args.max_restarts)
+                       max_restarts=args.max_restarts,
+                       prefill_tensor_parallel_size=getattr(args, "prefill_tensor_parallel_size", 1) or 1,
+                       decode_tensor_parallel_size=getattr(args, "decode_tensor_parallel_size", 1) or 1)
 
 
 def _server_state(args: argparse.Namespace, cluster, name: str, model):

@@ -21,8 +21,10 @@ What each flag does here:
     the same as laneserve's default / ``--no-prefix-caching``.
 ``--enforce-eager``
     no CUDA graphs (laneserve's default; refused together with ``--cuda-graphs``).
-``--tensor-parallel-size`` / ``-tp``
-    only 1: laneserve's engine has no tensor parallelism yet (scale out with instances instead).
+``--tensor-parallel-size`` / ``-tp``, ``--prefill-tensor-parallel-size``, ``--decode-tensor-parallel-size``
+    ranks per instance (one process each, ``laneserve.engine.tp``): every instance, or per role
+    (colocated instances use ``-tp``); prefill and decode degrees may differ (the KV hand-off
+    reshards the heads).
 ``--gpu-memory-utilization``
     checked, then ignored with a log line: the KV cache is sized by ``--kv-tokens``.
 ``--chat-template``
@@ -67,7 +69,11 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     v.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (laneserve's default already; excludes --cuda-graphs)")
     v.add_argument("--tensor-parallel-size", "-tp", type=POSITIVE, default=1,
-                   help="GPUs per instance: only 1 (tensor parallelism is not supported by laneserve's engine yet)")
+                   help="ranks (GPUs) per instance, one process each")
+    v.add_argument("--prefill-tensor-parallel-size", type=POSITIVE, default=None,
+                   help="ranks per prefill instance (default: --tensor-parallel-size)")
+    v.add_argument("--decode-tensor-parallel-size", type=POSITIVE, default=None,
+                   help="ranks per decode instance (default: --tensor-parallel-size)")
     v.add_argument("--gpu-memory-utilization", type=fraction, default=None,
                    help="accepted and checked, but the KV cache is sized by --kv-tokens (a log line says so) "
                         "(default: not set)")
@@ -147,10 +153,7 @@ def apply_vllm_flags(args: argparse.Namespace, log) -> None:
         args.model = path
     args.served_model_name = names[0] if names else None
     args.served_model_aliases = tuple(names[1:])
-    if args.tensor_parallel_size != 1:
-        raise ValueError("tensor parallelism is not supported by laneserve's engine yet (--tensor-parallel-size "
-                         f"{args.tensor_parallel_size}; only 1): run more instances with --prefill/--decode and "
-                         "--devices instead")
+    _tensor_parallel_sizes(args)
     if args.enforce_eager and args.cuda_graphs:
         raise ValueError("--enforce-eager and --cuda-graphs exclude each other")
     if args.enable_prefix_caching is True and args.no_prefix_caching:
@@ -185,3 +188,16 @@ def apply_vllm_flags(args: argparse.Namespace, log) -> None:
                 "cap (max_batch_size)")
         else:
             args.decode_policy = spec
+
+
+def _tensor_parallel_sizes(args: argparse.Namespace) -> None:
+    """Resolve the per-role degrees into ``args.prefill_tensor_parallel_size`` /
+    ``args.decode_tensor_parallel_size``; refuse what the instances cannot run yet."""
+    tp = args.tensor_parallel_size
+    colocated = getattr(args, "colocated", False)
+    if colocated and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size):
+        raise ValueError("colocated instances take --tensor-parallel-size, not the per-role flags")
+    args.prefill_tensor_parallel_size = args.prefill_tensor_parallel_size or tp
+    args.decode_tensor_parallel_size = args.decode_tensor_parallel_size or tp
+    if getattr(args, "stub", False) and max(args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size) > 1:
+        raise ValueError("--stub instances have no engine to shard: drop --tensor-parallel-size")

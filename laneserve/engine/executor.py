@@ -419,5 +419,7 @@ class EngineExecutor:
         """Write ``payload`` into the blocks already allocated for ``request_id`` (device KV, or
         the host pool with ``into_host``)."""
         manager, cache = self._tier(into_host)
+        if hasattr(payload, "for_rank"):           # a tensor-parallel group's shards: all heads here
+            payload = payload.for_rank(1, 0)
         with torch.inference_mode():
             cache.import_tokens(manager.table(request_id), payload)

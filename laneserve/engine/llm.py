@@ -42,9 +42,11 @@ class CompletionOutput:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None,
-                 policy: str | None = None, quiet: bool = False) -> None:
+                 policy: str | None = None, quiet: bool = False, tensor_parallel_size: int = 1) -> None:
         """``policy``: the colocated policy spec; None: every entry point's default pair
-        (:class:`~laneserve.runtime.cluster.Deployment`: adaptive prefill and decode, colocated)."""
+        (:class:`~laneserve.runtime.cluster.Deployment`: adaptive prefill and decode, colocated).
+        ``tensor_parallel_size``: ranks the model is sharded over (one process each; call
+        :meth:`close` or use the object as a context manager to stop them)."""
         from laneserve.engine.models.loader import load_model
         from laneserve.engine.smoke import is_smoke_model, smoke_model_path
 
@@ -58,14 +60,20 @@ class LLM:
                   "noise); pass a checkpoint folder for real output", file=sys.stderr)
         self.model_path = path
         self.config = config
-        self.model = load_model(path, config.device, config.dtype)
-        per_token = self.model.config.kv_bytes_per_token(self.model.embed.element_size())
-        blocks = config.resolve_num_kv_blocks(per_token)
-        if config.num_kv_blocks is None and config.device == "cpu":
-            blocks = min(blocks, DEFAULT_CPU_KV_TOKENS // config.block_size)
-        kv = make_kv_manager(blocks, config, role="colocated", model_id=str(path))
+        self.tensor_parallel_size = tensor_parallel_size
         host = HostKVPool(config.num_host_blocks, config.block_size) if config.num_host_blocks else None
-        self.executor = EngineExecutor(self.model, kv, config, host)
+        if tensor_parallel_size != 1:
+            self.executor = _tensor_parallel_executor(path, tensor_parallel_size, config)
+            self.model = self.executor.model
+            kv = self.executor.kv
+        else:
+            self.model = load_model(path, config.device, config.dtype)
+            per_token = self.model.config.kv_bytes_per_token(self.model.embed.element_size())
+            blocks = config.resolve_num_kv_blocks(per_token)
+            if config.num_kv_blocks is None and config.device == "cpu":
+                blocks = min(blocks, DEFAULT_CPU_KV_TOKENS // config.block_size)
+            kv = make_kv_manager(blocks, config, role="colocated", model_id=str(path))
+            self.executor = EngineExecutor(self.model, kv, config, host)
         self.tokenizer = self.model.tokenizer
         policy = policy or Deployment(mode="colocated").front_policy
         scheduler = registry.make("colocated", policy, kv, token_budget=config.max_num_batched_tokens,
@@ -73,6 +81,18 @@ class LLM:
         self.instance = EngineInstance(scheduler, self.executor,
                                        stop_checker=StopChecker(self.tokenizer) if self.tokenizer else None)
         self._ids = count()
+
+    def close(self) -> None:
+        """Stop the rank processes of a tensor-parallel instance (nothing to do on one rank)."""
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def max_model_len(self) -> int:
@@ -138,3 +158,12 @@ class LLM:
                 metrics["e2e"] = t.finished - req.arrival_time
         return CompletionOutput(req.request_id, prompt if isinstance(prompt, str) else None,
                                 list(req.prompt_token_ids or []), text, ids, req.finish_reason, metrics)
+
+
+def _tensor_parallel_executor(path: Path, tensor_parallel_size: int, config: EngineConfig):
+    """Rank 0's executor over a group of ``tensor_parallel_size`` rank processes."""
+    from laneserve.engine.tp.executor import TPExecutor
+
+    return TPExecutor.start(path, tensor_parallel_size, config,
+                            kv_factory=lambda blocks: make_kv_manager(blocks, config, role="colocated",
+                                                                      model_id=str(path)))

@@ -485,7 +485,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
                           "waiting": s.get("waiting"), "kv_usage": s.get("kv_usage"), "kv_free": s.get("kv_free"),
                           "kv_total": s.get("kv_total"), "preemptions": s.get("preemptions"),
                           "prefix_queries": s.get("prefix_queries"), "prefix_hits": s.get("prefix_hits"),
-                          "alive": 1 if h.alive else 0})
+                          "alive": 1 if h.alive else 0,
+                          "tensor_parallel_size": h.info.tensor_parallel_size if h.info is not None else None})
         return Response(state.metrics.render(insts, len(c.tracks)), media_type=METRICS_CONTENT_TYPE)
 
     @app.api_route("/debug/state", methods=["GET", "HEAD"])

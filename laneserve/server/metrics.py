@@ -66,7 +66,9 @@ _VLLM_ALIASES = (("gpu_cache_usage_perc", "KV-cache usage (1 = full); the older 
                   "vllm:prefix_cache_hits.", "prefix_hits", "counter"))
 # laneserve-only, in every mode
 _OWN_GAUGES = (("laneserve:kv_cache_free_blocks", "Free KV-cache blocks.", "kv_free"),
-               ("laneserve:kv_cache_total_blocks", "KV-cache blocks.", "kv_total"))
+               ("laneserve:kv_cache_total_blocks", "KV-cache blocks.", "kv_total"),
+               ("laneserve:tensor_parallel_size", "Ranks of the instance (one process each).",
+                "tensor_parallel_size"))
 _OWN_LABELS = ["model_name", "engine", "role"]
 _VLLM_LABELS = ["model_name", "engine"]
 

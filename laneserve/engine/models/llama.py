@@ -15,6 +15,11 @@ A sparse (MoE) layer runs its router and experts as the same two operators (``mo
 
 All tokens of a step (several prefill chunks and decodes) are rows of one ``[T, hidden]`` tensor;
 only attention looks at sequence boundaries.
+
+Tensor parallelism (``engine/tp``): a sharded model holds its rank's heads, MLP columns and vocab
+part, and ``comm`` is its communicator: the row-parallel ``o_proj`` and ``down`` outputs (whatever
+computed them) and the vocab-parallel embedding are summed over the ranks with one all-reduce
+each, and the logits are gathered to rank 0. ``comm = None`` (one rank) makes those no-ops.
 """
 
 from __future__ import annotations
@@ -76,6 +81,12 @@ class LlamaModel:
         self.tokenizer = tokenizer
         self.path = path
         self.rotary = Rotary(config, embed.device)
+        #: tensor-parallel communicator (``engine/tp/comm.py``); None on a single rank
+        self.comm = None
+        #: first vocabulary id of this rank's embedding / LM-head rows (vocab-parallel)
+        self.vocab_start = 0
+        #: the whole vocabulary (the rows of ``lm_head`` are a part of it on a sharded model)
+        self.vocab_size = config.vocab_size
 
     @property
     def dtype(self) -> torch.dtype:
@@ -96,7 +107,7 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         hidden_size, head_dim = cfg.hidden_size, cfg.head_dim
         n = batch.num_tokens
-        h = F.embedding(batch.input_ids, self.embed)
+        h = self._embed(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
         for index, w in enumerate(self.layers):
             # qkv_proj
@@ -122,7 +133,7 @@ class LlamaModel:
             del q, k, v, qkv, x, k_real, v_real
             yield "attention"
             # o_proj
-            h = h + F.linear(attn, w.o_proj, w.o_bias)
+            h = h + self._reduce(F.linear(attn, w.o_proj, w.o_bias))
             del attn
             yield "o_proj"
             # gate_up
@@ -136,12 +147,26 @@ class LlamaModel:
             del x
             yield "gate_up"
             # down (+ final norm and LM head after the last layer)
-            h = h + (moe_down(act, w.moe) if w.moe is not None else F.linear(act, w.down, w.down_bias))
+            h = h + self._reduce(moe_down(act, w.moe) if w.moe is not None else F.linear(act, w.down, w.down_bias))
             del act
             if index == len(self.layers) - 1:
                 break
             yield "down"
         last = h.index_select(0, batch.logit_rows)
         logits = F.linear(F.rms_norm(last, (hidden_size,), self.final_norm, eps), self.lm_head)
+        if self.comm is not None:
+            logits = self.comm.gather_logits(logits, self.vocab_size)
         yield "down"
         return logits.float()
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output summed over the ranks (identity on one rank)."""
+        return partial if self.comm is None else self.comm.all_reduce(partial)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_start        # vocab-parallel: ids outside this part give 0
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.comm.all_reduce(h.masked_fill(outside[:, None], 0.0))

@@ -1,0 +1,214 @@
+"""Rank 0 of a tensor-parallel instance: :class:`TPExecutor` has the ``EngineExecutor`` interface
+(``execute(plan, should_stop)``, ``discard``, ``copy_block``), so the instance runtime and the
+scheduler above it never see the ranks.
+
+Rank 0 lives in the instance's own process and holds shard 0 of the model; :class:`RankGroup`
+spawns ranks 1..N-1 (spawn context: no fork after torch or CUDA initialisation), joins them in a
+private process group and agrees with them on the KV block count (the minimum). Each step it
+publishes one :class:`~laneserve.engine.tp.step_message.StepMessage` (a diff) on the shared-memory
+channel, then runs its own shard of the forward; sampling happens here only, on the gathered
+logits. :meth:`TPExecutor.close` (also run when the executor is collected or the process exits)
+tells the ranks to stop, joins them and kills any that do not; the channel's name is removed
+once every rank has mapped it, so no shared memory outlives the group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+import logging
+
+from laneserve.core.kv import BlockCopy, KVCacheManager
+from laneserve.core.plan import StepPlan
+from laneserve.engine.config import EngineConfig
+from laneserve.engine.executor import EngineExecutor, EngineStepResult
+from laneserve.engine.runner import plan_sequences, prompt_logprob_rows
+from laneserve.engine.tp.channel import StepChannel, sweep_stale
+from laneserve.engine.kv_cache import KVPayload
+from laneserve.engine.tp.group import (GroupSpec, agree_min, barrier, gather_to_first, join, local_kv_blocks,
+                                       scatter_from_first)
+from laneserve.engine.tp.kv_reshard import ShardedKVPayload, kv_for_rank
+from laneserve.engine.tp.layout import TensorParallelError, check_degree
+from laneserve.engine.tp.loader import load_shard
+from laneserve.engine.tp.step_message import StepEncoder
+from laneserve.engine.tp.stop_protocol import StopBoard, StopProtocol
+from laneserve.engine.tp.worker import rank_main
+
+log = logging.getLogger(__name__)
+
+
+def tp_config(config: EngineConfig) -> EngineConfig:
+    """The config every rank runs with, refusing what the group cannot do yet."""
+    if config.num_host_blocks:
+        raise TensorParallelError("a host KV pool (num_host_blocks) is not supported with tensor_parallel_size > 1")
+    if config.cuda_graphs:
+        log.info("tensor parallelism runs eager steps: cuda_graphs turned off")
+    return dataclasses.replace(config, cuda_graphs=False)
+
+
+class RankGroup:
+    """Ranks 1..N-1 as processes, and rank 0's membership (in this process). ``launch="thread"``
+    runs ranks 1..N-1 as threads of this process instead (the same code; tests count every rank's
+    host work that way)."""
+
+    def __init__(self, model_path: str | Path, world: int, config: EngineConfig, timeout_s: float = 300.0,
+                 launch: str = "process") -> None:
+        from laneserve.engine.models.config import ModelConfig
+
+        check_degree(ModelConfig.from_folder(Path(model_path)), world)
+        self.world = world
+        sweep_stale()                          # files of a group whose rank 0 was killed while starting
+        self._dir = tempfile.mkdtemp(prefix="laneserve-tp-")
+        self.spec = GroupSpec(str(model_path), world, config, os.path.join(self._dir, "store"), timeout_s)
+        self.board = StopBoard.create(world)
+        self.spec = dataclasses.replace(self.spec, stop_board=self.board.name)
+        ctx = mp.get_context("spawn")
+        self.channel = StepChannel.create(ctx, world - 1)
+        if launch not in ("process", "thread"):
+            raise ValueError(f"launch must be 'process' or 'thread', got {launch!r}")
+        make = ctx.Process if launch == "process" else threading.Thread
+        parent = os.getpid() if launch == "process" else os.getppid()
+        self.procs = [make(target=rank_main, args=(self.spec, r, self.channel.handle(r - 1), parent),
+                           name=f"laneserve-tp-rank{r}", daemon=True) for r in range(1, world)]
+        self._closed = False
+        try:
+            for p in self.procs:
+                p.start()
+            self.joined = join(self.spec, 0)
+            self.channel.unlink()          # every rank mapped it before joining the group
+            self.stop = StopProtocol(self.board, 0)
+            barrier(self.joined.control)   # every rank attached to the board
+            os.unlink(self.board.name)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if getattr(p, "pid", None) is not None]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def publish(self, message: object) -> int:
+        return self.channel.publish(message, self.alive)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every rank (politely, then by force) and remove the channel and the store."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.procs and self.alive():
+                self.channel.publish(("shutdown",), self.alive)
+        except Exception:
+            pass
+        for p in self.procs:
+            if p.ident is not None:
+                p.join(timeout_s)
+                if p.is_alive() and hasattr(p, "kill"):
+                    p.kill()
+                    p.join(timeout_s)
+        self.channel.close()
+        self.board.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class TPExecutor(EngineExecutor):
+    """``EngineExecutor`` over a rank group (rank 0's shard is this executor's model)."""
+
+    def __init__(self, group: RankGroup, model, kv: KVCacheManager, config: EngineConfig) -> None:
+        super().__init__(model, kv, config, None)
+        self.group = group
+        self.stop = group.stop
+        self.encoder = StepEncoder()
+        from laneserve.engine.models.config import ModelConfig
+        self.full_num_kv_heads = ModelConfig.from_folder(Path(group.spec.model_path)).num_kv_heads
+        self._finalizer = weakref.finalize(self, group.close)
+
+    @classmethod
+    def start(cls, path: str | Path, world: int, config: EngineConfig, kv_factory=None,
+              launch: str = "process") -> TPExecutor:
+        """Spawn the group, load rank 0's shard, agree on the KV blocks and build the executor;
+        ``kv_factory(num_blocks)`` makes the KV manager (default: a plain ``KVCacheManager``)."""
+        config = tp_config(config)
+        group = RankGroup(path, world, config, launch=launch)
+        try:
+            model = load_shard(path, 0, world, group.joined.device, config.dtype, group.joined.comm,
+                               load_tokenizer_too=True)
+            blocks = agree_min(group.joined.control, local_kv_blocks(config, model))
+            kv = kv_factory(blocks) if kv_factory else KVCacheManager(blocks, config.block_size)
+            return cls(group, model, kv, config)
+        except BaseException:
+            group.close()
+            raise
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.group.world
+
+    def execute(self, plan: StepPlan, should_stop: Callable[[], bool] | None = None) -> EngineStepResult:
+        check = plan.preemptible and should_stop is not None and plan.preempt_granularity != "chunk"
+        if plan.plan_id in self._parked:
+            self.group.publish(("resume", plan.plan_id, check))
+        elif not plan.ops_done and not plan.swap_in and not plan.swap_out:
+            seqs = plan_sequences(plan, self.kv)
+            if seqs:
+                self.group.publish(self.encoder.encode(plan, seqs, prompt_logprob_rows(seqs), self.kv, check))
+        agreed = None
+        if check:
+            self.stop.begin_plan(plan.ops_done, self.num_operators, plan.preempt_granularity)
+        if should_stop is not None:
+            def agreed() -> bool:
+                return self.stop.leader(should_stop())
+        return super().execute(plan, agreed)
+
+    def discard(self, plan: StepPlan) -> bool:
+        if plan.plan_id in self._parked:
+            self.group.publish(("discard", plan.plan_id))
+        return super().discard(plan)
+
+    def copy_block(self, copy: BlockCopy) -> None:
+        self.group.publish(("copy_block", copy))
+        super().copy_block(copy)
+
+    def export_kv(self, request_id: int, num_tokens: int | None = None, *,
+                  from_host: bool = False) -> ShardedKVPayload:
+        """Every rank's KV heads of the request, gathered here as one sharded payload (each rank's
+        export as it is: ``kv_reshard`` cuts it for whatever degree imports it)."""
+        if from_host:
+            raise TensorParallelError("a tensor-parallel instance has no host KV pool")
+        table = self.kv.table(request_id)
+        if not table:
+            raise KeyError(f"request {request_id} holds no KV blocks")
+        if num_tokens is None:
+            num_tokens = len(table) * self.kv.block_size
+        self.group.publish(("export", list(table), num_tokens))
+        local = super().export_kv(request_id, num_tokens)
+        shards = gather_to_first(self.group.joined.control, local.kv, self.group.world)
+        return ShardedKVPayload(self.full_num_kv_heads, [KVPayload(num_tokens, t) for t in shards])
+
+    def import_kv(self, request_id: int, payload, *, into_host: bool = False) -> None:
+        """Each rank imports the KV heads it owns from ``payload`` (a plain payload from one rank or
+        a sharded one from a group of any degree)."""
+        if into_host:
+            raise TensorParallelError("a tensor-parallel instance has no host KV pool")
+        world = self.group.world
+        parts = [kv_for_rank(payload, self.full_num_kv_heads, world, r) for r in range(world)]
+        table = self.kv.table(request_id)
+        self.group.publish(("import", list(table), parts[0].num_tokens))
+        scatter_from_first(self.group.joined.control,
+                           [p.kv.to(self.model.dtype).contiguous() for p in parts], parts[0].kv.shape)
+        super().import_kv(request_id, parts[0])
+
+    def close(self) -> None:
+        self._finalizer()
