@@ -49,6 +49,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from laneserve.runtime.spec import as_spec
 from laneserve.cluster.messages import (Abort, Add, EpochClock, Failed, Fatal, Handoff, InstanceInfo, Lane, Ready,
                                         RequestDesc, SampleStart, StartInfo, Stats, Stop, Tokens, Transfer, decode,
                                         encode)
@@ -747,7 +748,8 @@ class ProcessCluster:
                 "num_decode": 0 if s.colocated else s.num_decode, "kv_tokens": s.kv_tokens,
                 "in_flight": len(self.tracks), "max_inflight": s.max_inflight, "restarts": self.restarts,
                 "kv_files": sum(1 for _ in self.kv_dir.iterdir()) if self.kv_dir.is_dir() else 0,
-                "instances": [{"id": h.instance_id, "role": h.role, "policy": h.policy, "device": h.device,
+                "instances": [{"id": h.instance_id, "role": h.role, "policy": str(h.policy),
+                               "policy_options": as_spec(h.role, h.policy).describe(), "device": h.device,
                                "alive": h.alive, "ready": h.ready, "status": h.status, "restarts": h.gen,
                                "pid": h.info.pid if h.info is not None else None,
                                "exit_reason": h.exit_reason,
