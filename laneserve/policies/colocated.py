@@ -6,7 +6,6 @@ without a transfer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.plan import StepPlan, StepResult
@@ -16,20 +15,19 @@ from laneserve.policies.base import InstanceScheduler, StepOutcome
 from laneserve.policies.decode.base import DecodeScheduler
 from laneserve.policies.options import PolicyOptions, at_least, option_defaults
 from laneserve.policies.prefill.base import PrefillScheduler
+from laneserve.policies.spec import PolicySpec
 
 
 @dataclass(frozen=True, slots=True)
 class ColocatedOptions(PolicyOptions):
-    prefill: Any = "cp-edf:chunk=2048"     # the prefill side's policy: spec text or a typed PolicySpec
-    decode: Any = "continuous"             # the decode side's policy: spec text or a typed PolicySpec
+    prefill: str | PolicySpec = "cp-edf:chunk=2048"     # the prefill side's policy: spec text or a typed PolicySpec
+    decode: str | PolicySpec = "continuous"         # the decode side's policy: spec text or a typed PolicySpec
     token_budget: int = 2048               # tokens of one step (decodes + prefill chunks)
 
     def validate(self) -> None:
         PolicyOptions.validate(self)
         at_least(self, "token_budget", 1)
         for kind in ("prefill", "decode"):
-            if not isinstance(getattr(self, kind), str) and not hasattr(getattr(self, kind), "given_options"):
-                raise ValueError(f"option {kind}: a policy spec (text or PolicySpec), got {getattr(self, kind)!r}")
             try:
                 registry.resolve(kind, getattr(self, kind))
             except ValueError as exc:
