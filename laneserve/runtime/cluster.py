@@ -57,7 +57,7 @@ class Deployment:
     num_decode: int = 1
     prefill_policy: str = DEFAULT_PREFILL_POLICY
     decode_policy: str = DEFAULT_DECODE_POLICY
-    colocated_policy: str | None = None
+    colocated_policy: str | PolicySpec | None = None
     router: str = DEFAULT_ROUTER
     decode_router: str = DEFAULT_DECODE_ROUTER
 
