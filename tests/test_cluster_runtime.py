@@ -74,7 +74,8 @@ def test_every_entry_point_defaults_to_one_deployment():
     assert Deployment(**{k: local[k].default for k in ("prefill_policy", "decode_policy", "router",
                                                         "decode_router")}) == default
     assert inspect.signature(LLM).parameters["policy"].default is None   # None: Deployment's colocated policy
-    assert Deployment(mode="colocated").front_policy == "colocated:prefill=adaptive,decode=adaptive"
+    pair = Deployment(mode="colocated").front_policy                   # the two typed halves
+    assert (pair.name, pair.options.prefill.name, pair.options.decode.name) == ("colocated", "adaptive", "adaptive")
     serve = build_parser().parse_args(["serve", "--model", "m"])
     assert (serve.prefill_policy, serve.decode_policy, serve.router, serve.decode_router) == (
         default.prefill_policy, default.decode_policy, default.router, default.decode_router)

@@ -11,6 +11,7 @@ import pytest
 
 from laneserve.core.kv import KVCacheManager
 from laneserve.policies import registry
+from laneserve.policies.spec import as_spec
 from laneserve.runtime.cluster import Deployment
 from laneserve.sim import ClusterConfig
 
@@ -30,9 +31,11 @@ def _check_halves(scheduler) -> None:
 def test_the_decode_half_keeps_its_own_options(decode):
     spec = Deployment(mode="colocated", prefill_policy=PREFILL, decode_policy=decode).front_policy
     _check_halves(registry.make("colocated", spec, KVCacheManager(4096)))
-    shown = registry.resolved("colocated", spec)["options"]
-    assert shown["prefill"] == {"policy": "cp-edf", "options": registry.resolved("prefill", PREFILL)["options"]}
+    shown = spec.describe()["options"]
+    assert shown["prefill"] == as_spec("prefill", PREFILL).describe()
     assert shown["decode"]["options"]["max_batch_size"] == 8 and shown["prefill"]["options"]["chunk"] == 512
+    # its text form (what /debug/state and logs print) reads back as the same pair
+    _check_halves(registry.make("colocated", str(spec), KVCacheManager(4096)))
 
 
 def test_the_simulator_builds_the_same_pair():
@@ -57,9 +60,9 @@ def test_debug_state_shows_the_resolved_pair(shared_server):
     with urllib.request.urlopen(srv.url + "/debug/state", timeout=30) as resp:
         state = json.loads(resp.read())
     (inst,) = state["instances"]
-    opts = inst["options"]["options"]
-    assert inst["options"]["policy"] == "colocated"
-    assert opts["decode"]["policy"] == "continuous"
+    opts = inst["policy_options"]["options"]
+    assert inst["policy_options"]["name"] == "colocated"
+    assert opts["decode"]["name"] == "continuous"
     assert opts["decode"]["options"]["max_batch_size"] == 8
     assert opts["decode"]["options"]["preemption"] == "recompute"
     assert opts["prefill"]["options"]["chunk"] == 512

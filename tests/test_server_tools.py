@@ -82,8 +82,8 @@ def test_the_engine_flags_took_effect(server):
     state = server.state()
     assert state["decode_policy"] == "adaptive:max_batch_size=8"          # --max-num-seqs
     (inst,) = state["instances"]
-    assert inst["policy"].endswith("decode=[adaptive:max_batch_size=8]")
-    assert inst["options"]["options"]["decode"]["options"]["max_batch_size"] == 8
+    assert "decode=[adaptive:max_batch_size=8]" in inst["policy"]
+    assert inst["policy_options"]["options"]["decode"]["options"]["max_batch_size"] == 8
     assert inst["kv_total_blocks"] == 16384 // 32                           # --block-size 32
 
 

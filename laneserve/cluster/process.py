@@ -49,6 +49,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from laneserve.runtime.spec import as_spec
 from laneserve.cluster.messages import (Abort, Add, EpochClock, Failed, Fatal, Handoff, InstanceInfo, Lane, Ready,
                                         RequestDesc, SampleStart, StartInfo, Stats, Stop, Tokens, Transfer, decode,
                                         encode)
@@ -755,8 +756,8 @@ class ProcessCluster:
                 "num_decode": 0 if s.colocated else s.num_decode, "kv_tokens": s.kv_tokens,
                 "in_flight": len(self.tracks), "max_inflight": s.max_inflight, "restarts": self.restarts,
                 "kv_files": sum(1 for _ in self.kv_dir.iterdir()) if self.kv_dir.is_dir() else 0,
-                "instances": [{"id": h.instance_id, "role": h.role, "policy": h.policy,
-                               "options": _resolved_options(h.role, h.policy), "device": h.device,
+                "instances": [{"id": h.instance_id, "role": h.role, "policy": str(h.policy),
+                               "policy_options": as_spec(h.role, h.policy).describe(), "device": h.device,
                                "tensor_parallel_size": self._tensor_parallel_size(h.role),
                                "rank_pids": h.info.rank_pids if h.info is not None else None,
                                "alive": h.alive, "ready": h.ready, "status": h.status, "restarts": h.gen,
@@ -777,13 +778,3 @@ def _load_state(load: Stats | None) -> dict[str, Any]:
              "live_requests": "live", "preemptions": "preemptions", "kv_held": "kv_held", "kv_forks": "kv_forks",
              "steps": "steps"}
     return {shown: None if load is None else getattr(load, name) for shown, name in names.items()}
-
-
-def _resolved_options(role: str, spec: str) -> dict[str, Any] | None:
-    """The options an instance's policy spec puts in force (registry.resolved), None for a role
-    that is not a policy kind."""
-    from laneserve.policies import registry
-    try:
-        return registry.resolved(role, spec)
-    except ValueError:
-        return None

@@ -44,6 +44,7 @@ import zmq
 from laneserve.cluster.messages import (Abort, Add, EpochClock, Failed, Fatal, Handoff, Heartbeat, InstanceInfo,
                                         InvalidMessage, Lane, Ready, Report, RequestDesc, SampleFirst, SampleStart,
                                         StartInfo, Stats, Stop, TokenItem, Tokens, Transfer, decode, encode)
+from laneserve.runtime.spec import PolicySpec
 
 STATS_INTERVAL = 0.05          # at most this often while busy
 HEARTBEAT_INTERVAL = 0.5       # stats at least this often while idle; heartbeats this often always
@@ -54,7 +55,7 @@ MAX_STEP_FAILURES = 3          # failed steps in a row before the process gives 
 class WorkerSpec:
     instance_id: int
     role: str                                # "prefill" | "decode" | "colocated"
-    policy: str
+    policy: str | PolicySpec                 # a typed spec crosses the spawn arguments as its dict
     model: str
     inbox: str                               # zmq address this worker PULLs from (router binds)
     outbox: str                              # zmq address this worker PUSHes to (router binds)
@@ -69,11 +70,17 @@ class WorkerSpec:
     tensor_parallel_size: int = 1            # ranks of this instance (engine/tp): one process each
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        d = asdict(self)
+        if isinstance(self.policy, PolicySpec):
+            d["policy"] = self.policy.to_dict()
+        return json.dumps(d)
 
     @classmethod
     def from_json(cls, text: str) -> WorkerSpec:
-        return cls(**json.loads(text))
+        d = json.loads(text)
+        if isinstance(d["policy"], dict):
+            d["policy"] = PolicySpec.from_dict(d["policy"])
+        return cls(**d)
 
     def connect(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
         """The instance's two sockets to the router: (PUSH to ``outbox``, PULL from ``inbox``)."""

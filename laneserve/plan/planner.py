@@ -29,6 +29,7 @@ import numpy as np
 
 from laneserve.core import SLO
 from laneserve.workloads import Workload
+from laneserve.policies.spec import PolicySpec, as_spec, colocated_spec
 
 #: tensor-parallel degrees tried by default
 DEFAULT_TPS = (1, 2, 4, 8)
@@ -83,6 +84,11 @@ class Layout:
         if self.preset == "colocated":
             return f"cp-edf:chunk={ch}", decode
         raise ValueError(f"unknown preset {self.preset!r}; valid: {', '.join(PRESETS)}")
+
+    def colocated_policy(self) -> PolicySpec:
+        """The colocated policy of this layout, composed of its two typed halves."""
+        p, d = self.policy_specs()
+        return colocated_spec(as_spec("prefill", p), as_spec("decode", d), token_budget=self.chunk)
 
     def policy_label(self) -> str:
         p, d = self.policy_specs()
@@ -176,7 +182,7 @@ def cluster_config(layout: Layout, model: str, engine: str, *, router: str = "ro
     cm, kv_p, kv_d = layout_cost(layout, model, engine)
     if layout.mode == "colocated":
         cfg = ClusterConfig(mode="colocated", num_colocated=layout.prefill, router=router,
-                            colocated_policy=layout.policy_label(), prefill_kv_tokens=kv_p,
+                            colocated_policy=layout.colocated_policy(), prefill_kv_tokens=kv_p,
                             decode_kv_tokens=kv_p, kv_link=kv_link)
     else:
         cfg = ClusterConfig(mode="disaggregated", num_prefill=layout.prefill, num_decode=layout.decode,

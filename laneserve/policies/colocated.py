@@ -15,12 +15,13 @@ from laneserve.policies.base import InstanceScheduler, StepOutcome
 from laneserve.policies.decode.base import DecodeScheduler
 from laneserve.policies.options import PolicyOptions, at_least, option_defaults
 from laneserve.policies.prefill.base import PrefillScheduler
+from laneserve.policies.spec import PolicySpec
 
 
 @dataclass(frozen=True, slots=True)
 class ColocatedOptions(PolicyOptions):
-    prefill: str = "cp-edf:chunk=2048"     # the prefill side's policy spec
-    decode: str = "continuous"             # the decode side's policy spec
+    prefill: str | PolicySpec = "cp-edf:chunk=2048"     # the prefill side's policy: spec text or a typed PolicySpec
+    decode: str | PolicySpec = "continuous"         # the decode side's policy: spec text or a typed PolicySpec
     token_budget: int = 2048               # tokens of one step (decodes + prefill chunks)
 
     def validate(self) -> None:

@@ -105,10 +105,27 @@ def _checked(cls: type[PolicyOptions], opts: dict[str, Any], what: str) -> Polic
         raise ValueError(f"bad options for {what}: {exc}") from None
 
 
-def resolve(kind: str, spec: str) -> tuple[Callable[..., Any], dict[str, Any]]:
-    """The factory and options a spec names; ValueError listing valid names otherwise, or (for a
-    policy with typed ``Options``) naming the option that is unknown or of a wrong value."""
+def factory(kind: str, name: str) -> Callable[..., Any]:
+    """The factory registered as ``name`` (an alias resolved) of ``kind``."""
+    return _REGISTRIES[kind][canonical_name(kind, name)]
+
+
+def canonical_name(kind: str, spec: str) -> str:
+    """The registered name a spec text (or a bare name) refers to, aliases resolved."""
     _ensure_loaded()
+    name = _split_spec(spec)[0]
+    return _ALIASES[kind][name][0] if name in _ALIASES[kind] else name
+
+
+def resolve(kind: str, spec: Any) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """The factory and options a spec names; ValueError listing valid names otherwise, or (for a
+    policy with typed ``Options``) naming the option that is unknown or of a wrong value. A typed
+    spec (:class:`~laneserve.runtime.spec.PolicySpec`) is already checked: its given options."""
+    _ensure_loaded()
+    if not isinstance(spec, str):
+        if spec.kind != kind:
+            raise ValueError(f"a {spec.kind} policy ({spec}) given where a {kind} policy is expected")
+        return _REGISTRIES[kind][spec.name], spec.given_options()
     if kind not in _REGISTRIES:
         raise ValueError(f"unknown policy kind {kind!r}; expected one of {sorted(_REGISTRIES)}")
     name, raw = _split_spec(spec)
@@ -139,29 +156,7 @@ def resolve(kind: str, spec: str) -> tuple[Callable[..., Any], dict[str, Any]]:
     return factory, opts
 
 
-def resolved(kind: str, spec: str) -> dict[str, Any]:
-    """What a spec puts in force, for an operator to read (``/debug/state``): the policy's name and
-    every option with presets and defaults filled in; a colocated spec shows both halves resolved,
-    each as a policy of its own (the options it forwards counted on its prefill half)."""
-    import dataclasses
-    factory, opts = resolve(kind, spec)
-    name = _split_spec(spec)[0]
-    base = _ALIASES[kind][name][0] if name in _ALIASES[kind] else name
-    own_keys = option_defaults(factory.Options).keys()
-    shown: dict[str, Any] = {f.name: getattr(options(kind, spec), f.name)
-                             for f in dataclasses.fields(factory.Options)}
-    inner = getattr(factory, "forwards_options_to", None)
-    if kind == "colocated":
-        forwarded = ",".join(f"{k}={v}" for k, v in opts.items() if k not in own_keys)
-        for half in ("prefill", "decode"):
-            half_spec = shown[half]
-            if half == inner and forwarded:
-                half_spec += ("," if ":" in half_spec else ":") + forwarded
-            shown[half] = resolved(half, half_spec)
-    return {"policy": base, "options": shown}
-
-
-def options(kind: str, spec: str) -> PolicyOptions:
+def options(kind: str, spec: Any) -> PolicyOptions:
     """The typed options a spec gives its policy (presets and defaults filled in; options it
     forwards to an inner policy left out)."""
     factory, opts = resolve(kind, spec)
@@ -170,7 +165,7 @@ def options(kind: str, spec: str) -> PolicyOptions:
     return declared(**{k: v for k, v in opts.items() if k in own})
 
 
-def make(kind: str, spec: str, *args: Any, **defaults: Any) -> Any:
+def make(kind: str, spec: Any, *args: Any, **defaults: Any) -> Any:
     """Build the policy a spec names; spec options override ``defaults``."""
     factory, opts = resolve(kind, spec)
     try:

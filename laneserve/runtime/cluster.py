@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from laneserve.core.request import Phase, Request
 from laneserve.policies import registry
 from laneserve.policies.routing import Router
+from laneserve.runtime.spec import PolicySpec, as_spec, colocated_spec
 
 #: the default policy pair of every entry point (``laneserve sim``/``serve``, ``ClusterConfig()``,
 #: ``ClusterSpec``, ``LocalCluster``, ``LLM``)
@@ -56,7 +57,7 @@ class Deployment:
     num_decode: int = 1
     prefill_policy: str = DEFAULT_PREFILL_POLICY
     decode_policy: str = DEFAULT_DECODE_POLICY
-    colocated_policy: str | None = None
+    colocated_policy: str | PolicySpec | None = None
     router: str = DEFAULT_ROUTER
     decode_router: str = DEFAULT_DECODE_ROUTER
 
@@ -71,12 +72,14 @@ class Deployment:
         return self.mode == "colocated"
 
     @property
-    def front_policy(self) -> str:
-        """The policy of the instances that take new requests."""
+    def front_policy(self) -> str | PolicySpec:
+        """The policy of the instances that take new requests: in colocated mode the pair composed
+        of the two typed specs (never formatted as one string and split again)."""
         if not self.colocated:
             return self.prefill_policy
-        return self.colocated_policy or (f"colocated:prefill={registry.nested(self.prefill_policy)},"
-                                         f"decode={registry.nested(self.decode_policy)}")
+        if self.colocated_policy:
+            return self.colocated_policy
+        return colocated_spec(as_spec("prefill", self.prefill_policy), as_spec("decode", self.decode_policy))
 
     def roles(self) -> list[tuple[str, str]]:
         """(role, policy spec) of every instance, in instance-id order: the front ones first."""

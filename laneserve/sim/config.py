@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from laneserve.policies.predictors import PREDICTORS
+from laneserve.policies.spec import PolicySpec
 from laneserve.runtime.cluster import (DEFAULT_DECODE_POLICY, DEFAULT_DECODE_ROUTER, DEFAULT_PREFILL_POLICY,
                                        DEFAULT_ROUTER, Deployment)
 
@@ -25,7 +26,7 @@ class ClusterConfig:
     prefill_policy: str = DEFAULT_PREFILL_POLICY
     decode_policy: str = DEFAULT_DECODE_POLICY
     #: colocated mode's policy; None: the colocated policy of prefill_policy and decode_policy
-    colocated_policy: str | None = None
+    colocated_policy: str | PolicySpec | None = None   # None: composed of the two policies
     router: str = DEFAULT_ROUTER         # arrivals -> prefill (or colocated) instances
     #: finished prefills -> decode instances; "auto": the decode policy's own
     #: (``preferred_decode_router``: adaptive -> tpot-aware), else least-loaded
