@@ -211,6 +211,8 @@ class InstanceWorker:
         self._dirty = True
         self._last_decode: tuple | None = None       # the last decode step sent, and its number
         self._decode_seq = 0
+        self.tp = None                        # the tensor-parallel executor (rank 0 of a group), if any
+        self.ready = False                    # Ready sent: a failure from now on is not a start-up failure
 
     # ---- set-up --------------------------------------------------------------------------
     def build(self) -> None:
@@ -238,6 +240,7 @@ class InstanceWorker:
         scheduler = registry.make(spec.role, spec.policy, kv, **opts)
         if spec.tensor_parallel_size > 1:
             model, inner = _tensor_parallel_executor(spec, config, kv)
+            self.tp = inner
         else:
             inner = EngineExecutor(model, kv, config, host)
         executor = _RecordingExecutor(inner)
@@ -559,7 +562,8 @@ class InstanceWorker:
         try:
             self.build()
         except Exception as exc:  # noqa: BLE001 - report, then die
-            self._send(Fatal(f"{type(exc).__name__}: {exc}"))
+            self._close_ranks()
+            self._send(Fatal(f"{type(exc).__name__}: {' '.join(str(exc).split())}"))
             raise
         self._beat_stop = threading.Event()
         self.spec.start_heartbeat(self.ctx, self._beat_stop)
@@ -567,18 +571,34 @@ class InstanceWorker:
                                     name=f"recv-{self.spec.instance_id}")
         receiver.start()
         self._send(Ready(self.info))
+        self.ready = True
         try:
             self._loop()
         finally:
             self._beat_stop.set()
+            self._close_ranks()
             self.out.close()
             inbox.close()
+
+    def _close_ranks(self) -> None:
+        """Stop the other ranks of a tensor-parallel instance (killed if one of them is already
+        gone): no rank outlives its instance, whatever ends it."""
+        if self.tp is not None:
+            with contextlib.suppress(Exception):
+                self.tp.close()
+
+    def _check_ranks(self) -> None:
+        """A tensor-parallel instance whose rank died goes down as a whole (its supervisor restarts
+        the group): :class:`~laneserve.engine.tp.executor.RankLost` ends the loop."""
+        if self.tp is not None:
+            self.tp.check_ranks()
 
     def _loop(self) -> None:
         inst = self.instance
         parent = os.getppid()
         failures = 0
         while not self.stopping:
+            self._check_ranks()
             self._handle_control()
             if self.stopping:
                 break
@@ -590,7 +610,7 @@ class InstanceWorker:
                 failures += 1
                 self._fail_step(exc)
                 self._dirty = True
-                if failures >= MAX_STEP_FAILURES:
+                if failures >= MAX_STEP_FAILURES or (self.tp is not None and self.tp.group.lost()):
                     raise
                 continue
             if outcome is None:
@@ -628,12 +648,13 @@ def main(argv: list[str] | None = None) -> int:
     if threads:
         import torch
         torch.set_num_threads(int(threads))
+    worker = InstanceWorker(spec)
     try:
-        run_worker(spec)
+        worker.serve()
     except Exception as exc:  # noqa: BLE001 - the router reports it; one line here, not a traceback
-        print(f"laneserve: instance {spec.instance_id} ({spec.role}) failed: {type(exc).__name__}: "
-              f"{' '.join(str(exc).split())}", file=sys.stderr, flush=True)
-        return 1
+        print(f"laneserve: instance {spec.instance_id} ({spec.role}) failed{'' if worker.ready else ' to start'}: "
+              f"{type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        return 1 if worker.ready else 2
     return 0
 
 
