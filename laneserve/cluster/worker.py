@@ -574,6 +574,9 @@ class InstanceWorker:
         self.ready = True
         try:
             self._loop()
+        except Exception as exc:
+            self._going_down(exc)
+            raise
         finally:
             self._beat_stop.set()
             self._close_ranks()
@@ -586,6 +589,19 @@ class InstanceWorker:
         if self.tp is not None:
             with contextlib.suppress(Exception):
                 self.tp.close()
+
+    def _going_down(self, exc: BaseException) -> None:
+        """A tensor-parallel instance that lost a rank fails what it holds with that reason (the
+        router would only see the process exit) and tells the router why it goes down."""
+        if self.tp is None or not self.tp.group.lost():
+            return
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        with self._books:
+            rids = list(self.live)
+        with contextlib.suppress(Exception):
+            if rids:
+                self._fail(rids, f"the instance went down: {why}")
+            self._send(Fatal(why))
 
     def _check_ranks(self) -> None:
         """A tensor-parallel instance whose rank died goes down as a whole (its supervisor restarts
