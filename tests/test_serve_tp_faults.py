@@ -130,3 +130,19 @@ def test_a_rank_killed_mid_prefill_restarts_the_instance_and_leaves_nothing(serv
     wait_for(lambda: server.state()["in_flight"] == 1, 10, "the request to reach the instance")
     assert not started.wait(0.5), "a token came out of a group whose rank 1 is stopped"
     _kill_rank_and_check_recovery(server, before, read, out)
+
+
+def test_a_rank_killed_while_idle_takes_the_instance_down_and_it_comes_back(server):
+    """No step is running: rank 0 still notices (it looks at its ranks between steps) and the group
+    is restarted before any request needs it."""
+    before = _instance(server)
+    rank = before["rank_pids"][0]
+    spawned = _children(before["pid"])
+    os.kill(rank, signal.SIGKILL)
+    after = wait_for(lambda: (i := _instance(server))["status"] == "ready" and i["restarts"] == before["restarts"] + 1
+                     and i, 120, "the instance to be restarted")
+    assert after["pid"] != before["pid"]
+    wait_for(lambda: not any(_alive(p) for p in spawned | {before["pid"]}), 20, "the old group's processes to exit")
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                         "ignore_eos": True}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == server.ref, r.text
