@@ -146,3 +146,28 @@ def test_a_rank_killed_while_idle_takes_the_instance_down_and_it_comes_back(serv
     r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
                                                          "ignore_eos": True}, timeout=TIMEOUT)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == server.ref, r.text
+
+
+def test_a_rank_failing_at_start_up_fails_the_server_start_in_one_line(tmp_path):
+    """Rank 1 exits as the group starts (its entry point swapped in by a ``sitecustomize`` every
+    process of the server imports): the server exits 2 with one error line naming the rank and
+    its exit code, and that rank is gone."""
+    import re
+    from pathlib import Path
+
+    (tmp_path / "sitecustomize.py").write_text(
+        "import laneserve.engine.tp.executor as _ex\nimport tp_fault_support as _f\n"
+        "_ex.rank_main = _f.exits_before_join\n")
+    here = str(Path(__file__).parent)
+    srv = Server("--colocated", "-tp", "2",
+                 env={"PYTHONPATH": os.pathsep.join([str(tmp_path), here, os.environ.get("PYTHONPATH", "")])})
+    try:
+        assert srv.proc.wait(timeout=120) == 2
+        errors = [ln for ln in srv.proc.stderr.read().splitlines() if ln.startswith("laneserve: error:")]
+    finally:
+        srv.stop()
+    assert len(errors) == 1, errors
+    found = re.search(r"failed to start: RankLost: tensor-parallel group failed to start: "
+                      r"rank 1 \(pid (\d+)\) exited with code 3$", errors[0])
+    assert found, errors
+    assert not _alive(int(found.group(1)))
