@@ -192,6 +192,19 @@ def _tensor_parallel_executor(spec: WorkerSpec, config, kv):
     return executor.model, executor
 
 
+def _rank_watchdog(spec: WorkerSpec, executor):
+    """Should rank 0 stay blocked in a collective with a dead rank, stop the group and exit."""
+    from laneserve.engine.tp.watchdog import RankWatchdog
+
+    def gone(lost: str) -> None:
+        print(f"laneserve: instance {spec.instance_id} ({spec.role}) lost a rank ({lost}) and is stuck in a "
+              "step: stopping its ranks and exiting", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            executor.group.close(timeout_s=2.0)
+        os._exit(1)
+    return RankWatchdog(executor.group, gone).start()
+
+
 class InstanceWorker:
     def __init__(self, spec: WorkerSpec, context: zmq.Context | None = None) -> None:
         self.spec = spec
@@ -212,6 +225,7 @@ class InstanceWorker:
         self._last_decode: tuple | None = None       # the last decode step sent, and its number
         self._decode_seq = 0
         self.tp = None                        # the tensor-parallel executor (rank 0 of a group), if any
+        self._watchdog = None                 # its RankWatchdog: a bound should rank 0 hang in a collective
         self.ready = False                    # Ready sent: a failure from now on is not a start-up failure
 
     # ---- set-up --------------------------------------------------------------------------
@@ -241,6 +255,8 @@ class InstanceWorker:
         if spec.tensor_parallel_size > 1:
             model, inner = _tensor_parallel_executor(spec, config, kv)
             self.tp = inner
+            if threading.current_thread() is threading.main_thread():   # its own process: it may exit
+                self._watchdog = _rank_watchdog(spec, inner)
         else:
             inner = EngineExecutor(model, kv, config, host)
         executor = _RecordingExecutor(inner)
@@ -586,6 +602,8 @@ class InstanceWorker:
     def _close_ranks(self) -> None:
         """Stop the other ranks of a tensor-parallel instance (killed if one of them is already
         gone): no rank outlives its instance, whatever ends it."""
+        if self._watchdog is not None:
+            self._watchdog.disarm()
         if self.tp is not None:
             with contextlib.suppress(Exception):
                 self.tp.close()
@@ -595,6 +613,8 @@ class InstanceWorker:
         router would only see the process exit) and tells the router why it goes down."""
         if self.tp is None or not self.tp.group.lost():
             return
+        if self._watchdog is not None:
+            self._watchdog.disarm()
         why = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
         with self._books:
             rids = list(self.live)
