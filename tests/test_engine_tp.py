@@ -308,7 +308,7 @@ def test_a_dead_rank_fails_the_next_step_promptly_and_close_still_cleans_up():
     import signal
     import threading
 
-    from laneserve.engine.tp.executor import TPExecutor
+    from laneserve.engine.tp.executor import RankLost, TPExecutor
 
     ex = TPExecutor.start(tp_checkpoint("llama"), 2, _config())
     try:
@@ -330,7 +330,37 @@ def test_a_dead_rank_fails_the_next_step_promptly_and_close_still_cleans_up():
         t.start()
         t.join(60)
         assert not t.is_alive(), "a step on a group with a dead rank hangs"
-        assert isinstance(outcome[0], Exception)
+        assert isinstance(outcome[0], RankLost), outcome
+        assert f"rank 1 (pid {rank1}) exited with code -9" in str(outcome[0])
     finally:
         ex.close()
     assert not _alive(rank1)
+
+
+def _group_files() -> set[str]:
+    from laneserve.engine.tp.channel import shm_folder
+    mine = (f"laneserve-tp-{os.getpid()}-", f"laneserve-stop-{os.getpid()}-")
+    return {f.name for f in shm_folder().iterdir() if f.name.startswith(mine)}
+
+
+@pytest.mark.parametrize("entry", ["exits_before_join", "exits_after_join"])
+def test_a_rank_that_fails_at_start_up_fails_the_group_in_one_line_and_leaves_nothing(entry, monkeypatch):
+    """Rank 1 dies while the group starts: rank 0 gives up at once (not after the store's timeout)
+    with one line naming the rank and its exit code; no rank process and no group file is left."""
+    import multiprocessing
+    import tempfile
+
+    import tp_fault_support
+    from laneserve.engine.tp import executor
+    from laneserve.engine.tp.executor import RankLost, TPExecutor
+
+    monkeypatch.setattr(executor, "rank_main", getattr(tp_fault_support, entry))
+    code = 3 if entry == "exits_before_join" else 4
+    stores = set(Path(tempfile.gettempdir()).glob("laneserve-tp-*"))
+    ranks = set(multiprocessing.active_children())     # other tests' groups
+    with pytest.raises(RankLost, match=rf"^tensor-parallel group failed to start: rank 1 \(pid \d+\) exited "
+                                       rf"with code {code}$"):
+        TPExecutor.start(tp_checkpoint("llama"), 2, _config())
+    assert not [p for p in set(multiprocessing.active_children()) - ranks if p.name.startswith("laneserve-tp-rank")]
+    assert not _group_files()
+    assert set(Path(tempfile.gettempdir()).glob("laneserve-tp-*")) <= stores

@@ -8,7 +8,10 @@ decode instance chosen by the decode router, whose thread reserves blocks, impor
 starts decoding it. The prefill instance
 frees its blocks once the KV is exported (the host copy carries it), so prefill memory is not held
 during the transfer — a difference from the simulator that matters only under memory pressure.
-Instances share one model object (weights are read-only) and one wall clock.
+Instances share one model object (weights are read-only) and one wall clock. A role given a
+tensor-parallel degree above one runs each of its instances as a rank group instead
+(:class:`~laneserve.engine.tp.executor.TPExecutor`: rank 0 in the instance's thread, ranks
+1..N-1 as processes of their own); :meth:`LocalCluster.close` stops them.
 """
 
 from __future__ import annotations
@@ -124,14 +127,23 @@ class LocalCluster:
                  prefill_policy: str = DEFAULT_PREFILL_POLICY, decode_policy: str = DEFAULT_DECODE_POLICY,
                  router: str = DEFAULT_ROUTER, decode_router: str = DEFAULT_DECODE_ROUTER,
                  config: EngineConfig | None = None, kv_tokens: int = 65536,
-                 deployment: Deployment | None = None) -> None:
+                 deployment: Deployment | None = None, prefill_tensor_parallel_size: int = 1,
+                 decode_tensor_parallel_size: int = 1) -> None:
         from laneserve.engine.models.loader import load_model
         config = config or EngineConfig(num_threads=1)
         self.config = config
         self.deployment = deployment = deployment or Deployment(
             num_prefill=num_prefill, num_decode=num_decode, prefill_policy=prefill_policy,
             decode_policy=decode_policy, router=router, decode_router=decode_router)
-        self.model = load_model(model_path, config.device, config.dtype)
+        degrees = {"prefill": prefill_tensor_parallel_size, "decode": decode_tensor_parallel_size,
+                   "colocated": prefill_tensor_parallel_size}
+        for name, degree in (("prefill", prefill_tensor_parallel_size), ("decode", decode_tensor_parallel_size)):
+            if not isinstance(degree, int) or degree < 1:
+                raise ValueError(f"{name}_tensor_parallel_size must be a positive integer, got {degree!r}")
+        roles = deployment.roles()
+        self.tp_executors: list = []
+        self.model = (load_model(model_path, config.device, config.dtype)
+                      if any(degrees[role] == 1 for role, _ in roles) else None)
         if config.num_threads is not None:
             import torch
             torch.set_num_threads(config.num_threads)
@@ -147,11 +159,18 @@ class LocalCluster:
             extra = {"host_pool": host} if host is not None else {}
             if role == "colocated":
                 extra["token_budget"] = config.max_num_batched_tokens
-            return EngineInstance(registry.make(role, spec, kv, **extra),
-                                  EngineExecutor(self.model, kv, config, host),
-                                  clock=self.clock, instance_id=i)
+            scheduler = registry.make(role, spec, kv, **extra)
+            if degrees[role] > 1:
+                executor = self._tensor_parallel(model_path, degrees[role], kv)
+            else:
+                executor = EngineExecutor(self.model, kv, config, host)
+            return EngineInstance(scheduler, executor, clock=self.clock, instance_id=i)
 
-        instances = [instance(i, role, spec) for i, (role, spec) in enumerate(deployment.roles())]
+        try:
+            instances = [instance(i, role, spec) for i, (role, spec) in enumerate(roles)]
+        except BaseException:
+            self.close()
+            raise
         self.prefill = instances[:deployment.num_prefill]
         self.decode = instances[deployment.num_prefill:]
         self.runtime = ClusterRuntime(deployment, _LocalLink(self), front=self.prefill,
@@ -167,6 +186,28 @@ class LocalCluster:
         self._done_lock = threading.Lock()
         self._all_done = threading.Event()
         self._expected = 0
+
+    def _tensor_parallel(self, model_path, degree: int, kv):
+        """A rank group of ``degree`` over the KV manager ``kv`` (every rank sizes its cache to it)."""
+        import dataclasses
+
+        from laneserve.engine.tp.executor import TPExecutor
+        config = dataclasses.replace(self.config, num_kv_blocks=kv.num_blocks)
+        executor = TPExecutor.start(model_path, degree, config, kv_factory=lambda _blocks: kv)
+        self.tp_executors.append(executor)
+        return executor
+
+    def close(self) -> None:
+        """Stop the rank processes of every tensor-parallel instance (also done when the
+        cluster is collected or the process exits)."""
+        for executor in self.tp_executors:
+            executor.close()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- callbacks from worker threads -------------------------------------------------------
     def _finished(self, req: Request) -> None:

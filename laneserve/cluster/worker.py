@@ -199,6 +199,19 @@ def _tensor_parallel_executor(spec: WorkerSpec, config, kv):
     return executor.model, executor
 
 
+def _rank_watchdog(spec: WorkerSpec, executor):
+    """Should rank 0 stay blocked in a collective with a dead rank, stop the group and exit."""
+    from laneserve.engine.tp.watchdog import RankWatchdog
+
+    def gone(lost: str) -> None:
+        print(f"laneserve: instance {spec.instance_id} ({spec.role}) lost a rank ({lost}) and is stuck in a "
+              "step: stopping its ranks and exiting", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            executor.group.close(timeout_s=2.0)
+        os._exit(1)
+    return RankWatchdog(executor.group, gone).start()
+
+
 class InstanceWorker:
     def __init__(self, spec: WorkerSpec, context: zmq.Context | None = None) -> None:
         self.spec = spec
@@ -218,6 +231,9 @@ class InstanceWorker:
         self._dirty = True
         self._last_decode: tuple | None = None       # the last decode step sent, and its number
         self._decode_seq = 0
+        self.tp = None                        # the tensor-parallel executor (rank 0 of a group), if any
+        self._watchdog = None                 # its RankWatchdog: a bound should rank 0 hang in a collective
+        self.ready = False                    # Ready sent: a failure from now on is not a start-up failure
 
     # ---- set-up --------------------------------------------------------------------------
     def build(self) -> None:
@@ -245,6 +261,9 @@ class InstanceWorker:
         scheduler = registry.make(spec.role, spec.policy, kv, **opts)
         if spec.tensor_parallel_size > 1:
             model, inner = _tensor_parallel_executor(spec, config, kv)
+            self.tp = inner
+            if threading.current_thread() is threading.main_thread():   # its own process: it may exit
+                self._watchdog = _rank_watchdog(spec, inner)
         else:
             inner = EngineExecutor(model, kv, config, host)
         executor = _RecordingExecutor(inner)
@@ -566,7 +585,8 @@ class InstanceWorker:
         try:
             self.build()
         except Exception as exc:  # noqa: BLE001 - report, then die
-            self._send(Fatal(f"{type(exc).__name__}: {exc}"))
+            self._close_ranks()
+            self._send(Fatal(f"{type(exc).__name__}: {' '.join(str(exc).split())}"))
             raise
         self._beat_stop = threading.Event()
         self.spec.start_heartbeat(self.ctx, self._beat_stop)
@@ -574,18 +594,54 @@ class InstanceWorker:
                                     name=f"recv-{self.spec.instance_id}")
         receiver.start()
         self._send(Ready(self.info))
+        self.ready = True
         try:
             self._loop()
+        except Exception as exc:
+            self._going_down(exc)
+            raise
         finally:
             self._beat_stop.set()
+            self._close_ranks()
             self.out.close()
             inbox.close()
+
+    def _close_ranks(self) -> None:
+        """Stop the other ranks of a tensor-parallel instance (killed if one of them is already
+        gone): no rank outlives its instance, whatever ends it."""
+        if self._watchdog is not None:
+            self._watchdog.disarm()
+        if self.tp is not None:
+            with contextlib.suppress(Exception):
+                self.tp.close()
+
+    def _going_down(self, exc: BaseException) -> None:
+        """A tensor-parallel instance that lost a rank fails what it holds with that reason (the
+        router would only see the process exit) and tells the router why it goes down."""
+        if self.tp is None or not self.tp.group.lost():
+            return
+        if self._watchdog is not None:
+            self._watchdog.disarm()
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        with self._books:
+            rids = list(self.live)
+        with contextlib.suppress(Exception):
+            if rids:
+                self._fail(rids, f"the instance went down: {why}")
+            self._send(Fatal(why))
+
+    def _check_ranks(self) -> None:
+        """A tensor-parallel instance whose rank died goes down as a whole (its supervisor restarts
+        the group): :class:`~laneserve.engine.tp.executor.RankLost` ends the loop."""
+        if self.tp is not None:
+            self.tp.check_ranks()
 
     def _loop(self) -> None:
         inst = self.instance
         parent = os.getppid()
         failures = 0
         while not self.stopping:
+            self._check_ranks()
             self._handle_control()
             if self.stopping:
                 break
@@ -597,7 +653,7 @@ class InstanceWorker:
                 failures += 1
                 self._fail_step(exc)
                 self._dirty = True
-                if failures >= MAX_STEP_FAILURES:
+                if failures >= MAX_STEP_FAILURES or (self.tp is not None and self.tp.group.lost()):
                     raise
                 continue
             if outcome is None:
@@ -635,12 +691,13 @@ def main(argv: list[str] | None = None) -> int:
     if threads:
         import torch
         torch.set_num_threads(int(threads))
+    worker = InstanceWorker(spec)
     try:
-        run_worker(spec)
+        worker.serve()
     except Exception as exc:  # noqa: BLE001 - the router reports it; one line here, not a traceback
-        print(f"laneserve: instance {spec.instance_id} ({spec.role}) failed: {type(exc).__name__}: "
-              f"{' '.join(str(exc).split())}", file=sys.stderr, flush=True)
-        return 1
+        print(f"laneserve: instance {spec.instance_id} ({spec.role}) failed{'' if worker.ready else ' to start'}: "
+              f"{type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        return 1 if worker.ready else 2
     return 0
 
 

@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,16 @@ from laneserve.engine.tp.stop_protocol import StopBoard, StopProtocol
 from laneserve.engine.tp.worker import rank_main
 
 log = logging.getLogger(__name__)
+
+#: how often rank 0 looks at its rank processes while it waits for them to join
+JOIN_POLL_S = 0.1
+#: how long a failed step waits to see whether a rank process exited (then it is a lost rank)
+RANK_EXIT_WAIT_S = 2.0
+
+
+class RankLost(RuntimeError):
+    """A rank process of the group exited: the group cannot run another step (rank 0 holds only its
+    own shard), so the instance goes down as a whole."""
 
 
 def tp_config(config: EngineConfig) -> EngineConfig:
@@ -83,14 +94,51 @@ class RankGroup:
         try:
             for p in self.procs:
                 p.start()
-            self.joined = join(self.spec, 0)
+            self.joined = self._join()
             self.channel.unlink()          # every rank mapped it before joining the group
             self.stop = StopProtocol(self.board, 0)
             barrier(self.joined.control)   # every rank attached to the board
             os.unlink(self.board.name)
-        except BaseException:
+        except BaseException as exc:
+            lost = self.wait_lost(RANK_EXIT_WAIT_S) if type(exc) is not RankLost and isinstance(exc, Exception) else ""
             self.close()
+            if lost:
+                raise RankLost(f"tensor-parallel group failed to start: {lost}") from exc
             raise
+
+    def _join(self):
+        """Rank 0's :func:`join`, given up as soon as a rank process exits (a rank that dies before
+        it registers would otherwise keep rank 0 waiting for the store's whole timeout)."""
+        done: list = []
+
+        def run() -> None:
+            try:
+                done.append(join(self.spec, 0))
+            except BaseException as exc:   # noqa: BLE001 - re-raised in the caller's thread
+                done.append(exc)
+        t = threading.Thread(target=run, name="laneserve-tp-join", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(JOIN_POLL_S)
+            if t.is_alive() and not self.alive():
+                raise RankLost(f"tensor-parallel group failed to start: {self.lost()}")
+        if isinstance(done[0], BaseException):
+            raise done[0]
+        return done[0]
+
+    def lost(self) -> str:
+        """The ranks that exited, in words (empty while every rank runs)."""
+        return ", ".join(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}" if hasattr(p, "exitcode")
+                         else f"rank {r} (thread) stopped"
+                         for r, p in enumerate(self.procs, start=1) if p.ident is not None and not p.is_alive())
+
+    def wait_lost(self, wait_s: float) -> str:
+        """:meth:`lost`, after waiting up to ``wait_s`` for a rank to be seen gone: a collective
+        fails as soon as a peer's sockets close, a moment before its process can be reaped."""
+        deadline = time.monotonic() + wait_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.lost()
 
     @property
     def pids(self) -> list[int]:
@@ -107,14 +155,17 @@ class RankGroup:
         if self._closed:
             return
         self._closed = True
+        grace = timeout_s
         try:
             if self.procs and self.alive():
                 self.channel.publish(("shutdown",), self.alive)
+            elif self.lost():          # the others may wait in a collective with the dead rank: no grace
+                grace = 0.0
         except Exception:
             pass
         for p in self.procs:
             if p.ident is not None:
-                p.join(timeout_s)
+                p.join(grace)
                 if p.is_alive() and hasattr(p, "kill"):
                     p.kill()
                     p.join(timeout_s)
@@ -148,15 +199,33 @@ class TPExecutor(EngineExecutor):
             blocks = agree_min(group.joined.control, local_kv_blocks(config, model))
             kv = kv_factory(blocks) if kv_factory else KVCacheManager(blocks, config.block_size)
             return cls(group, model, kv, config)
-        except BaseException:
+        except BaseException as exc:
+            lost = group.wait_lost(RANK_EXIT_WAIT_S) if isinstance(exc, Exception) else ""
             group.close()
+            if lost:
+                raise RankLost(f"tensor-parallel group failed to start: {lost}") from exc
             raise
 
     @property
     def tensor_parallel_size(self) -> int:
         return self.group.world
 
+    def check_ranks(self, wait_s: float = 0.0) -> None:
+        """Raise :class:`RankLost` if a rank process is gone (waiting up to ``wait_s`` to see it)."""
+        lost = self.group.wait_lost(wait_s) if wait_s else self.group.lost()
+        if lost:
+            raise RankLost(f"tensor-parallel instance lost a rank: {lost}")
+
     def execute(self, plan: StepPlan, should_stop: Callable[[], bool] | None = None) -> EngineStepResult:
+        """One step on every rank; :class:`RankLost` (the step failed) when a rank is gone."""
+        self.check_ranks()
+        try:
+            return self._execute(plan, should_stop)
+        except Exception:
+            self.check_ranks(RANK_EXIT_WAIT_S)  # a dead peer's collective error: say which rank, not the symptom
+            raise
+
+    def _execute(self, plan: StepPlan, should_stop: Callable[[], bool] | None) -> EngineStepResult:
         check = plan.preemptible and should_stop is not None and plan.preempt_granularity != "chunk"
         if plan.plan_id in self._parked:
             self.group.publish(("resume", plan.plan_id, check))
