@@ -694,5 +694,6 @@ def serve_command(layout: Layout, spec: PlanSpec, *, model_path: str = "<CHECKPO
            " ".join(shlex.quote(a) for a in args) + " --ray-address auto"]
     return {"command": " ".join(shlex.quote(a) for a in args), "argv": args, "placement": placement,
             "ray": ray, "tp_note": None if max(tp for _, _, tp in roles) == 1 else
-            "instances with TP > 1 need an engine that shards the model over their GPUs (the plan "
-            f"modelled {spec.engine}); laneserve's engine runs one device per instance"}
+            "the command above does not carry the TP degrees yet: add --prefill-tensor-parallel-size / "
+            "--decode-tensor-parallel-size (laneserve serve runs tensor-parallel instances; with Ray, one "
+            f"placement group per instance is not built yet); the plan modelled {spec.engine}"}
