@@ -55,15 +55,24 @@ def tiny_checkpoint(family: str) -> Path:
 
 
 @functools.cache
-def hf_model(family: str):
+def hf_model_at(path: Path):
+    """The ``transformers`` model of the checkpoint at ``path`` (fp32, eval), loaded once."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint(family), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_model(family: str):
+    return hf_model_at(tiny_checkpoint(family))
 
 
 def hf_greedy(family: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    return hf_greedy_at(tiny_checkpoint(family), prompt, max_new_tokens)
+
+
+def hf_greedy_at(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Reference: ``transformers`` ``generate(do_sample=False)`` on one unpadded prompt, EOS ignored."""
-    model = hf_model(family)
+    model = hf_model_at(path)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,

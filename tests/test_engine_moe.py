@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_support import VOCAB, Driver, make_request, prompts
+from engine_support import VOCAB, Driver, hf_greedy_at, make_request, prompts
 from laneserve.core.kv import KVCacheManager
 from laneserve.engine import EngineConfig, EngineExecutor, ModelConfig, UnsupportedModelError, load_model
 from laneserve.engine.models.moe import MoEWeights, moe_down, moe_gate_up, reference_moe, sorted_gate_up
@@ -58,19 +58,8 @@ def checkpoint(name: str) -> Path:
     return path
 
 
-@functools.cache
-def hf(name: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(checkpoint(name), dtype=torch.float32).eval()
-
-
 def hf_greedy(name: str, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf(name).generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                do_sample=False, max_new_tokens=n, min_new_tokens=0, eos_token_id=None,
-                                pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy_at(checkpoint(name), prompt, n)
 
 
 def executor(name: str, **overrides) -> EngineExecutor:
