@@ -113,7 +113,7 @@ def reference_moe(x: torch.Tensor, moe: MoEWeights,
 
 
 #: checkpoint names of a sparse block: (module, router, gate, up, down) per architecture
-_NAMES = {
+CHECKPOINT_NAMES = {
     "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
 }
@@ -122,7 +122,7 @@ _NAMES = {
 def moe_from_checkpoint(take, layer_prefix: str, config) -> MoEWeights:
     """The sparse block of one layer from a checkpoint's per-expert tensors (``take(name)`` pops one
     tensor already on the target device and dtype). Experts are stacked into ``[E, ...]`` tensors."""
-    module, router, gate, up, down = _NAMES[config.architecture]
+    module, router, gate, up, down = CHECKPOINT_NAMES[config.architecture]
     m = f"{layer_prefix}{module}."
     gate_up, downs = [], []
     for e in range(config.num_experts):

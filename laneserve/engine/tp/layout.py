@@ -2,7 +2,9 @@
 
 Attention heads are split evenly; KV heads are split when there are at least as many as ranks and
 replicated (each rank holds the one KV head its query heads use) when there are fewer. The MLP's
-intermediate dimension is split evenly. The vocabulary is split in equal padded parts: rank ``r``
+intermediate dimension is split evenly, and so is each expert's in a sparse (MoE) layer: every rank
+holds a slice of every expert, not whole experts, so every rank does the same work whatever the
+router picks, and the router (replicated) needs no exchange of tokens between ranks. The vocabulary is split in equal padded parts: rank ``r``
 owns ids ``[r * part, (r + 1) * part)``, the tail beyond the real vocabulary is zero padding that
 the logits gather drops.
 """
@@ -28,8 +30,10 @@ def check_degree(cfg: ModelConfig, tp: int) -> None:
     kv = cfg.num_kv_heads
     if kv % tp and tp % kv:
         problems.append(f"{kv} KV heads neither divide it nor are divisible by it")
-    if cfg.intermediate_size % tp:
+    if len(cfg.moe_layers) < cfg.num_layers and cfg.intermediate_size % tp:
         problems.append(f"the MLP intermediate size {cfg.intermediate_size} is not divisible by it")
+    if cfg.moe_layers and cfg.moe_intermediate_size % tp:
+        problems.append(f"the expert intermediate size {cfg.moe_intermediate_size} is not divisible by it")
     if problems:
         raise TensorParallelError(f"tensor_parallel_size={tp} cannot shard {cfg.architecture}: "
                                   + "; ".join(problems))
@@ -72,6 +76,12 @@ class RankLayout:
     @property
     def intermediate(self) -> range:
         part = self.cfg.intermediate_size // self.tp
+        return range(self.rank * part, (self.rank + 1) * part)
+
+    @property
+    def expert_intermediate(self) -> range:
+        """This rank's slice of every expert's intermediate dimension (sparse layers)."""
+        part = self.cfg.moe_intermediate_size // self.tp
         return range(self.rank * part, (self.rank + 1) * part)
 
     @property

@@ -6,6 +6,11 @@ Column-parallel weights (fused Q/K/V, fused gate/up, their biases) take rows; ro
 (``o_proj``, ``down``) take columns, and their biases are kept on rank 0 only so the all-reduce
 adds them once. Norms (including Qwen3's per-head q/k norms) are replicated. The embedding and
 LM head take this rank's vocab part, zero-padded where the part runs past the vocabulary.
+
+A sparse (MoE) layer's router is replicated; every expert's gate and up projections take this
+rank's rows of the expert intermediate dimension and its down projection the matching columns
+(read expert by expert into one stacked buffer), so the layer's output on a rank is a partial sum
+that the model's all-reduce after ``down`` completes, exactly as for a dense MLP.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from laneserve.engine.models.config import ModelConfig
 from laneserve.engine.models.llama import LayerWeights, LlamaModel
 from laneserve.engine.models.loader import _safetensor_files, load_tokenizer, resolve_dtype
+from laneserve.engine.models.moe import CHECKPOINT_NAMES, MoEWeights
 from laneserve.engine.tp.layout import RankLayout
 
 
@@ -66,18 +72,18 @@ class SliceReader:
 def _layer(r: SliceReader, lay: RankLayout, i: int) -> LayerWeights:
     cfg, hd = lay.cfg, lay.cfg.head_dim
     p = f"model.layers.{i}."
-    a, m = p + "self_attn.", p + "mlp."
+    a = p + "self_attn."
     q_span, kv_span = lay.dims(lay.heads, hd), lay.dims(lay.kv_heads, hd)
-    inter = lay.dims(lay.intermediate, 1)
     first = lay.rank == 0
 
     def qkv(suffix: str) -> torch.Tensor:
         return torch.cat([r.rows(a + "q_proj" + suffix, q_span), r.rows(a + "k_proj" + suffix, kv_span),
                           r.rows(a + "v_proj" + suffix, kv_span)])
 
-    def gate_up(suffix: str) -> torch.Tensor:
-        return torch.cat([r.rows(m + "gate_proj" + suffix, inter), r.rows(m + "up_proj" + suffix, inter)])
-
+    if i in cfg.moe_layers:
+        mlp = dict(gate_up=None, gate_up_bias=None, down=None, down_bias=None, moe=_experts(r, lay, p))
+    else:
+        mlp = _dense_mlp(r, lay, p + "mlp.")
     return LayerWeights(
         input_norm=r.full(p + "input_layernorm.weight"),
         qkv=qkv(".weight"),
@@ -87,18 +93,47 @@ def _layer(r: SliceReader, lay: RankLayout, i: int) -> LayerWeights:
         o_proj=r.cols(a + "o_proj.weight", q_span),
         o_bias=r.full(a + "o_proj.bias") if cfg.o_bias and first else None,
         post_norm=r.full(p + "post_attention_layernorm.weight"),
-        gate_up=gate_up(".weight"),
-        gate_up_bias=gate_up(".bias") if cfg.mlp_bias else None,
-        down=r.cols(m + "down_proj.weight", inter),
-        down_bias=r.full(m + "down_proj.bias") if cfg.mlp_bias and first else None,
+        **mlp,
     )
 
 
+def _dense_mlp(r: SliceReader, lay: RankLayout, m: str) -> dict:
+    """A dense MLP's fields of :class:`LayerWeights`: gate/up rows and down columns of this rank."""
+    inter, bias = lay.dims(lay.intermediate, 1), lay.cfg.mlp_bias
+
+    def gate_up(suffix: str) -> torch.Tensor:
+        return torch.cat([r.rows(m + "gate_proj" + suffix, inter), r.rows(m + "up_proj" + suffix, inter)])
+
+    return dict(gate_up=gate_up(".weight"), gate_up_bias=gate_up(".bias") if bias else None,
+                down=r.cols(m + "down_proj.weight", inter),
+                down_bias=r.full(m + "down_proj.bias") if bias and lay.rank == 0 else None)
+
+
+def _experts(r: SliceReader, lay: RankLayout, layer_prefix: str) -> MoEWeights:
+    """A sparse layer's router (whole) and this rank's slice of every expert, stacked
+    ``[E, 2 * part, hidden]`` (gate rows, then up rows) and ``[E, hidden, part]``."""
+    cfg = lay.cfg
+    module, router, gate, up, down = CHECKPOINT_NAMES[cfg.architecture]
+    m = f"{layer_prefix}{module}."
+    span = lay.dims(lay.expert_intermediate, 1)
+    part = span[1] - span[0]
+    gate_up = torch.empty(cfg.num_experts, 2 * part, cfg.hidden_size, device=r.device, dtype=r.dtype)
+    downs = torch.empty(cfg.num_experts, cfg.hidden_size, part, device=r.device, dtype=r.dtype)
+    for e in range(cfg.num_experts):
+        x = f"{m}experts.{e}."
+        gate_up[e, :part] = r.rows(f"{x}{gate}.weight", span)
+        gate_up[e, part:] = r.rows(f"{x}{up}.weight", span)
+        downs[e] = r.cols(f"{x}{down}.weight", span)
+    return MoEWeights(router=r.full(f"{m}{router}.weight"), gate_up=gate_up, down=downs,
+                      top_k=cfg.experts_per_token, renormalize=cfg.norm_topk_prob)
+
+
 def local_config(lay: RankLayout) -> ModelConfig:
-    """The config a rank's forward runs with: its own head counts and MLP width (the KV cache it
-    sizes holds only its KV heads)."""
+    """The config a rank's forward runs with: its own head counts, MLP and expert widths (the KV
+    cache it sizes holds only its KV heads)."""
     return dataclasses.replace(lay.cfg, num_heads=lay.num_heads, num_kv_heads=lay.num_kv_heads,
-                               intermediate_size=len(lay.intermediate))
+                               intermediate_size=len(lay.intermediate),
+                               moe_intermediate_size=len(lay.expert_intermediate))
 
 
 def load_shard(path: str | Path, rank: int, tp: int, device: str | torch.device = "cpu",
