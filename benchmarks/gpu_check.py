@@ -17,7 +17,7 @@
       the experts, its output against that loop, and one CUDA-graph capture and replay of it.
   (h) tensor parallelism, where two or more GPUs are visible (one line says so where there is
       one): greedy tokens of TP2 (and TP4 with four GPUs) against TP1, fp32, and the wall time of
-      the same generation.
+      the same generation, for a dense Llama model and a Qwen3-MoE one (experts split across ranks).
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py            # on a CUDA machine
     PYTHONPATH=. python3 benchmarks/gpu_check.py --dry-run  # every section on CPU at tiny sizes
@@ -633,9 +633,23 @@ def section_g(args) -> dict:
 def _float_moe(w):
     from laneserve.engine.models.moe import MoEWeights
     return MoEWeights(w.router.float(), w.gate_up.float(), w.down.float(), w.top_k, w.renormalize)
-def section_h(args) -> dict:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def _tp_checkpoints(shape: dict, folder: Path) -> dict[str, Path]:
+    """The dense Llama model and a Qwen3-MoE one of the same trunk (experts split across ranks)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+    inter = shape["intermediate_size"]
+    configs = {"llama": LlamaConfig(**shape, tie_word_embeddings=False),
+               "qwen3-moe": Qwen3MoeConfig(**shape, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                                           moe_intermediate_size=inter // 4, norm_topk_prob=True,
+                                           head_dim=shape["hidden_size"] // shape["num_attention_heads"])}
+    paths = {}
+    for name, cfg in configs.items():
+        torch.manual_seed(0)
+        paths[name] = folder / name
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(paths[name])
+    return paths
 
+
+def section_h(args) -> dict:
     from laneserve.engine import EngineConfig
     from laneserve.engine.llm import LLM
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
@@ -647,27 +661,27 @@ def section_h(args) -> dict:
     new_tokens = 6 if args.dry_run else 32
     rng = random.Random(1)
     prompts = [[rng.randrange(2, shape["vocab_size"] - 1) for _ in range(n)] for n in (9, 40, 200)]
-    folder = Path(tempfile.mkdtemp(prefix="gpu-check-tp-"))
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(LlamaConfig(**shape, tie_word_embeddings=False)).save_pretrained(folder)
     config = EngineConfig(device=args.device, dtype="float32", attention="ragged", cuda_graphs=False,
                           num_kv_blocks=256)
-    rows, ref = [], None
-    for tp in [1] + degrees:
-        llm = LLM(folder, config=config, quiet=True, tensor_parallel_size=tp)
-        try:
-            llm.generate(prompts[:1], greedy_params(2))                 # warm-up
-            sync(args.device)
-            t0 = time.perf_counter()
-            outs = [o.token_ids for o in llm.generate(prompts, greedy_params(new_tokens))]
-            sync(args.device)
-            wall = time.perf_counter() - t0
-        finally:
-            llm.close()
-        ref = ref or outs
-        same = sum(a == b for o, r in zip(outs, ref) for a, b in zip(o, r))
-        rows.append({"tp": tp, "identical_to_tp1": same / sum(len(r) for r in ref), "wall_s": wall})
-        cleanup()
+    rows = []
+    for model, folder in _tp_checkpoints(shape, Path(tempfile.mkdtemp(prefix="gpu-check-tp-"))).items():
+        ref = None
+        for tp in [1] + degrees:
+            llm = LLM(folder, config=config, quiet=True, tensor_parallel_size=tp)
+            try:
+                llm.generate(prompts[:1], greedy_params(2))                 # warm-up
+                sync(args.device)
+                t0 = time.perf_counter()
+                outs = [o.token_ids for o in llm.generate(prompts, greedy_params(new_tokens))]
+                sync(args.device)
+                wall = time.perf_counter() - t0
+            finally:
+                llm.close()
+            ref = ref or outs
+            same = sum(a == b for o, r in zip(outs, ref) for a, b in zip(o, r))
+            rows.append({"model": model, "tp": tp, "identical_to_tp1": same / sum(len(r) for r in ref),
+                         "wall_s": wall})
+            cleanup()
     return {"model": shape, "gpus": gpus, "new_tokens": new_tokens, "rows": rows,
             "all_identical": all(r["identical_to_tp1"] == 1.0 for r in rows)}
 
@@ -680,7 +694,8 @@ SECTIONS = {
     "e": ("offline throughput, default settings vs HF generate", section_e),
     "f": ("prefill policies end to end vs the simulator fed this GPU's profile", section_f),
     "g": ("MoE layers (Qwen3-30B-A3B-shaped): step time vs expert bytes, fused vs expert loop", section_g),
-    "h": ("tensor parallelism (two or more GPUs): greedy tokens of TP2/TP4 vs TP1, wall time", section_h),
+    "h": ("tensor parallelism (two or more GPUs): greedy tokens of TP2/TP4 vs TP1, wall time, dense and MoE",
+          section_h),
 }
 
 
