@@ -2,7 +2,8 @@
 column/row-parallel layers, vocab-parallel embedding and LM head), the rank processes that run
 it, and rank 0's executor that hides the ranks from the instance runtime.
 
-* :mod:`.layout`   which heads / rows / vocab entries each rank owns, and the degree check;
+* :mod:`.layout`   which heads / rows / expert slices / vocab entries each rank owns, and the
+                  degree check;
 * :mod:`.comm`     the communicator a sharded model calls (all-reduce, logits gather);
 * :mod:`.loader`   each rank reads only its slices of the safetensors checkpoint;
 * :mod:`.channel`  rank 0's once-per-step broadcast through shared memory;
