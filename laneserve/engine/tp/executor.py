@@ -50,6 +50,16 @@ log = logging.getLogger(__name__)
 JOIN_POLL_S = 0.1
 #: how long a failed step waits to see whether a rank process exited (then it is a lost rank)
 RANK_EXIT_WAIT_S = 2.0
+#: how long to wait for a rank's process to be reaped once a collective said its peer closed the
+#: connection: that peer is certainly exiting, but on a loaded host its interpreter teardown can take
+#: seconds (the wait ends as soon as the process is gone)
+PEER_CLOSED_WAIT_S = 30.0
+
+
+def _exit_wait_s(exc: BaseException) -> float:
+    """How long to wait to see a rank gone after ``exc``: long when the error says a peer closed."""
+    text = str(exc).lower()
+    return PEER_CLOSED_WAIT_S if "closed by peer" in text or "connection reset" in text else RANK_EXIT_WAIT_S
 
 
 class RankLost(RuntimeError):
@@ -100,7 +110,7 @@ class RankGroup:
             barrier(self.joined.control)   # every rank attached to the board
             os.unlink(self.board.name)
         except BaseException as exc:
-            lost = self.wait_lost(RANK_EXIT_WAIT_S) if type(exc) is not RankLost and isinstance(exc, Exception) else ""
+            lost = self.wait_lost(_exit_wait_s(exc)) if type(exc) is not RankLost and isinstance(exc, Exception) else ""
             self.close()
             if lost:
                 raise RankLost(f"tensor-parallel group failed to start: {lost}") from exc
@@ -200,7 +210,7 @@ class TPExecutor(EngineExecutor):
             kv = kv_factory(blocks) if kv_factory else KVCacheManager(blocks, config.block_size)
             return cls(group, model, kv, config)
         except BaseException as exc:
-            lost = group.wait_lost(RANK_EXIT_WAIT_S) if isinstance(exc, Exception) else ""
+            lost = group.wait_lost(_exit_wait_s(exc)) if isinstance(exc, Exception) else ""
             group.close()
             if lost:
                 raise RankLost(f"tensor-parallel group failed to start: {lost}") from exc
@@ -221,8 +231,8 @@ class TPExecutor(EngineExecutor):
         self.check_ranks()
         try:
             return self._execute(plan, should_stop)
-        except Exception:
-            self.check_ranks(RANK_EXIT_WAIT_S)  # a dead peer's collective error: say which rank, not the symptom
+        except Exception as exc:
+            self.check_ranks(_exit_wait_s(exc))  # a dead peer's collective error: say which rank, not the symptom
             raise
 
     def _execute(self, plan: StepPlan, should_stop: Callable[[], bool] | None) -> EngineStepResult:
