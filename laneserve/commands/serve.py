@@ -384,23 +384,36 @@ def _in_daemon_thread(fn, *args):
 def _lifecycle(args: argparse.Namespace, state, cluster, spec, model, name: str, log):
     """(Lifecycle, the app's lifespan): start the instances and load the tokenizer once the port
     answers; on the way out drain, close the cluster and the render and parse pools."""
+    import asyncio
     import contextlib
 
     from laneserve.server.lifecycle import Lifecycle
 
     async def start() -> None:
+        from laneserve.server.templates import probe_render
+
         tok_path = Path(args.tokenizer or model) if (args.tokenizer or model) else None
-        # processes load while this one loads the tokenizer; in-process instances import transformers
-        # in their threads, and its lazy imports are not thread-safe, so load it after them
-        tok_task = None if spec.in_process else _in_daemon_thread(_load_tokenizer, tok_path)
-        try:
+
+        async def tokenizer_and_template() -> None:     # a broken template stops start-up here, early
+            state.tokenizer = await _in_daemon_thread(_load_tokenizer, tok_path)
+            probe_render(state.tokenizer, state.defaults.chat_template, state.defaults.render_timeout)
+
+        if spec.in_process:
+            # in-process instances import transformers in their threads, and its lazy imports are not
+            # thread-safe: load the tokenizer before they start, not beside them
+            await tokenizer_and_template()
             await cluster.start()
-            state.tokenizer = await tok_task if tok_task is not None else _load_tokenizer(tok_path)
-        finally:
-            if tok_task is not None and not tok_task.done():
-                tok_task.cancel()
-        from laneserve.server.templates import probe_render     # a broken template stops start-up here
-        probe_render(state.tokenizer, state.defaults.chat_template, state.defaults.render_timeout)
+        else:
+            # processes load while this one loads the tokenizer and checks the template
+            starting = asyncio.ensure_future(cluster.start())
+            try:
+                await tokenizer_and_template()
+            except BaseException:
+                starting.cancel()                      # the lifespan's exit closes what was started
+                with contextlib.suppress(BaseException):
+                    await starting
+                raise
+            await starting
         mode = "colocated" if spec.colocated else f"{spec.num_prefill}P+{spec.num_decode}D"
         log(f"laneserve: serving {name!r} ({mode}, prefill={spec.prefill_policy}, decode={spec.decode_policy}, "
             f"router={spec.router}) on http://{args.host}:{args.port}")
