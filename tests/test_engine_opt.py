@@ -2,8 +2,8 @@
 weights, random LayerNorm affines and biases so every parameter matters, a sharpened LM head so no
 near tie decides) for pre- and post-LayerNorm, with and without the ``word_embed_proj_dim``
 projection, untied/bias-free/GELU options; chunked prefill with batched decodes; operator-level
-preemption and the shape-bucket path; bare ``decoder.*`` checkpoint keys; config errors and the
-tensor-parallel refusal."""
+preemption and the shape-bucket path; bare ``decoder.*`` checkpoint keys; config errors;
+tensor parallelism at TP2/TP4 (ranks as threads) and each rank's shard."""
 
 from __future__ import annotations
 
@@ -170,12 +170,36 @@ def test_bad_opt_config_is_clear():
     assert cfg.opt.pre_norm and not cfg.opt.final_norm and cfg.opt.embed_dim == 32
 
 
-def test_tensor_parallel_is_refused_with_one_clear_error():
+@pytest.mark.parametrize("name,tp", [("post-ln-proj", 2), ("untied-gelu-nobias-noaffine", 2), ("pre-ln", 4)])
+def test_tensor_parallel_matches_transformers(name, tp):
+    """Ranks 1.. as threads of this process (the same rank loop, gloo); chunked prefill with
+    batched decodes, as on one rank."""
     from laneserve.engine.tp.executor import TPExecutor
 
-    cfg = ModelConfig.from_dict(_raw())
-    check_degree(cfg, 1)                                    # one rank is fine
-    with pytest.raises(TensorParallelError, match="OPTForCausalLM runs on one rank only"):
-        check_degree(cfg, 2)
-    with pytest.raises(TensorParallelError, match="OPTForCausalLM runs on one rank only"):
-        TPExecutor.start(checkpoint("pre-ln"), 2, EngineConfig(num_threads=1))   # before any rank starts
+    cfg = EngineConfig(num_kv_blocks=96, block_size=8, max_num_batched_tokens=24, num_threads=1)
+    ex = TPExecutor.start(checkpoint(name), tp, cfg, launch="thread")
+    try:
+        reqs = [make_request(i, p, max_tokens=6) for i, p in enumerate(PROMPTS)]
+        assert Driver(ex).run(reqs, chunk_size=8) == [hf_greedy(name, tuple(p), 6) for p in PROMPTS]
+    finally:
+        ex.close()
+
+
+def test_a_rank_reads_only_its_shard_and_bad_degrees_are_refused():
+    from laneserve.engine.tp.loader import load_shard
+
+    from safetensors.torch import load_file
+
+    path = checkpoint("post-ln-proj")
+    state = load_file(str(path / "model.safetensors"))
+    total = sum(t.numel() for t in state.values())
+    split = sum(t.numel() for k, t in state.items() if k.endswith(("proj.weight", "fc1.weight", "fc2.weight",
+                                                                     "embed_tokens.weight"))
+                and "project" not in k)
+    shard = load_shard(path, 1, 2)
+    assert isinstance(shard, OPTModel) and shard.comm is None and shard.vocab_start == VOCAB // 2
+    assert shard.config.num_heads == 2 and shard.layers[0].o_bias is None and shard.layers[0].fc2_bias is None
+    assert shard.layers[0].qkv.shape == (3 * 32, 64) and shard.layers[0].fc1.shape == (64, 64)
+    assert shard.elements_read <= total - split // 2          # half of every split matrix left unread
+    with pytest.raises(TensorParallelError, match="4 attention heads are not divisible"):
+        check_degree(ModelConfig.from_folder(path), 3)

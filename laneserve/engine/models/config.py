@@ -30,7 +30,6 @@ class ArchSpec:
     qk_norm: bool = False            # Qwen3 RMS-normalises q and k per head
     moe: bool = False                # sparse MLP layers (models/moe_config.py)
     family: str = "llama"            # which forward runs it: "llama" (models/llama.py) or "opt" (models/opt.py)
-    tensor_parallel: bool = True     # the sharded loader (engine/tp) knows its weights
 
 
 #: architecture name (config.json ``architectures[0]``) -> its spec
@@ -41,7 +40,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
     "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe=True),
     "MixtralForCausalLM": ArchSpec(moe=True),
-    "OPTForCausalLM": ArchSpec(family="opt", tensor_parallel=False),
+    "OPTForCausalLM": ArchSpec(family="opt"),
 }
 
 

@@ -15,8 +15,13 @@ Per layer (pre-LN; the post-LN variant of OPT-350m moves each LayerNorm after it
 * ``down``      ``fc2`` + bias + residual. The final LayerNorm, ``project_out`` and the LM head
   run after the last layer.
 
-Tensor parallelism is not implemented for OPT (the sharded loader knows only the Llama layout);
-``engine/tp/layout.py`` refuses it with one error.
+Tensor parallelism (``engine/tp``, the shard read by ``engine/tp/opt_loader.py``): a rank holds
+its heads' rows of the fused Q/K/V and its ``fc1`` rows, the matching columns of ``out_proj`` and
+``fc2`` (their biases on rank 0 only), and its part of the vocabulary in the token embedding and
+LM head; LayerNorms, learned positions and ``project_in``/``project_out`` are replicated. The
+``out_proj`` and ``fc2`` outputs and the vocab-parallel embedding are summed over the ranks with
+one all-reduce each (before a post-LN LayerNorm, which needs the whole sum), and the logits are
+gathered to rank 0, as in ``models/llama.py``. ``comm = None`` (one rank) makes those no-ops.
 """
 
 from __future__ import annotations
@@ -75,8 +80,11 @@ class OPTModel:
         self.lm_head = emb.lm_head
         self.tokenizer = tokenizer
         self.path = path
-        self.comm = None                       # one rank only (no tensor parallelism for OPT)
+        #: tensor-parallel communicator (``engine/tp/comm.py``); None on a single rank
+        self.comm = None
+        #: first vocabulary id of this rank's embedding / LM-head rows (vocab-parallel)
         self.vocab_start = 0
+        #: the whole vocabulary (the rows of ``lm_head`` are a part of it on a sharded model)
         self.vocab_size = config.vocab_size
         self._act = _ACTIVATIONS[config.opt.activation]
 
@@ -95,8 +103,20 @@ class OPTModel:
     def _norm(self, x: torch.Tensor, wb: tuple[torch.Tensor | None, torch.Tensor | None]) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), wb[0], wb[1], self.config.rms_norm_eps)
 
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output summed over the ranks (identity on one rank)."""
+        return partial if self.comm is None else self.comm.all_reduce(partial)
+
+    def _token_embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            return F.embedding(input_ids, self.emb.tokens)
+        local = input_ids - self.vocab_start        # vocab-parallel: ids outside this part give 0
+        outside = (local < 0) | (local >= self.emb.tokens.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.emb.tokens)
+        return self.comm.all_reduce(h.masked_fill(outside[:, None], 0.0))
+
     def _embed(self, batch: StepTensors) -> torch.Tensor:
-        h = F.embedding(batch.input_ids, self.emb.tokens)
+        h = self._token_embedding(batch.input_ids)
         if self.emb.project_in is not None:
             h = F.linear(h, self.emb.project_in)
         return h + F.embedding(batch.positions + self.config.opt.position_offset, self.emb.positions)
@@ -125,14 +145,14 @@ class OPTModel:
             attn = self._attend(index, qkv, batch, kv, attention, h.shape[0])
             del qkv
             yield "attention"
-            h = h + F.linear(attn, w.o_proj, w.o_bias)
+            h = h + self._reduce(F.linear(attn, w.o_proj, w.o_bias))
             if not pre:
                 h = self._norm(h, w.attn_norm)
             del attn
             yield "o_proj"
             act = self._act(F.linear(self._norm(h, w.mlp_norm) if pre else h, w.fc1, w.fc1_bias))
             yield "gate_up"
-            h = h + F.linear(act, w.fc2, w.fc2_bias)
+            h = h + self._reduce(F.linear(act, w.fc2, w.fc2_bias))
             if not pre:
                 h = self._norm(h, w.mlp_norm)
             del act
@@ -145,6 +165,8 @@ class OPTModel:
         if self.emb.project_out is not None:
             last = F.linear(last, self.emb.project_out)
         logits = F.linear(last, self.lm_head)
+        if self.comm is not None:
+            logits = self.comm.gather_logits(logits, self.vocab_size)
         yield "down"
         return logits.float()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from laneserve.engine.models.config import ARCHITECTURES, ModelConfig
+from laneserve.engine.models.config import ModelConfig
 
 
 class TensorParallelError(ValueError):
@@ -22,9 +22,6 @@ def check_degree(cfg: ModelConfig, tp: int) -> None:
     """Raise one clear error when ``tp`` cannot shard ``cfg``."""
     if tp < 1:
         raise TensorParallelError(f"tensor_parallel_size must be >= 1, got {tp}")
-    if tp > 1 and not ARCHITECTURES[cfg.architecture].tensor_parallel:
-        raise TensorParallelError(f"tensor_parallel_size={tp}: {cfg.architecture} runs on one rank only "
-                                  "(tensor parallelism is not implemented for it); use tensor_parallel_size=1")
     problems = []
     if cfg.num_heads % tp:
         problems.append(f"{cfg.num_heads} attention heads are not divisible by it")

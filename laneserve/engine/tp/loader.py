@@ -6,6 +6,7 @@ Column-parallel weights (fused Q/K/V, fused gate/up, their biases) take rows; ro
 (``o_proj``, ``down``) take columns, and their biases are kept on rank 0 only so the all-reduce
 adds them once. Norms (including Qwen3's per-head q/k norms) are replicated. The embedding and
 LM head take this rank's vocab part, zero-padded where the part runs past the vocabulary.
+An OPT checkpoint's shard is read by ``tp/opt_loader.py`` on the same rules.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from laneserve.engine.models.config import ModelConfig
+from laneserve.engine.models.config import ARCHITECTURES, ModelConfig
 from laneserve.engine.models.llama import LayerWeights, LlamaModel
 from laneserve.engine.models.loader import _safetensor_files, load_tokenizer, resolve_dtype
 from laneserve.engine.tp.layout import RankLayout
@@ -112,6 +113,11 @@ def load_shard(path: str | Path, rank: int, tp: int, device: str | torch.device 
     lay = RankLayout(cfg, rank, tp)
     dev = torch.device(device)
     reader = SliceReader(folder, dev, resolve_dtype(dtype, cfg.checkpoint_dtype, dev))
+    if ARCHITECTURES[cfg.architecture].family == "opt":
+        from laneserve.engine.tp.opt_loader import load_opt_shard
+
+        return load_opt_shard(reader, lay, local_config(lay), comm,  # type: ignore[return-value]
+                              load_tokenizer(folder) if load_tokenizer_too else None, str(folder))
     layers = [_layer(reader, lay, i) for i in range(cfg.num_layers)]
     embed = reader.vocab_rows("model.embed_tokens.weight", lay.vocab, cfg.vocab_size)
     head_name = "lm_head.weight"
