@@ -82,6 +82,18 @@ def test_greedy_tokens_match_transformers(name):
     assert out == [hf_greedy(name, tuple(p), 6) for p in PROMPTS]
 
 
+def test_prefill_chunks_share_steps_with_decodes():
+    """Rows of one step at unrelated positions: a request's decodes ride along the chunks of another's prefill."""
+    name = "pre-ln-proj"
+    a, b = PROMPTS[1], PROMPTS[0]
+    ra, rb = make_request(0, a, max_tokens=5), make_request(1, b, max_tokens=5)
+    driver = Driver(executor(name))
+    driver.step([(ra, len(a))], [])
+    driver.step([(rb, 4)], [ra])
+    driver.step([(rb, len(b) - 4)], [ra])
+    assert driver.run([ra, rb]) == [hf_greedy(name, tuple(a), 5), hf_greedy(name, tuple(b), 5)]
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_reference_is_far_from_ties(name):
     """The fixture's point: every greedy choice the tests compare wins by far more than fp32
