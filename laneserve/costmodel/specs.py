@@ -316,4 +316,7 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec(name="opt-13b", num_layers=40, hidden_size=5120, num_heads=40, num_kv_heads=40,
               head_dim=128, intermediate_size=20480, vocab_size=50272, max_context=2048,
               gated_mlp=False, activation="relu", rope=False, tied_embeddings=True),
+    ModelSpec(name="opt-30b", num_layers=48, hidden_size=7168, num_heads=56, num_kv_heads=56,
+              head_dim=128, intermediate_size=28672, vocab_size=50272, max_context=2048,
+              gated_mlp=False, activation="relu", rope=False, tied_embeddings=True),
 ]}

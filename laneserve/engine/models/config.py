@@ -1,5 +1,6 @@
 """Model configuration read from a Hugging Face ``config.json`` (Llama family: Llama 2/3,
-Qwen2/2.5, Qwen3, Mistral without sliding window; the MoE members Qwen3-MoE and Mixtral).
+Qwen2/2.5, Qwen3, Mistral without sliding window; the MoE members Qwen3-MoE and Mixtral; and
+OPT, whose options are read by ``models/opt_config.py``).
 
 transformers 5.x writes the rotary settings under ``rope_parameters`` (``rope_theta``,
 ``rope_type`` and the scaling keys); 4.x wrote ``rope_theta`` and ``rope_scaling`` at the top
@@ -11,6 +12,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from laneserve.engine.models.opt_config import OPTOptions
 
 
 class UnsupportedModelError(ValueError):
@@ -24,6 +29,7 @@ class ArchSpec:
     qkv_bias_default: bool = False   # Qwen2 always has q/k/v biases
     qk_norm: bool = False            # Qwen3 RMS-normalises q and k per head
     moe: bool = False                # sparse MLP layers (models/moe_config.py)
+    family: str = "llama"            # which forward runs it: "llama" (models/llama.py) or "opt" (models/opt.py)
 
 
 #: architecture name (config.json ``architectures[0]``) -> its spec
@@ -34,6 +40,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
     "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe=True),
     "MixtralForCausalLM": ArchSpec(moe=True),
+    "OPTForCausalLM": ArchSpec(family="opt"),
 }
 
 
@@ -68,6 +75,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    #: OPT's own options (learned positions, LayerNorm placement, embedding projection); None
+    #: for the Llama family. ``rms_norm_eps`` is then the LayerNorm epsilon.
+    opt: OPTOptions | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -90,6 +100,10 @@ class ModelConfig:
                 f"architecture {arch or '(none in config.json)'!r} is not supported; "
                 f"supported: {', '.join(sorted(ARCHITECTURES))}")
         spec = ARCHITECTURES[arch]
+        if spec.family == "opt":
+            from laneserve.engine.models.opt_config import opt_config_fields
+
+            return cls(**opt_config_fields(arch, raw, generation))
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")

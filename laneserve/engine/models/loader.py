@@ -1,6 +1,8 @@
 """Checkpoint loader: a Hugging Face folder (``config.json``, ``*.safetensors`` — single file or
 sharded with ``model.safetensors.index.json`` — and optionally a tokenizer with its chat template)
-into a :class:`~laneserve.engine.models.llama.LlamaModel` with fused Q/K/V and gate/up weights.
+into a :class:`~laneserve.engine.models.llama.LlamaModel` with fused Q/K/V and gate/up weights,
+or an :class:`~laneserve.engine.models.opt.OPTModel` for an OPT checkpoint (the architecture's
+``ArchSpec.family`` picks the builder).
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from laneserve.engine.models.config import ModelConfig
+from laneserve.engine.models.config import ARCHITECTURES, ModelConfig
 from laneserve.engine.models.llama import LayerWeights, LlamaModel
 from laneserve.engine.models.moe import moe_from_checkpoint
+from laneserve.engine.models.opt import OPTModel, opt_from_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ def load_tokenizer(folder: Path) -> object | None:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str = "float32",
-               load_tokenizer_too: bool = True) -> LlamaModel:
+               load_tokenizer_too: bool = True) -> LlamaModel | OPTModel:
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"model path {folder} is not a folder")
@@ -90,6 +93,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
             return None
         return torch.cat(parts, dim=0).contiguous()  # type: ignore[arg-type]
 
+    tokenizer = load_tokenizer(folder) if load_tokenizer_too else None
+    if ARCHITECTURES[cfg.architecture].family == "opt":
+        model = opt_from_checkpoint(take, set(state), cfg, tokenizer, str(folder))
+        _warn_unused(folder, state)
+        return model
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -116,8 +124,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
     if lm_head is None:
         lm_head = embed
+    _warn_unused(folder, state)
+    return LlamaModel(cfg, embed, layers, final_norm, lm_head, tokenizer=tokenizer, path=str(folder))  # type: ignore[arg-type]
+
+
+def _warn_unused(folder: Path, state: dict[str, torch.Tensor]) -> None:
     leftover = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         log.warning("%s: %d checkpoint tensors unused, e.g. %s", folder, len(leftover), leftover[:3])
-    tokenizer = load_tokenizer(folder) if load_tokenizer_too else None
-    return LlamaModel(cfg, embed, layers, final_norm, lm_head, tokenizer=tokenizer, path=str(folder))  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ A sparse (MoE) layer's router is replicated; every expert's gate and up projecti
 rank's rows of the expert intermediate dimension and its down projection the matching columns
 (read expert by expert into one stacked buffer), so the layer's output on a rank is a partial sum
 that the model's all-reduce after ``down`` completes, exactly as for a dense MLP.
+An OPT checkpoint's shard is read by ``tp/opt_loader.py`` on the same rules.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from laneserve.engine.models.config import ModelConfig
+from laneserve.engine.models.config import ARCHITECTURES, ModelConfig
 from laneserve.engine.models.llama import LayerWeights, LlamaModel
 from laneserve.engine.models.loader import _safetensor_files, load_tokenizer, resolve_dtype
 from laneserve.engine.models.moe import CHECKPOINT_NAMES, MoEWeights
@@ -147,6 +148,11 @@ def load_shard(path: str | Path, rank: int, tp: int, device: str | torch.device 
     lay = RankLayout(cfg, rank, tp)
     dev = torch.device(device)
     reader = SliceReader(folder, dev, resolve_dtype(dtype, cfg.checkpoint_dtype, dev))
+    if ARCHITECTURES[cfg.architecture].family == "opt":
+        from laneserve.engine.tp.opt_loader import load_opt_shard
+
+        return load_opt_shard(reader, lay, local_config(lay), comm,  # type: ignore[return-value]
+                              load_tokenizer(folder) if load_tokenizer_too else None, str(folder))
     layers = [_layer(reader, lay, i) for i in range(cfg.num_layers)]
     embed = reader.vocab_rows("model.embed_tokens.weight", lay.vocab, cfg.vocab_size)
     head_name = "lm_head.weight"
