@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from laneserve.cli import main
 
 
@@ -47,7 +49,9 @@ def test_sim_cli_bad_input_is_a_clear_error(tmp_path, capsys):
     assert main(["sim", "--policies", "nope+continuous", "--output", str(tmp_path)]) == 2
     assert "unknown prefill policy 'nope'" in capsys.readouterr().err
     assert main(["sim", "--workload", "nope", "--output", str(tmp_path)]) == 2
-    assert main(["sim", "--request-rate", "0", "--output", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit) as refused:             # checked when parsed (tests/test_cli_errors.py)
+        main(["sim", "--request-rate", "0", "--output", str(tmp_path)])
+    assert refused.value.code == 2
 
 
 def test_sim_cli_list(capsys):
@@ -80,7 +84,9 @@ def test_sim_cli_jobs_give_identical_results(tmp_path):
         got[jobs] = (data["rows"], data["metrics"])
     assert got["1"] == got["2"]
     assert len(got["1"][0]) == 4 and set(got["1"][1]["goodput"]) == {"fcfs+continuous", "cp-edf-2k+continuous"}
-    assert main([*args, "--jobs", "0", "--output", str(tmp_path / "0")]) == 2
+    with pytest.raises(SystemExit) as refused:
+        main([*args, "--jobs", "0", "--output", str(tmp_path / "0")])
+    assert refused.value.code == 2
 
 
 def test_sim_serve_and_bench_share_the_names_of_rates_and_routers():
@@ -88,8 +94,8 @@ def test_sim_serve_and_bench_share_the_names_of_rates_and_routers():
     parse = build_parser().parse_args
     sim = parse(["sim", "--request-rate", "1,2", "--router-policy", "least-loaded", "--decode-router-policy",
                  "tpot-aware"])
-    assert (sim.rates, sim.router, sim.decode_router) == ("1,2", "least-loaded", "tpot-aware")
-    assert parse(["sim", "--rates", "3", "--router", "round-robin"]).rates == "3"
+    assert (sim.rates, sim.router, sim.decode_router) == ([1.0, 2.0], "least-loaded", "tpot-aware")
+    assert parse(["sim", "--rates", "3", "--router", "round-robin"]).rates == [3.0]
     serve = parse(["serve", "--router", "least-loaded", "--decode-router", "least-loaded"])
     assert (serve.router, serve.decode_router) == ("least-loaded", "least-loaded")
     assert parse(["bench", "--request-rate", "1,2"]).request_rate == [1.0, 2.0]

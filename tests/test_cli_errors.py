@@ -38,6 +38,15 @@ def _refused(argv, capsys) -> str:
     (["plan", "--prune-slack", "nan"], "--prune-slack", "finite"),
     (["plan", "--budget", "100000"], "--budget", "at most 1024"),
     (["plan", "--target", "0"], "--target", "above 0"),
+    (["sim", "--num-requests", "-1"], "--num-requests", "at least 0"),
+    (["sim", "--request-rate", "1,nan"], "--request-rate", "finite"),
+    (["sim", "--rate", "inf"], "--rate", "finite"),
+    (["sim", "--slo-scale", "0"], "--slo-scale", "above 0"),
+    (["sim", "--prefill", "0"], "--prefill", "at least 1"),
+    (["sim", "-tp", "0"], "--tensor-parallel-size", "at least 1"),
+    (["sim", "--target", "1.5"], "--target", "at most 1"),
+    (["sim", "--jobs", "0"], "--jobs", "at least 1"),
+    (["sim", "--trace", "/no/such/trace.csv"], "--trace", "no such file"),
     (["plan", "--ttft-slo-ms", "-5"], "--ttft-slo-ms", "above 0"),
 ])
 def test_bad_numbers_are_refused_when_parsed(argv, flag, why, capsys):

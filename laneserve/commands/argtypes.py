@@ -113,3 +113,13 @@ def http_url(text: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL with a host, got {text!r}")
     return text
+
+
+def existing_file(text: str) -> Path:
+    """A file to read: it must exist and not be a folder."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file")
+    return path

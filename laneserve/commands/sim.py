@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from laneserve.commands.argtypes import (MAX_COUNT, MAX_GPUS, MAX_TOKENS, at_least, existing_file, fraction,
+                                       number_list, output_folder, positive)
 from laneserve.commands.flag_names import add_slo_target_flags, renamed
 from laneserve.runtime.cluster import DEFAULT_DECODE_ROUTER, DEFAULT_ROUTER
 
@@ -35,22 +37,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
-    src.add_argument("--trace", type=Path, help="Azure-format CSV or Mooncake-format JSONL (.gz ok); its SLOs: "
+    src.add_argument("--trace", type=existing_file, help="Azure-format CSV or Mooncake-format JSONL (.gz ok); its SLOs: "
                      "TTFT = max(0.4 s, 4 x the request's idle prefill time), TPOT = max(50 ms, 4 x its "
                      "idle decode step), on the run's cost model (--ttft-slo-ms/--tpot-slo-ms replace a rule)")
     src.add_argument("--workload", default="azure_conv",
                      help="named workload (default azure_conv); see --list")
     w.add_argument("--workload-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="option of a named workload, e.g. long_share=0.2 (repeatable)")
-    w.add_argument("--num-requests", type=int, default=3000,
+    w.add_argument("--num-requests", type=at_least(0, high=MAX_COUNT), default=3000,
                    help="use the first N requests (default 3000; 0 = all)")
     w.add_argument("--request-rate", dest="rates", default=None, metavar="RATE[,RATE...]",
+                   type=number_list(float, low=0, low_open=True),
                    help="comma-separated request rates (req/s) to sweep; default: 4 rates around "
                         "the workload's own")
-    renamed(w, "--rates", canonical="--request-rate", dest="rates")
-    renamed(w, "--rate", canonical="--request-rate", dest="rate", type=float)
+    renamed(w, "--rates", canonical="--request-rate", dest="rates", type=number_list(float, low=0, low_open=True))
+    renamed(w, "--rate", canonical="--request-rate", dest="rate", type=positive())
     add_slo_target_flags(w, "every request (overrides the workload's)")
-    w.add_argument("--slo-scale", type=float, default=1.0, help="multiply every SLO by this factor")
+    w.add_argument("--slo-scale", type=positive(), default=1.0, help="multiply every SLO by this factor")
 
 
 def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
@@ -58,24 +61,24 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     c.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma-separated policy sets to compare: PREFILL+DECODE, or colocated[:opts] "
                         f"(default {DEFAULT_POLICIES})")
-    c.add_argument("--prefill", type=int, default=1, help="prefill instances (or colocated instances)")
-    c.add_argument("--decode", type=int, default=1, help="decode instances")
+    c.add_argument("--prefill", type=at_least(1, high=MAX_GPUS), default=1, help="prefill instances (or colocated instances)")
+    c.add_argument("--decode", type=at_least(0, high=MAX_GPUS), default=1, help="decode instances")
     c.add_argument("--router-policy", dest="router", default=DEFAULT_ROUTER, help="prefill router")
     renamed(c, "--router", canonical="--router-policy", dest="router")
     c.add_argument("--decode-router-policy", dest="decode_router", default=DEFAULT_DECODE_ROUTER,
                    help="decode router (auto: the decode policy's own, adaptive -> tpot-aware; else least-loaded)")
     renamed(c, "--decode-router", canonical="--decode-router-policy", dest="decode_router")
-    c.add_argument("--host-kv-tokens", type=int, default=0,
+    c.add_argument("--host-kv-tokens", type=at_least(0), default=0,
                    help="host KV pool per decode instance, in tokens (default 0: none, except AlignedServe, "
                         "which gets 250 GB of host memory per GPU: 2 TB / 8 GPUs of a DGX H100)")
     c.add_argument("--predictor", choices=("online", "oracle", "profile"), default="online",
                    help="where SLO-aware policies get their latency predictions: online (default: "
                         "learned from each instance's own step times), oracle (the cost model that "
                         "charges the time) or profile (an offline fit with ~10%% noise)")
-    c.add_argument("--max-model-len", type=int, default=None, metavar="N",
+    c.add_argument("--max-model-len", type=at_least(0, high=MAX_TOKENS), default=None, metavar="N",
                    help="reject requests whose prompt + output exceed N tokens (default: the model's "
                         "context; 0 = no limit); rejected requests count as misses")
-    c.add_argument("--prefix-cache-tokens", type=int, default=None, metavar="N",
+    c.add_argument("--prefix-cache-tokens", type=at_least(0), default=None, metavar="N",
                    help="give each prefill instance its own LRU prefix cache of N tokens (0 = its KV "
                         "capacity) for policies run with prefix_caching=true; default: idealised "
                         "(a request's prefix counts as cached wherever it lands)")
@@ -87,11 +90,11 @@ def _add_cost_model_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--cost-model", default="analytic", help="analytic | fitted | linear")
     m.add_argument("--model", default="llama-3-8b", help="model spec (see --list)")
     m.add_argument("--hardware", default="h100", help="h100 | h200 | a100")
-    m.add_argument("--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
+    m.add_argument("--tensor-parallel-size", "-tp", dest="tp", type=at_least(1, high=64), default=1,
                    help="tensor-parallel degree per instance")
-    renamed(m, "--tp", canonical="--tensor-parallel-size", dest="tp", type=int)
+    renamed(m, "--tp", canonical="--tensor-parallel-size", dest="tp", type=at_least(1, high=64))
     m.add_argument("--attention", default="ragged", help="decode attention kernel: ragged | padded")
-    m.add_argument("--profile", type=Path, help="engine profile JSON for --cost-model fitted")
+    m.add_argument("--profile", type=existing_file, help="engine profile JSON for --cost-model fitted")
     m.add_argument("--engine", default="legacy",
                    help="whose kernels the analytic model charges: legacy (default: the original "
                         "constants) | vllm | sglang | trtllm (fitted on aiconfigurator's measured "
@@ -106,12 +109,12 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     o.add_argument("--slo-scale-search", action="store_true",
                    help="also search each policy's tightest SLO scale reaching the target at the "
                         "first rate")
-    o.add_argument("--target", type=float, default=0.9,
+    o.add_argument("--target", type=fraction, default=0.9,
                    help="attainment target for the searches (default 0.9)")
-    o.add_argument("--output", type=Path, default=Path("out/sim"), help="folder for JSON/markdown/PNG")
+    o.add_argument("--output", type=output_folder, default=Path("out/sim"), help="folder for JSON/markdown/PNG")
     o.add_argument("--name", default="sim", help="file name stem of the report")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
-    o.add_argument("--jobs", "-j", type=int, default=None,
+    o.add_argument("--jobs", "-j", type=at_least(1, high=1024), default=None,
                    help="worker processes for the (policy x rate) grid and the searches (default: all "
                         "cores; 1 = this process). Results are identical whatever the number")
     o.add_argument("--ray-address", default=None, metavar="ADDRESS|auto",
@@ -219,7 +222,7 @@ def _rates(args: argparse.Namespace, wl) -> list[float]:
     if args.rate is not None:
         rates = [args.rate]
     elif args.rates:
-        rates = [float(x) for x in args.rates.split(",")]
+        rates = list(args.rates)
     else:
         r0 = wl.mean_rate * max(1, args.prefill)
         rates = [round(r0 * f, 2) for f in (1, 2, 4, 6)]
