@@ -115,3 +115,16 @@ def _td(seconds: float):
 def parent_alive(parent_pid: int):
     """A check for the rank loops: False once the process that started this one is gone."""
     return lambda: os.getppid() == parent_pid
+
+
+def pid_alive(pid: int):
+    """The same check for a rank that is not rank 0's child (a Ray actor): False once ``pid`` is gone."""
+    def alive() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return alive
