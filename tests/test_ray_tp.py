@@ -1,10 +1,14 @@
 """A tensor-parallel instance on Ray (``laneserve serve --ray-address ... --colocated -tp 2``), on
 a one-node Ray cluster of two CPUs simulated here: the instance gets one placement group of two
 CPU bundles, its actor (rank 0, the runtime) in bundle 0 and one rank actor in bundle 1; it
-answers greedily as the same model on one rank; stopping the server removes the group and ends
-the rank actor. One Ray cluster and one server for the module; every wait is bounded."""
+answers greedily as the same model on one rank; a killed rank actor takes the instance down and it
+restarts in a new group (the old one removed); stopping the server removes the group and ends
+the actors. One Ray cluster and one server for the module; every wait is bounded."""
 
 from __future__ import annotations
+
+import os
+import signal
 
 import httpx
 import pytest
@@ -49,6 +53,21 @@ def test_tp2_instance_on_ray_answers_as_one_rank(env):
                                                          "ignore_eos": True}, timeout=TIMEOUT)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == ref
+
+
+def test_a_killed_rank_actor_restarts_the_instance_in_a_new_group(env):
+    s = env["server"]
+    old = s.state()["instances"][0]
+    os.kill(old["rank_pids"][0], signal.SIGKILL)
+
+    def restarted() -> dict | None:
+        inst = s.state()["instances"][0]
+        pg = inst.get("placement_group")
+        return inst if inst["status"] == "ready" and pg not in (None, old["placement_group"]) else None
+    new = wait_for(restarted, 120, "the instance to restart in a new placement group")
+    assert new["rank_pids"] != old["rank_pids"] and len(new["rank_pids"]) == 1
+    assert ray.util.placement_group_table()[old["placement_group"]]["state"] == "REMOVED"
+    test_tp2_instance_on_ray_answers_as_one_rank(env)
 
 
 def test_two_actors_in_one_placement_group_removed_with_the_instance(env):
