@@ -87,7 +87,7 @@ class RankGroup:
         ctx = mp.get_context("spawn")
         self.channel = StepChannel.create(ctx, world - 1)
         make, parent, watch = _launcher(ctx, launch)
-        self.procs = [make(target=rank_main, args=(self.spec, r, self.channel.handle(r - 1), parent, watch),
+        self.procs = [make(target=rank_main, args=(self.spec, r, self.channel.handle(r - 1), parent, *watch),
                            name=f"laneserve-tp-rank{r}", daemon=True) for r in range(1, world)]
         self._closed = False
         try:
@@ -174,15 +174,16 @@ class RankGroup:
 
 
 def _launcher(ctx, launch: str):
-    """(what starts a rank, the pid its loop watches, how: "parent" or "pid") for ``launch``: a
-    spawned process watches its parent; a Ray actor (whose parent is Ray's) watches rank 0's pid."""
+    """(what starts a rank, the pid its loop watches, how: ``()`` its parent, ``("pid",)`` that
+    pid) for ``launch``: a spawned process watches its parent; a Ray actor (whose parent is Ray's)
+    watches rank 0's pid."""
     if launch == "process":
-        return ctx.Process, os.getpid(), "parent"
+        return ctx.Process, os.getpid(), ()
     if launch == "thread":
-        return threading.Thread, os.getppid(), "parent"
+        return threading.Thread, os.getppid(), ()
     if launch == "ray":
         from laneserve.engine.tp.ray_ranks import RayRank
-        return RayRank, os.getpid(), "pid"
+        return RayRank, os.getpid(), ("pid",)
     raise ValueError(f"launch must be 'process', 'thread' or 'ray', got {launch!r}")
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from laneserve.engine.config import EngineConfig
+from laneserve.engine.tp.channel import pid_alive
 from laneserve.engine.tp.comm import Communicator, make_group
 
 #: the CPU cap on KV tokens the offline API applies to itself (see engine/llm.py)
@@ -117,14 +118,6 @@ def parent_alive(parent_pid: int):
     return lambda: os.getppid() == parent_pid
 
 
-def pid_alive(pid: int):
+def process_alive(pid: int):
     """The same check for a rank that is not rank 0's child (a Ray actor): False once ``pid`` is gone."""
-    def alive() -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return alive
+    return lambda: pid_alive(pid)

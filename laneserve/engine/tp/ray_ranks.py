@@ -18,11 +18,18 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
+import time
+import traceback
 from collections.abc import Callable
 from multiprocessing import context, reduction
 
+from laneserve.engine.tp.channel import pid_alive
+
 #: how long a rank actor may take to be placed and start (its bundle is reserved already)
 START_TIMEOUT_S = 120.0
+#: how often :meth:`RayRank.is_alive` also asks Ray (~50 us a call) besides its pid check (~1 us)
+RAY_POLL_S = 0.5
 
 
 def device_resource(device: str) -> dict[str, float]:
@@ -58,17 +65,16 @@ class RankHost:
     def pid(self) -> int:
         return os.getpid()
 
-    def placement_group_id(self) -> str | None:
-        import ray
-        pg = ray.util.get_current_placement_group()
-        return pg.id.hex() if pg is not None else None
-
     def run(self, blob: bytes) -> int:
         target, args = pickle.loads(blob)
         try:
             target(*args)
         except SystemExit as exc:          # the rank loop's exit (its writer is gone): the actor stays
             return int(exc.code or 0)
+        except BaseException:              # as a spawned rank would: the process ends, rank 0 sees its pid gone
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
         return 0
 
 
@@ -95,6 +101,7 @@ class RayRank:
         self.pid: int | None = None
         self.ident: int | None = None
         self._exitcode: int | None = None
+        self._polled = 0.0
 
     def start(self) -> None:
         import ray
@@ -109,15 +116,19 @@ class RayRank:
         self.ident = self.pid
         self.done = self.actor.run.remote(_dumps((self.target, self.args)))
 
-    def placement_group_id(self) -> str | None:
-        """The placement group the actor runs in, as it sees it (hex)."""
-        import ray
-        return ray.get(self.actor.placement_group_id.remote(), timeout=START_TIMEOUT_S)
-
     def is_alive(self) -> bool:
+        """Rank 0 asks before every step: a pid check (the actor runs on this node), and Ray's word
+        on the rank loop every ``RAY_POLL_S`` (a loop that ended with its process still there)."""
         if self.done is None or self._exitcode is not None:
             return False
+        if not pid_alive(self.pid):
+            self._settle(wait_s=2.0)
+            return False
+        now = time.monotonic()
+        if now - self._polled < RAY_POLL_S:
+            return True
         import ray
+        self._polled = now
         ready, _ = ray.wait([self.done], timeout=0)
         if ready:
             self._settle()
@@ -125,24 +136,27 @@ class RayRank:
 
     @property
     def exitcode(self) -> int | None:
+        """The rank loop's exit code; -9 when its actor process died (killed, or crashed)."""
         self.is_alive()
         return self._exitcode
 
-    def _settle(self) -> None:
+    def _settle(self, wait_s: float = 0.0) -> None:
         """The rank loop ended: record how, and free the actor (its bundle stays the group's)."""
         import ray
+        ready, _ = ray.wait([self.done], timeout=wait_s)
         try:
-            self._exitcode = int(ray.get(self.done))
+            self._exitcode = int(ray.get(self.done)) if ready else -9
         except ray.exceptions.RayError:
-            self._exitcode = -9                # the actor died (killed, or its process crashed)
+            self._exitcode = -9
         ray.kill(self.actor, no_restart=True)
 
     def join(self, timeout: float | None = None) -> None:
         if self.done is None:
             return
         import ray
-        ray.wait([self.done], timeout=timeout)
-        self.is_alive()
+        ready, _ = ray.wait([self.done], timeout=timeout)
+        if ready and self._exitcode is None:
+            self._settle()
 
     def kill(self) -> None:
         if self.actor is not None:
