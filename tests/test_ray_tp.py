@@ -88,3 +88,30 @@ def test_two_actors_in_one_placement_group_removed_with_the_instance(env):
              "the placement group to be removed")
     wait_for(lambda: all(a["State"] == "DEAD" for a in _actors("RankHost") + _actors("InstanceHost")), 30,
              "the instance and rank actors to end")
+
+
+def test_the_step_channel_reaches_a_rank_actor_through_its_semaphores_names():
+    """A rank actor is not spawned by rank 0: the channel's semaphores go to it by name, the pickle
+    ``multiprocessing`` makes only while it spawns (plain pickling refuses them)."""
+    import multiprocessing
+    import pickle
+    import time
+
+    from laneserve.engine.tp.channel import ChannelReader, StepChannel
+    from laneserve.engine.tp.ray_ranks import _dumps
+
+    channel = StepChannel.create(multiprocessing.get_context("spawn"), 1)
+    try:
+        with pytest.raises(RuntimeError, match="inheritance"):
+            pickle.dumps(channel.handle(0))
+        reader = ChannelReader(pickle.loads(_dumps(channel.handle(0))))
+        deadline = time.monotonic() + 20.0                # past it, either side raises ChannelClosed
+
+        def in_time() -> bool:
+            return time.monotonic() < deadline
+        for message in (("step", 1), ("step", 2)):       # the second needs the reader's "taken"
+            channel.publish(message, in_time, poll_s=0.2)
+            assert reader.receive(in_time, poll_s=0.2) == message
+        reader.close()
+    finally:
+        channel.close()
