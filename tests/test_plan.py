@@ -78,9 +78,38 @@ def test_serve_command_deploys_the_layout(spec):
     assert argv[argv.index("--prefill") + 1] == "2" and argv[argv.index("--decode") + 1] == "3"
     assert "continuous:max_batch_size=64" in argv
     assert [p["gpus"] for p in cmd["placement"]] == [[0], [1], [2, 3], [4, 5], [6, 7]]
-    assert cmd["tp_note"] and "laneserve_decode" in cmd["ray"][0]
+    assert "laneserve_decode" in cmd["ray"][0]
     col = serve_command(Layout("h100", "colocated", "colocated", 3, 1), spec)
-    assert "--colocated" in col["argv"] and col["tp_note"] is None
+    assert "--colocated" in col["argv"] and not [a for a in col["argv"] if "tensor-parallel" in a]
+
+
+def _served_degrees(argv: list[str]) -> tuple[int, int, list[str]]:
+    """(prefill degree, decode degree, devices) ``laneserve serve`` resolves from ``argv``."""
+    from laneserve.cli import build_parser
+    from laneserve.commands.vllm_flags import _tensor_parallel_sizes
+    assert argv[:2] == ["laneserve", "serve"]
+    args = build_parser().parse_args(argv[1:])
+    _tensor_parallel_sizes(args)
+    return args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size, args.devices.split(",")
+
+
+@pytest.mark.parametrize("layout, degrees, devices", [
+    (Layout("h100", "disaggregated", "fcfs", 2, 1, 3, 2), (1, 2), ["cuda:0", "cuda:1", "cuda:2", "cuda:4", "cuda:6"]),
+    (Layout("h100", "disaggregated", "fcfs", 1, 4, 1, 4), (4, 4), ["cuda:0", "cuda:4"]),
+    (Layout("h100", "disaggregated", "fcfs", 1, 2, 2, 1), (2, 1), ["cuda:0", "cuda:2", "cuda:3"]),
+    (Layout("h100", "colocated", "colocated", 2, 2), (2, 2), ["cuda:0", "cuda:2"]),
+])
+def test_the_printed_command_parses_to_the_planned_degrees(spec, layout, degrees, devices):
+    cmd = serve_command(layout, spec)
+    assert "tp_note" not in cmd
+    assert _served_degrees(cmd["argv"]) == (*degrees, devices)
+    # each instance's ranks take its --devices entry and the GPUs after it: the planned placement
+    from types import SimpleNamespace
+
+    from laneserve.engine.tp.group import rank_device
+    ranks = [[rank_device(SimpleNamespace(device=d), r).index for r in range(len(p["gpus"]))]
+             for d, p in zip(devices, cmd["placement"])]
+    assert ranks == [p["gpus"] for p in cmd["placement"]]
 
 
 def test_role_cost_model_charges_each_role_with_its_own_model():

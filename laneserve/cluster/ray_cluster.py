@@ -20,6 +20,12 @@ this class extends with three hooks only:
   actor dies or its node is lost), ``kill`` is ``ray.kill``. Heartbeats over TCP catch a lost node
   before Ray's own health checks do. A restart creates a new actor, which Ray places on any node
   offering the resource — a node that joins later included — without restarting the server.
+- a tensor-parallel instance gets one placement group of N bundles, one device each (a GPU on
+  CUDA, a CPU elsewhere; bundle 0 also holds the role's resource), packed on one node; its actor
+  runs in bundle 0 as rank 0 (the runtime and the scheduler, as locally) and starts ranks
+  1..N-1 as actors in the other bundles (:mod:`laneserve.engine.tp.ray_ranks`). The group goes
+  with the instance: removed when its actor's ``serve`` ends or it is killed, which ends the rank
+  actors too.
 - times: ``perf_counter`` clocks of different machines are unrelated, so the router ships its
   epoch as wall time and each actor converts it to its own ``perf_counter`` (machines with NTP).
 
@@ -83,10 +89,11 @@ class InstanceHost:
 class ActorProcess:
     """An instance actor seen through the ``subprocess.Popen`` surface the supervisor uses."""
 
-    def __init__(self, actor: Any, done: Any, name: str) -> None:
+    def __init__(self, actor: Any, done: Any, name: str, placement_group: Any = None) -> None:
         self.actor = actor
         self.done = done                    # ObjectRef of the actor's ``serve`` call
         self.name = name
+        self.placement_group = placement_group   # a TP instance's bundles (its ranks' devices)
         self.returncode: int | None = None
         self.error: str | None = None
 
@@ -98,7 +105,14 @@ class ActorProcess:
                     self.returncode = int(ray.get(self.done))
                 except ray.exceptions.RayError as exc:
                     self.returncode, self.error = 1, type(exc).__name__
+                self._remove_placement_group()
         return self.returncode
+
+    def _remove_placement_group(self) -> None:
+        """The instance is over: free its bundles (Ray ends the actors still in them)."""
+        if self.placement_group is not None:
+            pg, self.placement_group = self.placement_group, None
+            ray.util.remove_placement_group(pg)
 
     def wait(self, timeout: float | None = None) -> int | None:
         ray.wait([self.done], timeout=timeout)
@@ -106,6 +120,7 @@ class ActorProcess:
 
     def kill(self) -> None:
         ray.kill(self.actor, no_restart=True)
+        self._remove_placement_group()
 
 
 class RayCluster(ProcessCluster):
@@ -130,9 +145,22 @@ class RayCluster(ProcessCluster):
                 raise RuntimeError(f"no node of the Ray cluster at {self.address} offers {RESOURCES[role]!r}: "
                                    f"start one with ray start --address ... --resources "
                                    f"'{{\"{RESOURCES[role]}\": 1}}'")
+        self._check_rank_devices(offered)
         self.log(f"laneserve: joined the Ray cluster at {self.address} "
                  f"({len([n for n in ray.nodes() if n['Alive']])} nodes); control over tcp://{self._host_ip}")
         await super().start()
+
+    def _check_rank_devices(self, offered: dict) -> None:
+        """A TP instance's placement group needs its degree of devices on one node: refuse a
+        cluster offering fewer in all (Ray would leave the instance pending for ever)."""
+        from laneserve.engine.tp.ray_ranks import device_resource
+        device = self.spec.devices[0] if self.spec.devices else "cpu"
+        (kind, _), = device_resource(device).items()
+        for role in {role for role, _ in self._roles()}:
+            tp = self._tensor_parallel_size(role)
+            if tp > 1 and offered.get(kind, 0) < tp:
+                raise RuntimeError(f"a {role} instance at tensor parallel size {tp} needs {tp} {kind} on one "
+                                   f"node; the Ray cluster at {self.address} offers {offered.get(kind, 0):g}")
 
     async def close(self) -> None:
         await super().close()
@@ -151,11 +179,27 @@ class RayCluster(ProcessCluster):
 
     def _launch(self, wspec: WorkerSpec) -> ActorProcess:
         name = f"laneserve-{self.session}-{wspec.role}{wspec.instance_id}-g{wspec.gen}"
-        actor = ray.remote(InstanceHost).options(
-            name=name, resources={RESOURCES[wspec.role]: 1}, num_cpus=0, max_concurrency=4, max_restarts=0,
-        ).remote()
+        options = dict(name=name, resources={RESOURCES[wspec.role]: 1}, num_cpus=0, max_concurrency=4,
+                       max_restarts=0)
+        pg = None
+        if wspec.tensor_parallel_size > 1:
+            pg = self._rank_placement(wspec, name, options)
+        actor = ray.remote(InstanceHost).options(**options).remote()
         wall_epoch = time.time() - self.clock.now()
-        return ActorProcess(actor, actor.serve.remote(wspec.to_json(), wall_epoch, self.spec.worker), name)
+        return ActorProcess(actor, actor.serve.remote(wspec.to_json(), wall_epoch, self.spec.worker), name, pg)
+
+    @staticmethod
+    def _rank_placement(wspec: WorkerSpec, name: str, options: dict) -> Any:
+        """A TP instance's placement group (one device per rank, on one node); ``options`` and
+        ``wspec`` are updated so the instance actor runs in bundle 0 and starts its ranks in the
+        others. Ray queues the actor until the group is placed."""
+        from laneserve.engine.tp.ray_ranks import actor_resources, in_bundle, instance_placement_group
+        pg = instance_placement_group(wspec.tensor_parallel_size, wspec.device, options["resources"], f"{name}-tp")
+        options.update(actor_resources(wspec.device), **in_bundle(pg, 0))
+        wspec.rank_launch = "ray"
+        if wspec.device.startswith("cuda"):
+            wspec.device = "cuda:0"            # Ray shows each rank actor only its bundle's GPU
+        return pg
 
     def state(self) -> dict[str, Any]:
         """The process cluster's state, plus per instance the node it runs on and the ObjectRefs its
@@ -167,6 +211,10 @@ class RayCluster(ProcessCluster):
             node, refs = probes.get(row["id"], (None, None))
             row["ray_node"] = _get(node)
             row["object_refs"] = _get(refs)
+        pgs = {h.instance_id: h.proc.placement_group for h in self.instances if h.proc is not None}
+        for row in st["instances"]:
+            pg = pgs.get(row["id"])
+            row["placement_group"] = pg.id.hex() if pg is not None else None
         st["ray"] = {"address": self.address, "session": self.session}
         return st
 

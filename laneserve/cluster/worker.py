@@ -68,6 +68,7 @@ class WorkerSpec:
     device: str = "cpu"
     gen: int = 0                             # incarnation: the router ignores messages of older ones
     tensor_parallel_size: int = 1            # ranks of this instance (engine/tp): one process each
+    rank_launch: str = "process"             # how ranks 1..N-1 start: "process", or "ray" (actors, on Ray)
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -195,7 +196,8 @@ def _tensor_parallel_executor(spec: WorkerSpec, config, kv):
     from laneserve.engine.tp.executor import TPExecutor
 
     config = dataclasses.replace(config, num_kv_blocks=kv.num_blocks)
-    executor = TPExecutor.start(spec.model, spec.tensor_parallel_size, config, kv_factory=lambda _blocks: kv)
+    executor = TPExecutor.start(spec.model, spec.tensor_parallel_size, config, kv_factory=lambda _blocks: kv,
+                                launch=spec.rank_launch)
     return executor.model, executor
 
 

@@ -290,8 +290,6 @@ def _print_result(args: argparse.Namespace, spec, result, rows: list[dict], sear
         deploy = serve_command(layout_of(result.winner), spec, model_path=args.model_path)
         print(f"winner: {result.winner['layout']} -> {result.winner['gpus']} GPUs")
         print(deploy["command"])
-        if deploy["tp_note"]:
-            print(f"# {deploy['tp_note']}")
     else:
         print("no layout met the targets within the search limits (raise --max-gpus / --max-sims, "
               "or relax the SLOs)")
@@ -317,8 +315,7 @@ def _write_plan(args: argparse.Namespace, spec, result, rows: list[dict], curve,
                          "winner_goodput_per_gpu": w["goodput_per_gpu"]})
     md = (f"## Ranked layouts\n\n{markdown_table(rows[:50], list(COLUMNS))}\n"
           + (f"## Deploy\n\n```\n{deploy['command']}\n```\n\nRay: `{deploy['ray'][0]}`, then "
-             f"the command with `--ray-address auto`.\n\nPlacement: {deploy['placement']}\n"
-             + (f"\nNote: {deploy['tp_note']}.\n" if deploy["tp_note"] else "") if deploy else "")
+             f"the command with `--ray-address auto`.\n\nPlacement: {deploy['placement']}\n" if deploy else "")
           + (f"\n## Winner's attainment curve\n\n{markdown_table([{'rate': c['rate'], 'attainment_both': c['attainment_both'], 'p90_ttft_ms': c['p90_ttft_ms'], 'p90_tpot_ms': c['p90_tpot_ms']} for c in curve])}\n" if curve else "")
           + f"\n![plan]({png.name})\n")
     extra = {**result.to_json(), "deploy": deploy, "winner_curve": curve,

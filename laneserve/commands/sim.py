@@ -94,7 +94,9 @@ def _add_cost_model_flags(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel degree per instance")
     renamed(m, "--tp", canonical="--tensor-parallel-size", dest="tp", type=at_least(1, high=64))
     m.add_argument("--attention", default="ragged", help="decode attention kernel: ragged | padded")
-    m.add_argument("--profile", type=existing_file, help="engine profile JSON for --cost-model fitted")
+    m.add_argument("--profile", type=existing_file,
+                   help="engine profile JSON (laneserve profile) for --cost-model fitted or --engine laneserve; "
+                        "a profile of a -tp N instance needs --tensor-parallel-size N")
     m.add_argument("--engine", default="legacy",
                    help="whose kernels the analytic model charges: legacy (default: the original "
                         "constants) | vllm | sglang | trtllm (fitted on aiconfigurator's measured "

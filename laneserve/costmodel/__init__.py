@@ -17,7 +17,7 @@ from .engines import ENGINES, EngineCostModel, make_engine_cost_model
 from .fitted import FittedCostModel, PolynomialTTFT, StepTimeLUT
 from .laps_fit import LapsPrefillModel
 from .linear import LinearCostModel
-from .profile import Profile, load_profile, save_profile, synthesize_profile
+from .profile import Profile, check_profile_degree, load_profile, save_profile, synthesize_profile
 from .specs import HARDWARE, MODELS, HardwareSpec, HostOverhead, LinkSpec, ModelSpec
 
 __all__ = [
@@ -71,7 +71,8 @@ def _make_fitted(*, model: str, hardware: str, tp: int, attention: str,
                  profile: str | None, host_overhead: bool, engine: str = "legacy") -> CostModel:
     if profile is None:
         raise ValueError("kind='fitted' needs profile=<path to an engine profile JSON>")
-    return FittedCostModel(load_profile(profile), links=dict(get_hardware_spec(hardware).links))
+    prof = check_profile_degree(load_profile(profile), tp, str(profile))
+    return FittedCostModel(prof, links=dict(get_hardware_spec(hardware).links))
 
 
 def _make_linear(*, model: str, hardware: str, tp: int, attention: str,

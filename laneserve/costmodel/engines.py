@@ -347,8 +347,8 @@ def make_engine_cost_model(model: ModelSpec, hw: HardwareSpec, tp: int = 1, *, e
     if engine in ("legacy", "laneserve"):
         if engine == "laneserve" and profile is not None:
             from .fitted import FittedCostModel
-            from .profile import load_profile
-            return FittedCostModel(load_profile(profile), links=dict(hw.links))
+            from .profile import check_profile_degree, load_profile
+            return FittedCostModel(check_profile_degree(load_profile(profile), tp, str(profile)), links=dict(hw.links))
         return AnalyticCostModel(model, hw, tp=tp, attention=attention, host_overhead=host_overhead)
     return EngineCostModel(model, hw, tp=tp, engine=engine, attention=attention,
                            host_overhead=host_overhead, allreduce=allreduce)

@@ -8,7 +8,12 @@ An engine profile is one JSON file::
      "decode":  [{"context_lens": [...], "seconds": float}, ...],
      "kv_copy": [{"tokens": int, "seconds": float}, ...],          # optional
      "kv_copy_link": "host",                                        # optional
-     "op_fractions": [5 floats]}                                    # optional
+     "op_fractions": [5 floats],                                    # optional
+     "tensor_parallel_size": int}                                   # optional, default 1
+
+A profile of a tensor-parallel instance (``laneserve profile -tp N``) times the whole group's
+steps (rank 0's view: broadcast, every rank's shard, the all-reduces) and counts every rank's KV
+bytes per token; it models an instance of that degree only (:func:`check_profile_degree`).
 
 Also loaders for the shared H100 measurements used by calibration and the benchmarks: Vidur's
 per-layer MLP/linear profile, Vidur's send/recv network profile and LLMServingSim's per-operator
@@ -59,6 +64,7 @@ class Profile:
     kv_copy: list[KVCopySample] = field(default_factory=list)
     kv_copy_link: str = "host"
     op_fractions: list[float] | None = None
+    tensor_parallel_size: int = 1
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -86,11 +92,28 @@ class Profile:
                    kv_copy=[KVCopySample(int(s["tokens"]), float(s["seconds"]))
                             for s in data.get("kv_copy", [])],
                    kv_copy_link=str(data.get("kv_copy_link", "host")),
-                   op_fractions=data.get("op_fractions"))
+                   op_fractions=data.get("op_fractions"),
+                   tensor_parallel_size=_degree(data.get("tensor_parallel_size", 1)))
+
+
+def _degree(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"profile tensor_parallel_size must be a positive integer, got {value!r}")
+    return value
 
 
 def load_profile(path: str | Path) -> Profile:
     return Profile.from_dict(json.loads(Path(path).read_text()))
+
+
+def check_profile_degree(profile: Profile, tp: int, source: str = "the profile") -> Profile:
+    """``profile`` if it measured an instance of tensor parallel size ``tp``; else a ValueError
+    naming both degrees (a TP1 profile says nothing of a TP4 instance's all-reduces, nor the reverse)."""
+    if profile.tensor_parallel_size != tp:
+        raise ValueError(f"{source} measured a tensor parallel size {profile.tensor_parallel_size} instance, the "
+                         f"simulation asks for {tp}: pass --tensor-parallel-size {profile.tensor_parallel_size}, "
+                         f"or profile with laneserve profile -tp {tp}")
+    return profile
 
 
 def save_profile(profile: Profile, path: str | Path) -> Path:

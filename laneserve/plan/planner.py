@@ -651,9 +651,9 @@ def attainment_curve(spec: PlanSpec, layout: Layout, rates: Sequence[float], job
 
 
 def serve_command(layout: Layout, spec: PlanSpec, *, model_path: str = "<CHECKPOINT>") -> dict[str, Any]:
-    """The ``laneserve serve`` command line deploying ``layout``, its device assignment and Ray
-    placement. laneserve's own engine runs one device per instance: an instance planned with
-    TP > 1 is listed with the GPUs it needs, for an engine that shards the model."""
+    """The ``laneserve serve`` command line deploying ``layout`` (with each role's TP degree), its
+    device assignment and Ray placement (on Ray each TP instance gets one placement group of its
+    GPUs, built by the cluster: the ``ray start`` line only names the instances' resources)."""
     import shlex
     prefill_spec, decode_spec = layout.policy_specs()
     cm = cost_model(spec.model, layout.gpu, layout.decode_tp or layout.prefill_tp, spec.engine)
@@ -667,6 +667,7 @@ def serve_command(layout: Layout, spec: PlanSpec, *, model_path: str = "<CHECKPO
         args += ["--prefill", str(layout.prefill), "--decode", str(layout.decode)]
         n_inst = layout.prefill + layout.decode
         roles = [("prefill", layout.prefill, layout.prefill_tp), ("decode", layout.decode, layout.decode_tp)]
+    args += _tp_flags(roles)
     args += ["--prefill-policy", prefill_spec, "--decode-policy", decode_spec, "--router-policy", spec.router]
     devices, g, placement = [], 0, []
     for role, count, tp in roles:
@@ -693,7 +694,16 @@ def serve_command(layout: Layout, spec: PlanSpec, *, model_path: str = "<CHECKPO
     ray = [f"ray start --head --resources '{json.dumps(counts)}'",
            " ".join(shlex.quote(a) for a in args) + " --ray-address auto"]
     return {"command": " ".join(shlex.quote(a) for a in args), "argv": args, "placement": placement,
-            "ray": ray, "tp_note": None if max(tp for _, _, tp in roles) == 1 else
-            "the command above does not carry the TP degrees yet: add --prefill-tensor-parallel-size / "
-            "--decode-tensor-parallel-size (laneserve serve runs tensor-parallel instances; with Ray, one "
-            f"placement group per instance is not built yet); the plan modelled {spec.engine}"}
+            "ray": ray}
+
+
+def _tp_flags(roles: list[tuple[str, int, int]]) -> list[str]:
+    """The serve flags giving each role its planned TP degree: ``-tp N`` when every instance has
+    the same degree (colocated instances always take it), else one flag per role; none at TP1.
+    Each instance's ``--devices`` entry is its first GPU: its ranks take that GPU and the next."""
+    degrees = {role: tp for role, _, tp in roles}
+    if set(degrees.values()) == {1}:
+        return []
+    if len(set(degrees.values())) == 1:
+        return ["--tensor-parallel-size", str(next(iter(degrees.values())))]
+    return [a for role, tp in degrees.items() for a in (f"--{role}-tensor-parallel-size", str(tp))]

@@ -10,5 +10,6 @@ it, and rank 0's executor that hides the ranks from the instance runtime.
 * :mod:`.step_message` the step's plan as a diff against what the other ranks already hold;
 * :mod:`.stop`     the one "stop here?" object every rank asks at an operator boundary;
 * :mod:`.worker`   the loop of ranks 1..N-1;
+* :mod:`.ray_ranks` on Ray: ranks 1..N-1 as actors in the instance's placement group;
 * :mod:`.executor` rank 0: :class:`TPExecutor`, the ``EngineExecutor`` interface over the group.
 """

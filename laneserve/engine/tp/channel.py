@@ -40,7 +40,7 @@ def sweep_stale(prefixes: tuple[str, ...] = ("laneserve-tp-", "laneserve-stop-")
         if not f.name.startswith(prefixes):
             continue
         pid = f.name.split("-")[2]
-        if not pid.isdigit() or _pid_alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         try:
             f.unlink()
@@ -50,7 +50,8 @@ def sweep_stale(prefixes: tuple[str, ...] = ("laneserve-tp-", "laneserve-stop-")
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one ``kill(pid, 0)``)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

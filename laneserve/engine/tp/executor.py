@@ -79,7 +79,8 @@ def tp_config(config: EngineConfig) -> EngineConfig:
 class RankGroup:
     """Ranks 1..N-1 as processes, and rank 0's membership (in this process). ``launch="thread"``
     runs ranks 1..N-1 as threads of this process instead (the same code; tests count every rank's
-    host work that way)."""
+    host work that way); ``launch="ray"`` as Ray actors in the bundles of the placement group this
+    process (the instance actor, rank 0) runs in (``ray_ranks``)."""
 
     def __init__(self, model_path: str | Path, world: int, config: EngineConfig, timeout_s: float = 300.0,
                  launch: str = "process") -> None:
@@ -91,14 +92,12 @@ class RankGroup:
         self._dir = tempfile.mkdtemp(prefix="laneserve-tp-")
         self.spec = GroupSpec(str(model_path), world, config, os.path.join(self._dir, "store"), timeout_s)
         self.board = StopBoard.create(world)
-        self.spec = dataclasses.replace(self.spec, stop_board=self.board.name)
+        self.spec = dataclasses.replace(self.spec, stop_board=self.board.name,
+                                        one_gpu_per_rank=launch == "ray")   # Ray gives each rank its GPU
         ctx = mp.get_context("spawn")
         self.channel = StepChannel.create(ctx, world - 1)
-        if launch not in ("process", "thread"):
-            raise ValueError(f"launch must be 'process' or 'thread', got {launch!r}")
-        make = ctx.Process if launch == "process" else threading.Thread
-        parent = os.getpid() if launch == "process" else os.getppid()
-        self.procs = [make(target=rank_main, args=(self.spec, r, self.channel.handle(r - 1), parent),
+        make, parent, watch = _launcher(ctx, launch)
+        self.procs = [make(target=rank_main, args=(self.spec, r, self.channel.handle(r - 1), parent, *watch),
                            name=f"laneserve-tp-rank{r}", daemon=True) for r in range(1, world)]
         self._closed = False
         try:
@@ -182,6 +181,20 @@ class RankGroup:
         self.channel.close()
         self.board.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _launcher(ctx, launch: str):
+    """(what starts a rank, the pid its loop watches, how: ``()`` its parent, ``("pid",)`` that
+    pid) for ``launch``: a spawned process watches its parent; a Ray actor (whose parent is Ray's)
+    watches rank 0's pid."""
+    if launch == "process":
+        return ctx.Process, os.getpid(), ()
+    if launch == "thread":
+        return threading.Thread, os.getppid(), ()
+    if launch == "ray":
+        from laneserve.engine.tp.ray_ranks import RayRank
+        return RayRank, os.getpid(), ("pid",)
+    raise ValueError(f"launch must be 'process', 'thread' or 'ray', got {launch!r}")
 
 
 class TPExecutor(EngineExecutor):

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from laneserve.engine.config import EngineConfig
+from laneserve.engine.tp.channel import pid_alive
 from laneserve.engine.tp.comm import Communicator, make_group
 
 #: the CPU cap on KV tokens the offline API applies to itself (see engine/llm.py)
@@ -30,6 +31,8 @@ class GroupSpec:
     timeout_s: float = 300.0
     #: the shared-memory stop board (``stop_protocol.StopBoard``); None: a broadcast per boundary
     stop_board: str | None = None
+    #: each rank sees only its own GPU (Ray gives every rank actor one): every rank takes ``cuda:0``
+    one_gpu_per_rank: bool = False
 
 
 @dataclass
@@ -39,15 +42,18 @@ class Joined:
     device: torch.device
 
 
-def rank_device(config: EngineConfig, rank: int) -> torch.device:
+def rank_device(config: EngineConfig, rank: int, one_gpu_per_rank: bool = False) -> torch.device:
+    """Rank ``rank``'s device: on CUDA the instance's device is its first GPU and rank r takes the
+    r-th one after it (``cuda:2`` at TP2: ranks on GPUs 2 and 3), so instances given their first
+    GPU each in ``--devices`` never share one; a rank that sees only its own GPU takes ``cuda:0``."""
     dev = torch.device(config.device)
-    if dev.type == "cuda":     # pragma: no cover - needs GPUs
-        return torch.device("cuda", rank)
+    if dev.type == "cuda":
+        return torch.device("cuda", 0 if one_gpu_per_rank else (dev.index or 0) + rank)
     return dev
 
 
 def join(spec: GroupSpec, rank: int) -> Joined:
-    device = rank_device(spec.config, rank)
+    device = rank_device(spec.config, rank, spec.one_gpu_per_rank)
     store = dist.FileStore(spec.store_path, spec.world)
     store.set_timeout(_td(spec.timeout_s))
     if device.type == "cuda":  # pragma: no cover - needs GPUs
@@ -110,3 +116,8 @@ def _td(seconds: float):
 def parent_alive(parent_pid: int):
     """A check for the rank loops: False once the process that started this one is gone."""
     return lambda: os.getppid() == parent_pid
+
+
+def process_alive(pid: int):
+    """The same check for a rank that is not rank 0's child (a Ray actor): False once ``pid`` is gone."""
+    return lambda: pid_alive(pid)

@@ -17,7 +17,7 @@ from laneserve.engine.executor import EngineExecutor
 from laneserve.engine.tp.channel import ChannelClosed, ChannelHandle, ChannelReader
 from laneserve.engine.kv_cache import KVPayload
 from laneserve.engine.tp.group import (GroupSpec, agree_min, barrier, gather_to_first, join, local_kv_blocks,
-                                       parent_alive, scatter_from_first)
+                                       parent_alive, process_alive, scatter_from_first)
 from laneserve.engine.tp.loader import load_shard
 from laneserve.engine.tp.step_message import StepMessage, StepMirror
 from laneserve.engine.tp.stop import make_stop_agreement
@@ -91,10 +91,11 @@ class RankWorker:
         return True
 
 
-def rank_main(spec: GroupSpec, rank: int, handle: ChannelHandle, parent_pid: int) -> None:
-    """Entry point of a spawned rank process."""
+def rank_main(spec: GroupSpec, rank: int, handle: ChannelHandle, parent_pid: int, watch: str = "parent") -> None:
+    """Entry point of a spawned rank process (or a rank actor): it runs while rank 0 does, rank 0
+    being its parent (``watch="parent"``) or, for a Ray actor, the process ``parent_pid`` (``"pid"``)."""
     logging.basicConfig(level=logging.WARNING, format=f"[tp rank {rank}] %(levelname)s %(message)s")
-    alive = parent_alive(parent_pid)
+    alive = parent_alive(parent_pid) if watch == "parent" else process_alive(parent_pid)
     reader = ChannelReader(handle)
     try:
         worker = RankWorker(spec, rank)
