@@ -49,7 +49,7 @@ def actors():
 
     from ray import cloudpickle
     cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the actor class lives in this test
-    ray.init(num_cpus=2, namespace="laneserve-tp-test", logging_level="warning", include_dashboard=False)
+    ray.init(address="local", num_cpus=2, namespace="laneserve-tp-test", logging_level="warning", include_dashboard=False)
     try:
         cls = ray.remote(num_cpus=0, max_concurrency=4)(KVActor)
         yield [cls.options(name=name).remote(name) for name in ("tp-prefill", "tp-decode")]
