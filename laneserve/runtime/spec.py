@@ -47,6 +47,8 @@ class InstanceSpec:
     @classmethod
     def of(cls, role: str, policy: str | PolicySpec, **sizes: Any) -> InstanceSpec:
         """The spec of a ``role`` instance running ``policy`` (CLI text read once here)."""
+        if role not in ROLES:
+            raise ValueError(f"instance role must be one of {', '.join(ROLES)}, got {role!r}")
         return cls(role, as_spec(role, policy), **sizes)
 
     # ---- across a process boundary (a worker's spawn arguments) ------------------------------
