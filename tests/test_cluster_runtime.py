@@ -86,11 +86,13 @@ def test_every_entry_point_defaults_to_one_deployment():
 
 def test_deployment_roles_and_checks():
     d = Deployment(num_prefill=2, num_decode=3, prefill_policy="fcfs", decode_policy="continuous")
-    assert d.roles() == [("prefill", "fcfs")] * 2 + [("decode", "continuous")] * 3
+    assert [(r, str(p)) for r, p in d.roles()] == [("prefill", "fcfs")] * 2 + [("decode", "continuous")] * 3
+    assert d.roles()[0][1] is d.roles()[1][1] is d.front_policy     # resolved once, not per access
     assert d.decode_router_name() == "least-loaded"            # continuous has no router of its own
     assert Deployment().decode_router_name() == "tpot-aware"  # adaptive's
     colo = Deployment(mode="colocated", num_prefill=2, colocated_policy="colocated:prefill=fcfs")
-    assert colo.roles() == [("colocated", "colocated:prefill=fcfs")] * 2 and colo.decode_router_name() is None
+    assert [(r, str(p)) for r, p in colo.roles()] == [("colocated", "colocated:prefill=fcfs")] * 2
+    assert colo.decode_router_name() is None
     with pytest.raises(ValueError, match="mode"):
         Deployment(mode="mesh")
     with pytest.raises(ValueError, match="at least one"):

@@ -10,7 +10,7 @@ from laneserve.cluster.worker import WorkerSpec
 from laneserve.core.kv import KVCacheManager
 from laneserve.policies import registry
 from laneserve.runtime.cluster import Deployment
-from laneserve.runtime.spec import PolicySpec, colocated_spec
+from laneserve.runtime.spec import InstanceSpec, PolicySpec, colocated_spec
 
 PREFILL = "cp-edf:chunk=512"
 DECODE = "continuous:preemption=recompute,max_batch_size=8"
@@ -40,8 +40,11 @@ def test_decode_options_in_either_order_are_accepted():
 
 def test_spec_crosses_the_spawn_arguments_unchanged():
     spec = _pair()
-    w = WorkerSpec(0, "colocated", spec, "model", "in", "out", 0.0)
-    assert WorkerSpec.from_json(w.to_json()).policy == spec
+    inst = InstanceSpec("colocated", spec, kv_tokens=4096, host_kv_tokens=256, token_budget=64, device="cpu",
+                        tensor_parallel_size=2)
+    w = WorkerSpec(0, inst, "model", "in", "out", 0.0)
+    back = WorkerSpec.from_json(w.to_json())
+    assert back.instance == inst and back.instance.policy == spec and back.role == "colocated"
 
 
 def test_wrong_kind_and_bad_option_are_refused():

@@ -351,9 +351,9 @@ def test_spatial_controller_moves_instances_under_pressure():
     cfg = ClusterConfig(num_prefill=4, num_decode=1, prefill_policy="laps-literal:mode=spatial,awd=false",
                         router="laps-pools-literal:period=0.5,cool_down=1.0,short_fraction=0.25")
     sim = Simulator(cfg, COST)
-    import laneserve.sim.simulator as simmod
+    from laneserve.policies import registry
     routers = []
-    make_orig = simmod.registry.make
+    make_orig = registry.make
 
     def spy(kind, spec, *a, **k):
         obj = make_orig(kind, spec, *a, **k)
@@ -361,11 +361,11 @@ def test_spatial_controller_moves_instances_under_pressure():
             routers.append(obj)
         return obj
 
-    simmod.registry.make = spy
+    registry.make = spy
     try:
         res = sim.run(specs)
     finally:
-        simmod.registry.make = make_orig
+        registry.make = make_orig
     assert res.unfinished == 0
     router = routers[0]
     assert router.controller.moves and all(m[3] == SHORT for m in router.controller.moves)

@@ -216,8 +216,9 @@ class _Sent:
 def test_the_receiver_puts_adds_in_the_inbox_and_fails_a_malformed_one_alone():
     from laneserve.cluster.worker import InstanceWorker, WorkerSpec
     from laneserve.engine.instance import Inbox
+    from laneserve.runtime.spec import InstanceSpec
     ctx = zmq.Context()
-    spec = WorkerSpec(instance_id=2, role="prefill", policy="fcfs", model="m", inbox="inproc://in",
+    spec = WorkerSpec(instance_id=2, instance=InstanceSpec.of("prefill", "fcfs"), model="m", inbox="inproc://in",
                       outbox="inproc://out", epoch=0.0, gen=1)
     w = InstanceWorker(spec, ctx)
     w.info = MESSAGES[7].info                          # vocabulary of 50

@@ -21,13 +21,11 @@ import time
 from collections.abc import Callable, Sequence
 
 from laneserve.core.clock import WallClock
-from laneserve.core.kv import HostKVPool
 from laneserve.core.request import Request
 from laneserve.engine.config import EngineConfig
-from laneserve.engine.executor import EngineExecutor
 from laneserve.engine.instance import EngineInstance
-from laneserve.engine.kv_cache import make_kv_manager
-from laneserve.policies import registry
+from laneserve.engine.resources import EngineResources
+from laneserve.runtime.build import build_instance
 from laneserve.runtime.cluster import (DEFAULT_DECODE_POLICY, DEFAULT_DECODE_ROUTER, DEFAULT_PREFILL_POLICY,
                                        DEFAULT_ROUTER, ClusterRuntime, Deployment, learned_step_model)
 
@@ -129,7 +127,6 @@ class LocalCluster:
                  config: EngineConfig | None = None, kv_tokens: int = 65536,
                  deployment: Deployment | None = None, prefill_tensor_parallel_size: int = 1,
                  decode_tensor_parallel_size: int = 1) -> None:
-        from laneserve.engine.models.loader import load_model
         config = config or EngineConfig(num_threads=1)
         self.config = config
         self.deployment = deployment = deployment or Deployment(
@@ -140,34 +137,21 @@ class LocalCluster:
         for name, degree in (("prefill", prefill_tensor_parallel_size), ("decode", decode_tensor_parallel_size)):
             if not isinstance(degree, int) or degree < 1:
                 raise ValueError(f"{name}_tensor_parallel_size must be a positive integer, got {degree!r}")
-        roles = deployment.roles()
-        self.tp_executors: list = []
-        self.model = (load_model(model_path, config.device, config.dtype)
-                      if any(degrees[role] == 1 for role, _ in roles) else None)
+        # decode-side instances get a host pool (swap preemption, AlignedServe's KV pool) when
+        # config.num_host_blocks asks for one; scheduler and executor share it
+        host = config.num_host_blocks * config.block_size
+        self.specs = deployment.instance_specs(lambda role: {
+            "kv_tokens": max(kv_tokens, config.block_size), "device": config.device,
+            "host_kv_tokens": 0 if role == "prefill" else host, "tensor_parallel_size": degrees[role],
+            "token_budget": config.max_num_batched_tokens if role == "colocated" else None})
         if config.num_threads is not None:
             import torch
             torch.set_num_threads(config.num_threads)
         self.clock = WallClock()
-        blocks = max(1, kv_tokens // config.block_size)
-
-        def instance(i: int, role: str, spec: str) -> EngineInstance:
-            kv = make_kv_manager(blocks, config, role=role, model_id=str(model_path))
-            # decode-side instances get a host pool (swap preemption, AlignedServe's KV pool) when
-            # config.num_host_blocks asks for one; scheduler and executor share it
-            host = (HostKVPool(config.num_host_blocks, config.block_size)
-                    if role != "prefill" and config.num_host_blocks else None)
-            extra = {"host_pool": host} if host is not None else {}
-            if role == "colocated":
-                extra["token_budget"] = config.max_num_batched_tokens
-            scheduler = registry.make(role, spec, kv, **extra)
-            if degrees[role] > 1:
-                executor = self._tensor_parallel(model_path, degrees[role], kv)
-            else:
-                executor = EngineExecutor(self.model, kv, config, host)
-            return EngineInstance(scheduler, executor, clock=self.clock, instance_id=i)
-
+        self.resources = EngineResources(model_path, config, clock=self.clock)
+        self.tp_executors = self.resources.tp_executors
         try:
-            instances = [instance(i, role, spec) for i, (role, spec) in enumerate(roles)]
+            instances = [build_instance(i, spec, self.resources) for i, spec in enumerate(self.specs)]
         except BaseException:
             self.close()
             raise
@@ -187,21 +171,10 @@ class LocalCluster:
         self._all_done = threading.Event()
         self._expected = 0
 
-    def _tensor_parallel(self, model_path, degree: int, kv):
-        """A rank group of ``degree`` over the KV manager ``kv`` (every rank sizes its cache to it)."""
-        import dataclasses
-
-        from laneserve.engine.tp.executor import TPExecutor
-        config = dataclasses.replace(self.config, num_kv_blocks=kv.num_blocks)
-        executor = TPExecutor.start(model_path, degree, config, kv_factory=lambda _blocks: kv)
-        self.tp_executors.append(executor)
-        return executor
-
     def close(self) -> None:
         """Stop the rank processes of every tensor-parallel instance (also done when the
         cluster is collected or the process exits)."""
-        for executor in self.tp_executors:
-            executor.close()
+        self.resources.close()
 
     def __enter__(self) -> LocalCluster:
         return self

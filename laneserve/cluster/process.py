@@ -42,14 +42,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from laneserve.runtime.spec import as_spec
+from laneserve.runtime.spec import InstanceSpec, PolicySpec
 from laneserve.cluster.messages import (Abort, Add, EpochClock, Failed, Fatal, Handoff, InstanceInfo, Lane, Ready,
                                         RequestDesc, SampleStart, StartInfo, Stats, Stop, Tokens, Transfer, decode,
                                         encode)
@@ -58,6 +59,7 @@ from laneserve.cluster.worker import WorkerSpec
 from laneserve.core.prefix_summary import PrefixSummary
 from laneserve.core.request import Phase, Request
 from laneserve.core.sampling import SamplingParams
+from laneserve.engine.config import EngineConfig
 from laneserve.core.slo import SLO
 from laneserve.runtime.cluster import (DEFAULT_DECODE_POLICY, DEFAULT_DECODE_ROUTER, DEFAULT_PREFILL_POLICY,
                                        DEFAULT_ROUTER, ClusterRuntime, Deployment, NoDestination, learned_step_model)
@@ -112,10 +114,27 @@ class ClusterSpec:
 
     @property
     def deployment(self) -> Deployment:
-        """Topology, policies and routers, as every driver reads them (the cluster runtime's)."""
+        """Topology, policies and routers, as every driver reads them (the cluster runtime's);
+        a :class:`ProcessCluster` reads it once (this spec is mutable until then)."""
         return Deployment(mode="colocated" if self.colocated else "disaggregated", num_prefill=self.num_prefill,
                           num_decode=self.num_decode, prefill_policy=self.prefill_policy,
                           decode_policy=self.decode_policy, router=self.router, decode_router=self.decode_router)
+
+    def instance_specs(self, deployment: Deployment) -> tuple[InstanceSpec, ...]:
+        """Every instance of ``deployment``, sized by this spec and its engine options: devices
+        given in turn, a decode-side instance the host pool ``num_host_blocks``, a colocated one
+        the token budget ``max_num_batched_tokens``."""
+        engine = {f.name: f.default for f in dataclass_fields(EngineConfig)} | self.engine
+        host = engine["num_host_blocks"] * engine["block_size"]
+
+        def sizes(role: str) -> dict[str, Any]:
+            return {"kv_tokens": max(self.kv_tokens, engine["block_size"]),
+                    "host_kv_tokens": 0 if role == "prefill" else host,
+                    "token_budget": engine["max_num_batched_tokens"] if role == "colocated" else None,
+                    "tensor_parallel_size": (self.decode_tensor_parallel_size if role == "decode"
+                                             else self.prefill_tensor_parallel_size)}
+        return tuple(replace(spec, device=self.devices[i % len(self.devices)])
+                     for i, spec in enumerate(deployment.instance_specs(sizes)))
 
 
 @dataclass(slots=True)
@@ -124,7 +143,7 @@ class InstanceHandle:
 
     instance_id: int
     role: str
-    policy: str
+    policy: PolicySpec
     device: str
     sock: Any = None
     proc: Any = None                     # threading.Thread, or Popen-like (see ProcessCluster._launch)
@@ -138,6 +157,7 @@ class InstanceHandle:
     gen: int = 0                         # incarnation (restarts so far)
     last_seen: float = 0.0               # monotonic time of its last message
     restarting: bool = False
+    spec: InstanceSpec | None = None     # what its process is started from (each incarnation)
     prefix: PrefixSummary | None = None  # what its prefix cache holds (from its kv_events)
     lane: str | None = None              # the length lane a pool router gave it (laps-pools)
     summary: DecodeSummary = field(default_factory=DecodeSummary)   # decode: its next step (stats)
@@ -304,7 +324,8 @@ class ProcessCluster:
         self.on_instance_down: Callable[[InstanceHandle], None] | None = None
         # admission, the hand-off and both routers: the cluster runtime's (the instances attach
         # once started); a decode router that predicts steps learns from the decode instances' own
-        self.runtime = ClusterRuntime(spec.deployment, _RouterLink(self),
+        self.deployment = spec.deployment
+        self.runtime = ClusterRuntime(self.deployment, _RouterLink(self),
                                       step_model=lambda: learned_step_model(spec.engine.get("attention")))
 
     @property
@@ -337,8 +358,8 @@ class ProcessCluster:
                 "decode_kv_tokens": sum(kv(info) for info in decode_side) or min(kv(info) for info in ready),
                 "vocab_size": min(info.vocab_size for info in ready)}
 
-    def _roles(self) -> list[tuple[str, str]]:
-        return self.spec.deployment.roles()
+    def _roles(self) -> list[tuple[str, PolicySpec]]:
+        return self.deployment.roles()
 
     # ---- start / stop ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -350,8 +371,8 @@ class ProcessCluster:
         self.pull.setsockopt(zmq.LINGER, 0)
         self._outbox = self._bind(self.pull, "out")
         self._sync_ctx = zmq.Context() if s.in_process else None
-        for i, (role, policy) in enumerate(self._roles()):
-            h = InstanceHandle(i, role, policy, s.devices[i % len(s.devices)])
+        for i, ispec in enumerate(s.instance_specs(self.deployment)):
+            h = InstanceHandle(i, ispec.role, ispec.policy, ispec.device, spec=ispec)
             self._spawn(h)
             self.instances.append(h)
         self.runtime.attach(self.front, self.decoders)
@@ -368,19 +389,13 @@ class ProcessCluster:
         h.sock.setsockopt(zmq.LINGER, 0)
         inbox = self._bind(h.sock, f"in{h.instance_id}.{h.gen}")
         opts = {"token_delay": s.stub_token_delay} if s.worker == "stub" else {}
-        wspec = WorkerSpec(instance_id=h.instance_id, role=h.role, policy=h.policy, model=str(s.model), inbox=inbox,
+        wspec = WorkerSpec(instance_id=h.instance_id, instance=h.spec, model=str(s.model), inbox=inbox,
                            outbox=self._outbox, epoch=self.clock.epoch, transport=s.transport,
-                           transport_dir=str(self.kv_dir), kv_tokens=s.kv_tokens, engine=dict(s.engine),
-                           policy_opts=opts, device=h.device, gen=h.gen,
-                           tensor_parallel_size=self._tensor_parallel_size(h.role))
+                           transport_dir=str(self.kv_dir), engine=dict(s.engine), policy_opts=opts, gen=h.gen)
         h.alive, h.ready, h.exit_reason = True, False, None
         h.load, h.sent, h.seq, h.prefix = None, deque(), 0, None
         h.last_seen = time.monotonic()
         h.proc = self._launch(wspec)
-
-    def _tensor_parallel_size(self, role: str) -> int:
-        s = self.spec
-        return s.decode_tensor_parallel_size if role == "decode" else s.prefill_tensor_parallel_size
 
     def _bind(self, sock: zmq.Socket, name: str) -> str:
         """Bind ``sock`` where the instances can reach it; the address they connect to. Here a
@@ -757,8 +772,8 @@ class ProcessCluster:
                 "in_flight": len(self.tracks), "max_inflight": s.max_inflight, "restarts": self.restarts,
                 "kv_files": sum(1 for _ in self.kv_dir.iterdir()) if self.kv_dir.is_dir() else 0,
                 "instances": [{"id": h.instance_id, "role": h.role, "policy": str(h.policy),
-                               "policy_options": as_spec(h.role, h.policy).describe(), "device": h.device,
-                               "tensor_parallel_size": self._tensor_parallel_size(h.role),
+                               "policy_options": h.policy.describe(), "device": h.device,
+                               "tensor_parallel_size": h.spec.tensor_parallel_size,
                                "rank_pids": h.info.rank_pids if h.info is not None else None,
                                "alive": h.alive, "ready": h.ready, "status": h.status, "restarts": h.gen,
                                "pid": h.info.pid if h.info is not None else None,

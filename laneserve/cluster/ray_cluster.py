@@ -36,6 +36,8 @@ through the object stores).
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 import uuid
 from typing import Any
@@ -198,7 +200,8 @@ class RayCluster(ProcessCluster):
         options.update(actor_resources(wspec.device), **in_bundle(pg, 0))
         wspec.rank_launch = "ray"
         if wspec.device.startswith("cuda"):
-            wspec.device = "cuda:0"            # Ray shows each rank actor only its bundle's GPU
+            # Ray shows each rank actor only its bundle's GPU
+            wspec.instance = dataclasses.replace(wspec.instance, device="cuda:0")
         return pg
 
     def state(self) -> dict[str, Any]:

@@ -30,21 +30,21 @@ Run as ``python -m laneserve.cluster.worker SPEC_JSON``; :func:`run_worker` runs
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
 from laneserve.cluster.messages import (Abort, Add, EpochClock, Failed, Fatal, Handoff, Heartbeat, InstanceInfo,
                                         InvalidMessage, Lane, Ready, Report, RequestDesc, SampleFirst, SampleStart,
                                         StartInfo, Stats, Stop, TokenItem, Tokens, Transfer, decode, encode)
-from laneserve.runtime.spec import PolicySpec
+from laneserve.runtime.spec import InstanceSpec
 
 STATS_INTERVAL = 0.05          # at most this often while busy
 HEARTBEAT_INTERVAL = 0.5       # stats at least this often while idle; heartbeats this often always
@@ -53,35 +53,43 @@ MAX_STEP_FAILURES = 3          # failed steps in a row before the process gives 
 
 @dataclass(slots=True)
 class WorkerSpec:
+    """One instance process: its :class:`~laneserve.runtime.spec.InstanceSpec` (role, typed
+    policy, sizes, device, TP degree; it crosses the spawn arguments whole and is built with
+    :func:`~laneserve.runtime.build.build_instance`) and where it talks to the router."""
+
     instance_id: int
-    role: str                                # "prefill" | "decode" | "colocated"
-    policy: str | PolicySpec                 # a typed spec crosses the spawn arguments as its dict
+    instance: InstanceSpec
     model: str
     inbox: str                               # zmq address this worker PULLs from (router binds)
     outbox: str                              # zmq address this worker PUSHes to (router binds)
     epoch: float
     transport: str = "shm"
     transport_dir: str | None = None
-    kv_tokens: int = 65536
     engine: dict[str, Any] = field(default_factory=dict)   # EngineConfig fields
-    policy_opts: dict[str, Any] = field(default_factory=dict)
-    device: str = "cpu"
+    policy_opts: dict[str, Any] = field(default_factory=dict)   # a stub worker's (token_delay)
     gen: int = 0                             # incarnation: the router ignores messages of older ones
-    tensor_parallel_size: int = 1            # ranks of this instance (engine/tp): one process each
     rank_launch: str = "process"             # how ranks 1..N-1 start: "process", or "ray" (actors, on Ray)
 
+    @property
+    def role(self) -> str:
+        return self.instance.role
+
+    @property
+    def device(self) -> str:
+        return self.instance.device
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.instance.tensor_parallel_size
+
     def to_json(self) -> str:
-        d = asdict(self)
-        if isinstance(self.policy, PolicySpec):
-            d["policy"] = self.policy.to_dict()
-        return json.dumps(d)
+        d = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return msgspec.json.encode({**d, "instance": self.instance.to_dict()}).decode()
 
     @classmethod
     def from_json(cls, text: str) -> WorkerSpec:
-        d = json.loads(text)
-        if isinstance(d["policy"], dict):
-            d["policy"] = PolicySpec.from_dict(d["policy"])
-        return cls(**d)
+        d = msgspec.json.decode(text)
+        return cls(**{**d, "instance": InstanceSpec.from_dict(d["instance"])})
 
     def connect(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
         """The instance's two sockets to the router: (PUSH to ``outbox``, PULL from ``inbox``)."""
@@ -188,19 +196,6 @@ def discard_kv(transport, desc) -> None:
     transport.discard(desc)
 
 
-def _tensor_parallel_executor(spec: WorkerSpec, config, kv):
-    """Rank 0's executor over a group of ``spec.tensor_parallel_size`` rank processes, on the KV
-    manager ``kv`` the scheduler allocates in (every rank sizes its cache to its block count)."""
-    import dataclasses
-
-    from laneserve.engine.tp.executor import TPExecutor
-
-    config = dataclasses.replace(config, num_kv_blocks=kv.num_blocks)
-    executor = TPExecutor.start(spec.model, spec.tensor_parallel_size, config, kv_factory=lambda _blocks: kv,
-                                launch=spec.rank_launch)
-    return executor.model, executor
-
-
 def _rank_watchdog(spec: WorkerSpec, executor):
     """Should rank 0 stay blocked in a collective with a dead rank, stop the group and exit."""
     from laneserve.engine.tp.watchdog import RankWatchdog
@@ -240,44 +235,28 @@ class InstanceWorker:
     # ---- set-up --------------------------------------------------------------------------
     def build(self) -> None:
         from laneserve.cluster.transport import make_transport
-        from laneserve.core.kv import HostKVPool
         from laneserve.engine.config import EngineConfig
-        from laneserve.engine.executor import EngineExecutor
-        from laneserve.engine.instance import EngineInstance, Inbox
-        from laneserve.engine.kv_cache import make_kv_manager
-        from laneserve.engine.models.loader import load_model
-        from laneserve.engine.sampler import StopChecker
-        from laneserve.policies import registry
+        from laneserve.engine.instance import Inbox
+        from laneserve.engine.resources import EngineResources
+        from laneserve.runtime.build import build_instance
 
         spec = self.spec
         config = EngineConfig(**{"device": spec.device, **spec.engine})
-        model = load_model(spec.model, config.device, config.dtype) if spec.tensor_parallel_size == 1 else None
-        blocks = max(1, spec.kv_tokens // config.block_size)
-        kv = make_kv_manager(blocks, config, role=spec.role, model_id=spec.model)
-        host = HostKVPool(config.num_host_blocks, config.block_size) if config.num_host_blocks else None
-        opts = dict(spec.policy_opts)
-        if spec.role == "colocated":
-            opts.setdefault("token_budget", config.max_num_batched_tokens)
-        if host is not None and spec.role != "prefill":
-            opts["host_pool"] = host
-        scheduler = registry.make(spec.role, spec.policy, kv, **opts)
+        self.inbox = Inbox(self.clock)          # the receiver thread puts adds here (_accept)
+        resources = EngineResources(spec.model, config, clock=self.clock, stop_checker=True, inbox=self.inbox,
+                                    wrap_executor=_RecordingExecutor, rank_launch=spec.rank_launch)
+        self.instance = build_instance(spec.instance_id, spec.instance, resources)
+        scheduler, kv, inner = self.instance.scheduler, self.instance.scheduler.kv, self.instance.executor.inner
+        model = inner.model
         if spec.tensor_parallel_size > 1:
-            model, inner = _tensor_parallel_executor(spec, config, kv)
             self.tp = inner
             if threading.current_thread() is threading.main_thread():   # its own process: it may exit
                 self._watchdog = _rank_watchdog(spec, inner)
-        else:
-            inner = EngineExecutor(model, kv, config, host)
-        executor = _RecordingExecutor(inner)
-        stop = StopChecker(model.tokenizer) if model.tokenizer is not None else None
-        self.inbox = Inbox(self.clock)          # the receiver thread puts adds here (_accept)
-        self.instance = EngineInstance(scheduler, executor, clock=self.clock, instance_id=spec.instance_id,
-                                       stop_checker=stop, inbox=self.inbox)
         self.transport = make_transport(spec.transport, directory=spec.transport_dir)
         self.info = InstanceInfo(
-            max_model_len=model.config.max_position_embeddings, kv_blocks=blocks, block_size=config.block_size,
+            max_model_len=model.config.max_position_embeddings, kv_blocks=kv.num_blocks, block_size=config.block_size,
             vocab_size=model.config.vocab_size, pid=os.getpid(),
-            policy=scheduler.name if hasattr(scheduler, "name") else spec.policy, role=spec.role,
+            policy=scheduler.name if hasattr(scheduler, "name") else str(spec.instance.policy), role=spec.role,
             device=config.device, prefix_caching=kv.prefix_caching,
             prefix_root=kv.root if kv.prefix_caching else None, tensor_parallel_size=spec.tensor_parallel_size,
             rank_pids=list(inner.group.pids) if spec.tensor_parallel_size > 1 else None)

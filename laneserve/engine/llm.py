@@ -13,20 +13,16 @@ from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 
-from laneserve.core.kv import HostKVPool
 from laneserve.core.request import Request
 from laneserve.core.sampling import SamplingParams
 from laneserve.core.slo import SLO
 from laneserve.engine.config import EngineConfig
-from laneserve.engine.executor import EngineExecutor
-from laneserve.engine.instance import EngineInstance
-from laneserve.engine.kv_cache import make_kv_manager
-from laneserve.engine.sampler import StopChecker
-from laneserve.policies import registry
+from laneserve.engine.resources import DEFAULT_CPU_KV_TOKENS, EngineResources
+from laneserve.runtime.build import build_instance
 from laneserve.runtime.cluster import Deployment
+from laneserve.runtime.spec import InstanceSpec, PolicySpec
 
-#: cap on the CPU KV cache the offline API sizes by itself (tokens); set num_kv_blocks to go higher
-DEFAULT_CPU_KV_TOKENS = 1 << 17
+__all__ = ["DEFAULT_CPU_KV_TOKENS", "LLM", "CompletionOutput"]
 
 
 @dataclass(slots=True)
@@ -42,12 +38,11 @@ class CompletionOutput:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None,
-                 policy: str | None = None, quiet: bool = False, tensor_parallel_size: int = 1) -> None:
+                 policy: str | PolicySpec | None = None, quiet: bool = False, tensor_parallel_size: int = 1) -> None:
         """``policy``: the colocated policy spec; None: every entry point's default pair
         (:class:`~laneserve.runtime.cluster.Deployment`: adaptive prefill and decode, colocated).
         ``tensor_parallel_size``: ranks the model is sharded over (one process each; call
         :meth:`close` or use the object as a context manager to stop them)."""
-        from laneserve.engine.models.loader import load_model
         from laneserve.engine.smoke import is_smoke_model, smoke_model_path
 
         config = config or EngineConfig()
@@ -61,32 +56,20 @@ class LLM:
         self.model_path = path
         self.config = config
         self.tensor_parallel_size = tensor_parallel_size
-        host = HostKVPool(config.num_host_blocks, config.block_size) if config.num_host_blocks else None
-        if tensor_parallel_size != 1:
-            self.executor = _tensor_parallel_executor(path, tensor_parallel_size, config)
-            self.model = self.executor.model
-            kv = self.executor.kv
-        else:
-            self.model = load_model(path, config.device, config.dtype)
-            per_token = self.model.config.kv_bytes_per_token(self.model.embed.element_size())
-            blocks = config.resolve_num_kv_blocks(per_token)
-            if config.num_kv_blocks is None and config.device == "cpu":
-                blocks = min(blocks, DEFAULT_CPU_KV_TOKENS // config.block_size)
-            kv = make_kv_manager(blocks, config, role="colocated", model_id=str(path))
-            self.executor = EngineExecutor(self.model, kv, config, host)
+        self.spec = InstanceSpec.of(
+            "colocated", policy or Deployment(mode="colocated").front_policy,
+            host_kv_tokens=config.num_host_blocks * config.block_size, token_budget=config.max_num_batched_tokens,
+            device=config.device, tensor_parallel_size=tensor_parallel_size)
+        self.resources = EngineResources(path, config, stop_checker=True)
+        self.instance = build_instance(0, self.spec, self.resources)
+        self.executor = self.instance.executor
+        self.model = self.executor.model
         self.tokenizer = self.model.tokenizer
-        policy = policy or Deployment(mode="colocated").front_policy
-        scheduler = registry.make("colocated", policy, kv, token_budget=config.max_num_batched_tokens,
-                                  host_pool=host)
-        self.instance = EngineInstance(scheduler, self.executor,
-                                       stop_checker=StopChecker(self.tokenizer) if self.tokenizer else None)
         self._ids = count()
 
     def close(self) -> None:
         """Stop the rank processes of a tensor-parallel instance (nothing to do on one rank)."""
-        close = getattr(self.executor, "close", None)
-        if close is not None:
-            close()
+        self.resources.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -159,11 +142,3 @@ class LLM:
         return CompletionOutput(req.request_id, prompt if isinstance(prompt, str) else None,
                                 list(req.prompt_token_ids or []), text, ids, req.finish_reason, metrics)
 
-
-def _tensor_parallel_executor(path: Path, tensor_parallel_size: int, config: EngineConfig):
-    """Rank 0's executor over a group of ``tensor_parallel_size`` rank processes."""
-    from laneserve.engine.tp.executor import TPExecutor
-
-    return TPExecutor.start(path, tensor_parallel_size, config,
-                            kv_factory=lambda blocks: make_kv_manager(blocks, config, role="colocated",
-                                                                      model_id=str(path)))

@@ -121,11 +121,22 @@ def resolve(kind: str, spec: Any) -> tuple[Callable[..., Any], dict[str, Any]]:
     """The factory and options a spec names; ValueError listing valid names otherwise, or (for a
     policy with typed ``Options``) naming the option that is unknown or of a wrong value. A typed
     spec (:class:`~laneserve.runtime.spec.PolicySpec`) is already checked: its given options."""
+    factory, opts, what = _parse(kind, spec)
+    if isinstance(spec, str):
+        own = option_defaults(factory.Options).keys()
+        _checked(factory.Options, {k: v for k, v in opts.items() if k in own}, what)
+    return factory, opts
+
+
+def _parse(kind: str, spec: Any) -> tuple[Callable[..., Any], dict[str, Any], str]:
+    """The factory a spec names, its options (read as their types, presets filled in, options a
+    colocated spec forwards read as its inner policy's) and how errors name it; the options are
+    not built here (:func:`resolve` checks them, :func:`make` builds them once)."""
     _ensure_loaded()
     if not isinstance(spec, str):
         if spec.kind != kind:
             raise ValueError(f"a {spec.kind} policy ({spec}) given where a {kind} policy is expected")
-        return _REGISTRIES[kind][spec.name], spec.given_options()
+        return _REGISTRIES[kind][spec.name], spec.given_options(), f"{kind} policy {str(spec)!r}"
     if kind not in _REGISTRIES:
         raise ValueError(f"unknown policy kind {kind!r}; expected one of {sorted(_REGISTRIES)}")
     name, raw = _split_spec(spec)
@@ -144,32 +155,36 @@ def resolve(kind: str, spec: Any) -> tuple[Callable[..., Any], dict[str, Any]]:
         opts = {**preset, **{k: parse_option(declared, k, v) for k, v in raw.items() if k not in forwarded}}
     except ValueError as exc:
         raise ValueError(f"bad options for {what}: {exc}") from None
-    built = _checked(declared, opts, what)
     if forwarded:            # read as options of the inner policy (colocated: its prefill policy)
-        inner_spec = getattr(built, inner)
+        inner_spec = opts.get(inner, option_defaults(declared)[inner])
+        inner_spec = inner_spec if isinstance(inner_spec, str) else str(inner_spec)
         sep = "," if ":" in inner_spec else ":"
         try:
             _, inner_opts = resolve(inner, inner_spec + sep + ",".join(f"{k}={v}" for k, v in forwarded.items()))
         except ValueError as exc:
             raise ValueError(f"{what}: {exc}") from None
         opts.update((k, inner_opts[k]) for k in forwarded)
-    return factory, opts
+    return factory, opts, what
 
 
 def options(kind: str, spec: Any) -> PolicyOptions:
     """The typed options a spec gives its policy (presets and defaults filled in; options it
     forwards to an inner policy left out)."""
-    factory, opts = resolve(kind, spec)
-    declared = factory.Options
-    own = option_defaults(declared).keys()
-    return declared(**{k: v for k, v in opts.items() if k in own})
+    factory, opts, what = _parse(kind, spec)
+    own = option_defaults(factory.Options).keys()
+    return _checked(factory.Options, {k: v for k, v in opts.items() if k in own}, what)
 
 
 def make(kind: str, spec: Any, *args: Any, **defaults: Any) -> Any:
-    """Build the policy a spec names; spec options override ``defaults``."""
-    factory, opts = resolve(kind, spec)
+    """Build the policy a spec names; spec options override ``defaults``. Its typed options are
+    built once, from both (the keywords that are not options, a host pool or a predictor, and
+    options a colocated spec forwards to its inner policy, are passed on as keywords)."""
+    factory, opts, what = _parse(kind, spec)
+    merged = {**defaults, **opts}
+    own = option_defaults(factory.Options).keys()
+    built = _checked(factory.Options, {k: v for k, v in merged.items() if k in own}, what)
     try:
-        return factory(*args, **{**defaults, **opts})
+        return factory(*args, options=built, **{k: v for k, v in merged.items() if k not in own})
     except TypeError as exc:
         raise ValueError(f"bad options for {kind} policy {spec!r}: {exc}") from exc
 

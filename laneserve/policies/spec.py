@@ -5,7 +5,7 @@ of the decode spec would land on the prefill side). Pure Python, no torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 
@@ -25,8 +25,14 @@ class PolicySpec:
         from laneserve.policies import registry
         factory, opts = registry.resolve(kind, text)
         own = {f.name for f in fields(factory.Options)}
-        return cls(kind, registry.canonical_name(kind, text), factory.Options(**{k: v for k, v in opts.items() if k in own}),
-                   tuple(sorted(opts)))
+        forwarded = {k: v for k, v in opts.items() if k not in own}
+        inner = getattr(factory, "forwards_options_to", None)
+        opts = {k: v for k, v in opts.items() if k in own}
+        if forwarded and inner:      # options of the inner policy (colocated: its prefill side) go into its spec
+            base = as_spec(inner, opts.get(inner, getattr(factory.Options(), inner)))
+            opts[inner] = cls(inner, base.name, replace(base.options, **forwarded),
+                              tuple(sorted({*base.given, *forwarded})))
+        return cls(kind, registry.canonical_name(kind, text), factory.Options(**opts), tuple(sorted(opts)))
 
     def given_options(self) -> dict[str, Any]:
         return {k: getattr(self.options, k) for k in self.given if hasattr(self.options, k)}

@@ -26,13 +26,13 @@ transport descriptor, which the router forwards). Pure Python: no torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from laneserve.core.request import Phase, Request
 from laneserve.policies import registry
 from laneserve.policies.routing import Router
-from laneserve.runtime.spec import PolicySpec, as_spec, colocated_spec
+from laneserve.runtime.spec import InstanceSpec, PolicySpec, as_spec, colocated_spec
 
 #: the default policy pair of every entry point (``laneserve sim``/``serve``, ``ClusterConfig()``,
 #: ``ClusterSpec``, ``LocalCluster``, ``LLM``)
@@ -50,52 +50,66 @@ class Deployment:
     """Topology and policies of one deployment. ``num_prefill`` counts the instances that take new
     requests: prefill instances, or colocated ones in ``colocated`` mode (which has no decode
     instances). A colocated instance runs ``colocated_policy``, by default the colocated policy
-    composed of ``prefill_policy`` and ``decode_policy``."""
+    composed of ``prefill_policy`` and ``decode_policy``. The policies are read once, here: the
+    typed specs of both roles (``specs``) are computed when the deployment is made."""
 
     mode: str = "disaggregated"
     num_prefill: int = 1
     num_decode: int = 1
-    prefill_policy: str = DEFAULT_PREFILL_POLICY
-    decode_policy: str = DEFAULT_DECODE_POLICY
+    prefill_policy: str | PolicySpec = DEFAULT_PREFILL_POLICY
+    decode_policy: str | PolicySpec = DEFAULT_DECODE_POLICY
     colocated_policy: str | PolicySpec | None = None
     router: str = DEFAULT_ROUTER
     decode_router: str = DEFAULT_DECODE_ROUTER
+    #: (front policy, decode policy) as typed specs, resolved once in ``__post_init__``
+    specs: tuple[PolicySpec, PolicySpec | None] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {self.mode!r}")
         if self.num_prefill < 1 or (not self.colocated and self.num_decode < 1):
             raise ValueError(f"a {self.mode} cluster needs at least one instance of each role")
+        if not self.colocated:
+            specs = (as_spec("prefill", self.prefill_policy), as_spec("decode", self.decode_policy))
+        elif self.colocated_policy:
+            specs = (as_spec("colocated", self.colocated_policy), None)
+        else:
+            specs = (colocated_spec(as_spec("prefill", self.prefill_policy),
+                                    as_spec("decode", self.decode_policy)), None)
+        object.__setattr__(self, "specs", specs)
 
     @property
     def colocated(self) -> bool:
         return self.mode == "colocated"
 
     @property
-    def front_policy(self) -> str | PolicySpec:
+    def front_policy(self) -> PolicySpec:
         """The policy of the instances that take new requests: in colocated mode the pair composed
         of the two typed specs (never formatted as one string and split again)."""
-        if not self.colocated:
-            return self.prefill_policy
-        if self.colocated_policy:
-            return self.colocated_policy
-        return colocated_spec(as_spec("prefill", self.prefill_policy), as_spec("decode", self.decode_policy))
+        return self.specs[0]
 
-    def roles(self) -> list[tuple[str, str]]:
+    def roles(self) -> list[tuple[str, PolicySpec]]:
         """(role, policy spec) of every instance, in instance-id order: the front ones first."""
+        front, back = self.specs
         if self.colocated:
-            return [("colocated", self.front_policy)] * self.num_prefill
-        return [("prefill", self.prefill_policy)] * self.num_prefill + [("decode", self.decode_policy)] * self.num_decode
+            return [("colocated", front)] * self.num_prefill
+        return [("prefill", front)] * self.num_prefill + [("decode", back)] * self.num_decode
+
+    def instance_specs(self, sizes: Callable[[str], dict[str, Any]]) -> tuple[InstanceSpec, ...]:
+        """Every instance's :class:`InstanceSpec`, in instance-id order; ``sizes(role)``: the
+        entry point's sizes for that role (KV tokens, host KV tokens, token budget, device,
+        TP degree)."""
+        return tuple(InstanceSpec(role, policy, **sizes(role)) for role, policy in self.roles())
 
     def decode_router_name(self) -> str | None:
         """The decode router, "auto" resolved (None in colocated mode: nothing is handed off)."""
-        return None if self.colocated else registry.decode_router_for(self.decode_policy, self.decode_router)
+        return None if self.colocated else registry.decode_router_for(self.specs[1], self.decode_router)
 
     def describe(self) -> str:
+        front, back = self.specs
         if self.colocated:
-            return f"{self.num_prefill}x colocated [{self.front_policy}] router={self.router}"
-        return (f"{self.num_prefill}P[{self.prefill_policy}] + {self.num_decode}D[{self.decode_policy}]"
-                f" router={self.router}")
+            return f"{self.num_prefill}x colocated [{front}] router={self.router}"
+        return f"{self.num_prefill}P[{front}] + {self.num_decode}D[{back}] router={self.router}"
 
 
 def make_routers(deployment: Deployment, step_model: Callable[[], tuple[Any, Any]] | None = None,

@@ -69,12 +69,12 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from laneserve.core.sampling import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN, SamplingParams, is_real
+from laneserve.core.sampling import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN, SamplingParams
 from laneserve.core.slo import SLO, SLOClass
 from laneserve.core.structured import StructuredSpec, UnsupportedSpec
 from laneserve.server.schema import (MAX_BATCH_PROMPTS, MAX_CHARS_PER_TOKEN, MAX_JSON_DEPTH, MAX_LABEL_CHARS, MAX_MESSAGES,
                                      MAX_NAME_CHARS, MAX_SLO_MS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                                     ChatCompletionRequest, CompletionRequest)
+                                     ChatCompletionRequest, CompletionRequest, SLOTargets)
 from laneserve.server.structured import spec_from_request
 from laneserve.server.templates import DEFAULT_RENDER_TIMEOUT, TemplateOverrun, render_deadline
 
@@ -405,11 +405,20 @@ def _in_vocab(ids: list[int], vocab_size: int, what: str, param: str) -> None:
         raise BadRequest(f"{what} {_show(bad)} is outside the vocabulary [0, {vocab_size})", param)
 
 
-def _slo_ms(v: Any, what: str, param: str) -> float:
-    """Seconds of a millisecond target: a finite number in (0, MAX_SLO_MS]."""
-    if not is_real(v) or not 0 < v <= MAX_SLO_MS:
-        raise BadRequest(f"{what} must be a number > 0 and <= {MAX_SLO_MS} (milliseconds), got {_show(v)}", param)
-    return v / 1e3
+SLO_HEADERS = (("x-slo-ttft-ms", "ttft_ms"), ("x-slo-tpot-ms", "tpot_ms"))
+
+
+def _header_targets(headers: dict[str, str]) -> SLOTargets:
+    """The ``x-slo-*-ms`` headers read through the body's own model (:class:`SLOTargets`, its
+    numbers from text): one check, one bound, one message for both ways of giving a target."""
+    given = {key: headers[h] for h, key in SLO_HEADERS if headers.get(h) is not None}
+    try:
+        return SLOTargets.model_validate(given, strict=False)
+    except ValidationError as exc:
+        key = exc.errors(include_url=False)[0]["loc"][0]
+        header = next(h for h, k in SLO_HEADERS if k == key)
+        raise BadRequest(f"header {header} must be a number > 0 and <= {MAX_SLO_MS} (milliseconds), "
+                         f"got {_show(given[key])}", header) from None
 
 
 def _slo(req, headers: dict[str, str], defaults: ServerDefaults) -> tuple[SLO, str, int]:
@@ -424,22 +433,13 @@ def _slo(req, headers: dict[str, str], defaults: ServerDefaults) -> tuple[SLO, s
             base, priority = cls.slo.with_defaults(base), cls.priority
     ttft, tpot = base.ttft, base.tpot
     own = set()
-    for header, key in (("x-slo-ttft-ms", "ttft_ms"), ("x-slo-tpot-ms", "tpot_ms")):
-        raw = headers.get(header)
-        if raw is not None:
-            try:
-                ms = float(raw)
-            except ValueError:
-                raise BadRequest(f"header {header} must be a number of milliseconds, got {_show(raw)}",
-                                 header) from None
-            s = _slo_ms(ms, f"header {header}", header)
-            ttft, tpot = (s, tpot) if key == "ttft_ms" else (ttft, s)
-            own.add(key)
-    if req.slo is not None:
-        if req.slo.ttft_ms is not None:
-            ttft, _ = req.slo.ttft_ms / 1e3, own.add("ttft_ms")
-        if req.slo.tpot_ms is not None:
-            tpot, _ = req.slo.tpot_ms / 1e3, own.add("tpot_ms")
+    for targets in (_header_targets(headers), req.slo):     # the body's slo over the headers
+        if targets is None:
+            continue
+        if targets.ttft_ms is not None:
+            ttft, _ = targets.ttft_ms / 1e3, own.add("ttft_ms")
+        if targets.tpot_ms is not None:
+            tpot, _ = targets.tpot_ms / 1e3, own.add("tpot_ms")
     if unknown_class:
         if own != {"ttft_ms", "tpot_ms"}:
             # an unknown class is only a label; it cannot supply defaults

@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from laneserve.policies.predictors import PREDICTORS
+from laneserve.policies import registry
 from laneserve.policies.spec import PolicySpec
 from laneserve.runtime.cluster import (DEFAULT_DECODE_POLICY, DEFAULT_DECODE_ROUTER, DEFAULT_PREFILL_POLICY,
                                        DEFAULT_ROUTER, Deployment)
+from laneserve.runtime.spec import InstanceSpec
 
 #: host memory per GPU behind the default host KV pool: a DGX H100 has 2 TB of host memory for
 #: its 8 GPUs (NVIDIA DGX H100 user guide)
@@ -57,6 +59,9 @@ class ClusterConfig:
     #: rejected at arrival (finish reason "rejected") and counted, not simulated. None: the cost
     #: model's model spec's context (no limit when it has none); 0: no limit
     max_model_len: int | None = None
+    #: topology, policies and routers, as every driver reads them (the cluster runtime's):
+    #: computed once from the fields above
+    deployment: Deployment = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -74,15 +79,27 @@ class ClusterConfig:
             raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)}, got {self.predictor!r}")
         if self.max_model_len is not None and self.max_model_len < 0:
             raise ValueError("max_model_len must be None or >= 0")
-
-    @property
-    def deployment(self) -> Deployment:
-        """Topology, policies and routers, as every driver reads them (the cluster runtime's)."""
         colocated = self.mode == "colocated"
-        return Deployment(mode=self.mode, num_prefill=self.num_colocated if colocated else self.num_prefill,
-                          num_decode=self.num_decode, prefill_policy=self.prefill_policy,
-                          decode_policy=self.decode_policy, colocated_policy=self.colocated_policy,
-                          router=self.router, decode_router=self.decode_router)
+        object.__setattr__(self, "deployment", Deployment(
+            mode=self.mode, num_prefill=self.num_colocated if colocated else self.num_prefill,
+            num_decode=self.num_decode, prefill_policy=self.prefill_policy, decode_policy=self.decode_policy,
+            colocated_policy=self.colocated_policy, router=self.router, decode_router=self.decode_router))
+
+    def instance_specs(self) -> tuple[InstanceSpec, ...]:
+        """Every instance of the run, sized: a front instance gets ``prefill_kv_tokens``, a decode
+        one ``decode_kv_tokens`` (None: the cost model's memory); a decode-side instance the host
+        pool ``host_kv_tokens``, or (None) the simulator's default one when its policy needs a
+        host pool and none was given."""
+        def sizes(role: str) -> dict[str, Any]:
+            if role == "prefill":
+                return {"kv_tokens": self.prefill_kv_tokens}
+            spec = self.deployment.specs[0 if role == "colocated" else 1]
+            host: int | None = self.host_kv_tokens
+            if not host and getattr(registry.factory(role, spec.name), "needs_host_pool", False):
+                host = None
+            return {"kv_tokens": self.prefill_kv_tokens if role == "colocated" else self.decode_kv_tokens,
+                    "host_kv_tokens": host}
+        return self.deployment.instance_specs(sizes)
 
     def describe(self) -> str:
         return self.deployment.describe()

@@ -27,11 +27,11 @@ from laneserve.core.plan import StepResult
 from laneserve.core.prefix_cache import PrefixCache
 from laneserve.core.request import Phase, Request, RequestSpec
 from laneserve.costmodel.base import CostModel
-from laneserve.policies import registry
-from laneserve.policies.base import InstanceScheduler
 from laneserve.policies.predictors import PredictorSource
 from laneserve.runtime import Instance
+from laneserve.runtime.build import InstanceResources, build_instance
 from laneserve.runtime.cluster import ClusterRuntime
+from laneserve.runtime.spec import InstanceSpec
 from laneserve.sim.config import ClusterConfig, context_limit, default_host_kv_tokens, kv_capacity_tokens
 from laneserve.sim.executor import SimExecutor
 from laneserve.sim.macro import DecodeRun, stable_decode_plan
@@ -98,6 +98,36 @@ def fewer_collections(young: int = GC_YOUNG_THRESHOLD) -> Iterator[None]:
         gc.set_threshold(*old)
 
 
+class _SimResources(InstanceResources):
+    """The simulator's side of :func:`~laneserve.runtime.build.build_instance`: exclusive KV pools
+    (no forks and no prefix caching in its managers: its prefix cache is a PrefixCache beside
+    them), sized from the cost model's memory when the spec gives no size; the run's predictors
+    for every policy that reads them (online: a learner of its own); the per-role option
+    defaults of the config (``prefill_opts``, ``decode_opts``)."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self.sim, self.cfg = sim, sim.config
+        self.default_tokens = kv_capacity_tokens(sim.cost, self.cfg.gpu_memory_utilization)
+
+    def kv(self, spec: InstanceSpec) -> KVCacheManager:
+        bs = self.cfg.block_size
+        return KVCacheManager(blocks_for(spec.kv_tokens or self.default_tokens, bs), bs, exclusive=True)
+
+    def host_pool(self, spec: InstanceSpec) -> HostKVPool | None:
+        tokens = default_host_kv_tokens(self.sim.cost) if spec.host_kv_tokens is None else spec.host_kv_tokens
+        bs = self.cfg.block_size
+        return HostKVPool(blocks_for(tokens, bs), bs, exclusive=True) if tokens else None
+
+    def policy_defaults(self, spec: InstanceSpec) -> dict:
+        return self.cfg.decode_opts if spec.role == "decode" else self.cfg.prefill_opts
+
+    def predictors(self):
+        return self.sim.predictors.for_instance()
+
+    def instance(self, instance_id, spec, scheduler, kv, host, learner) -> SimInstance:
+        return SimInstance(instance_id, spec.role, scheduler, learner)
+
+
 class Simulator:
     """``macro_steps=False`` runs every decode step as its own event (the reference the macro
     runs are checked against; identical results, several times slower)."""
@@ -112,42 +142,14 @@ class Simulator:
     def _make_instances(self) -> tuple[list[SimInstance], list[SimInstance]]:
         cfg = self.config
         deployment = cfg.deployment
-        default_tokens = kv_capacity_tokens(self.cost, cfg.gpu_memory_utilization)
-        bs = cfg.block_size
-        predictors = self.predictors = PredictorSource(cfg.predictor, self.cost)
-
-        def kv(tokens: int | None) -> KVCacheManager:
-            # no forks and no prefix caching in the simulator's managers (its prefix cache is a
-            # PrefixCache beside them): exclusive pools, without per-block reference counts
-            return KVCacheManager(blocks_for(tokens or default_tokens, bs), bs, exclusive=True)
-
-        def host(kind: str, spec: str) -> HostKVPool | None:
-            tokens = cfg.host_kv_tokens
-            if not tokens and getattr(registry.resolve(kind, spec)[0], "needs_host_pool", False):
-                tokens = default_host_kv_tokens(self.cost)
-            return HostKVPool(blocks_for(tokens, bs), bs, exclusive=True) if tokens else None
-
-        def instance(i: int, role: str, spec: str) -> SimInstance:
-            """Every instance's policy that reads predictors (overrides ``bind_cost_model``) reads
-            the run's (online: a learner of its own); the others get no learner to feed."""
-            if role == "prefill":
-                scheduler = registry.make(role, spec, kv(cfg.prefill_kv_tokens), **cfg.prefill_opts)
-            else:
-                tokens = cfg.prefill_kv_tokens if role == "colocated" else cfg.decode_kv_tokens
-                opts = cfg.prefill_opts if role == "colocated" else cfg.decode_opts
-                scheduler = registry.make(role, spec, kv(tokens), host_pool=host(role, spec), **opts)
-            if type(scheduler).bind_cost_model is InstanceScheduler.bind_cost_model:
-                return SimInstance(i, role, scheduler)
-            model, learner = predictors.for_instance()
-            scheduler.bind_cost_model(model)
-            return SimInstance(i, role, scheduler, learner)
-
-        instances = [instance(i, role, spec) for i, (role, spec) in enumerate(deployment.roles())]
+        self.predictors = PredictorSource(cfg.predictor, self.cost)
+        resources = _SimResources(self)
+        instances = [build_instance(i, spec, resources) for i, spec in enumerate(cfg.instance_specs())]
         front, back = instances[:deployment.num_prefill], instances[deployment.num_prefill:]
         if cfg.prefix_cache_tokens is not None and not deployment.colocated:
             for inst in front:
                 inst.scheduler.bind_prefix_cache(
-                    PrefixCache(cfg.prefix_cache_tokens or cfg.prefill_kv_tokens or default_tokens))
+                    PrefixCache(cfg.prefix_cache_tokens or cfg.prefill_kv_tokens or resources.default_tokens))
         return front, back
 
     # ---- the run -----------------------------------------------------------------------------

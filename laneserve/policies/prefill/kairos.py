@@ -433,9 +433,8 @@ class GuardedKairosPrefill(KairosPrefill):
         slots = self._slots
         n = slots.n
         alive, has_slo = slots.alive[:n], slots.has_slo[:n]
-        arr, slo = slots.arr[:n], slots.slo[:n]
+        arr, slo, deadline = slots.arr[:n], slots.slo[:n], slots.deadline[:n]
         step = self._step_seconds()
-        deadline = np.where(has_slo, arr + slo, INF)
         warm = self._steps_seen >= self.warmup           # before, the predictor is its prior: no guard
         hopeless = alive & (np.maximum(arr, now) + step > deadline) & warm
         live = alive & ~hopeless

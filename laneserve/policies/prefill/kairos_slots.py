@@ -46,13 +46,14 @@ class ArrivalSlots:
         self.dur = np.zeros(capacity)
         self.arr = np.zeros(capacity)
         self.slo = np.ones(capacity)
+        self.deadline = np.full(capacity, INF)       # the TTFT deadline each request carries
         self.plen = np.ones(capacity)
         self.has_slo = np.zeros(capacity, dtype=bool)
         self.alive = np.zeros(capacity, dtype=bool)
         self.rid = np.zeros(capacity, dtype=np.int64)
 
     def _columns(self) -> tuple[np.ndarray, ...]:
-        return self.rem, self.dur, self.arr, self.slo, self.plen, self.has_slo, self.alive, self.rid
+        return self.rem, self.dur, self.arr, self.slo, self.deadline, self.plen, self.has_slo, self.alive, self.rid
 
     def _resize(self, capacity: int, keep: np.ndarray | None = None) -> None:
         old = self._columns()
@@ -103,6 +104,7 @@ class ArrivalSlots:
         self.plen[i] = req.prompt_len
         self.has_slo[i] = slo is not None and slo != INF
         self.slo[i] = slo if self.has_slo[i] else 1.0
+        self.deadline[i] = req.ttft_deadline
         self.alive[i] = True
         self.rid[i] = req.request_id
         self.rem[i] = req.remaining_prefill

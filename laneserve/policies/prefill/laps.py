@@ -211,8 +211,8 @@ class LapsPrefill(PrefillScheduler):
     def _push(self, req: Request, now: float) -> None:
         lane = self.lane_of(req)
         self.lanes[lane].push(req, now)
-        slo = req.ttft_deadline - req.arrival_time
-        if slo < self._min_slo:
+        slo = req.slo.ttft
+        if slo is not None and slo < self._min_slo:
             self._min_slo = slo
         if lane == SHORT:
             self.awd.on_arrival(now)
