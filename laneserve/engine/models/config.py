@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from laneserve.engine.models.config_values import UnsupportedModelError, as_ids
+
+__all__ = ["ARCHITECTURES", "ArchSpec", "ModelConfig", "UnsupportedModelError"]
+
 if TYPE_CHECKING:
     from laneserve.engine.models.opt_config import OPTOptions
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture or one of its options is not implemented by the engine."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +126,7 @@ class ModelConfig:
                 scaling = None
         heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
-        eos = _as_ids(raw.get("eos_token_id")) + _as_ids((generation or {}).get("eos_token_id"))
+        eos = as_ids(raw.get("eos_token_id")) + as_ids((generation or {}).get("eos_token_id"))
         return cls(
             architecture=arch, model_type=raw.get("model_type", ""), vocab_size=raw["vocab_size"],
             hidden_size=hidden, intermediate_size=raw["intermediate_size"],
@@ -165,10 +165,3 @@ def _moe_options(arch: str, raw: dict) -> dict:
     except ValueError as exc:
         raise UnsupportedModelError(f"{arch}: {exc}") from exc
 
-
-def _as_ids(value: object) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]  # type: ignore[union-attr]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from laneserve.engine.models.config import UnsupportedModelError, _as_ids
+from laneserve.engine.models.config_values import UnsupportedModelError, as_ids
 
 #: ``activation_function`` values the forward implements (transformers' ACT2FN names)
 ACTIVATIONS = ("relu", "gelu")
@@ -48,7 +48,7 @@ def opt_config_fields(arch: str, raw: dict, generation: dict | None) -> dict:
     pre_norm = bool(raw.get("do_layer_norm_before", True))
     embed_dim = int(raw.get("word_embed_proj_dim") or hidden)
     bias = bool(raw.get("enable_bias", True))
-    eos = _as_ids(raw.get("eos_token_id")) + _as_ids((generation or {}).get("eos_token_id"))
+    eos = as_ids(raw.get("eos_token_id")) + as_ids((generation or {}).get("eos_token_id"))
     options = OPTOptions(pre_norm=pre_norm, embed_dim=embed_dim,
                          final_norm=pre_norm and not raw.get("_remove_final_layer_norm", False),
                          norm_affine=bool(raw.get("layer_norm_elementwise_affine", True)), activation=act)
