@@ -72,6 +72,7 @@ from laneserve.policies.base import StepOutcome
 from laneserve.policies.decode.aligned_guard import AlignmentGuard
 from laneserve.policies.decode.aligner import AlignedWiring, AlignmentOptions, LengthAligner
 from laneserve.policies.decode.base import DecodeScheduler
+from laneserve.policies.decode.infeasible_gate import InfeasibleGate
 from laneserve.policies.decode.intake import OfferIntake
 from laneserve.policies.decode.kairos import KairosDecode, selection_pays
 from laneserve.policies.options import above, at_least, option_error
@@ -90,6 +91,9 @@ class AdaptiveDecodeOptions(AlignmentOptions):
     intake: Literal["slack", "newest", "oldest"] = "slack"   # which offered KV transfer goes first (.intake)
     max_offer_wait: float = 30.0   # seconds since its first token after which an offer goes first
     batch_ceiling: int = 1024      # past max_batch_size, a step may hold up to this many while TPOT allows
+    defer_infeasible: bool = True  # TPOT-infeasible requests decode on the others' slack (.infeasible_gate)
+    infeasible_reserve: float = 1.0   # TPOTs of slack each feasible request keeps from them
+    infeasible_bound: float = 1.0     # seconds an infeasible request waits at most between tokens
 
     def validate(self) -> None:
         AlignmentOptions.validate(self)
@@ -97,6 +101,8 @@ class AdaptiveDecodeOptions(AlignmentOptions):
             raise option_error("guard", "is always on in adaptive decode", self.guard)
         above(self, "max_offer_wait", 0)
         at_least(self, "batch_ceiling", 0)
+        at_least(self, "infeasible_reserve", 0)
+        above(self, "infeasible_bound", 0)
 
 
 @register("decode", "adaptive")
@@ -124,6 +130,8 @@ class AdaptiveDecode(AlignedWiring, DecodeScheduler):
                                      attention="ragged", guard=False) if o.slack_guided else None
         self._kernel_selects = True                  # until a cost model says which kernel
         self.intake = OfferIntake(o.intake, o.max_offer_wait)
+        self.gate = InfeasibleGate(o.infeasible_reserve, o.infeasible_bound) if o.defer_infeasible else None
+        self._gated = False                          # the last continuous step was gated (7.)
 
     # ---- slack-sized batches (6.) ----------------------------------------------------------
     def _batch_limit(self) -> int:
@@ -169,10 +177,15 @@ class AdaptiveDecode(AlignedWiring, DecodeScheduler):
     @property
     def stable_decode_batch(self) -> bool:      # type: ignore[override]
         """Neither aligning ever nor selecting: continuous batching, a stable batch."""
-        return self.aligner.never_aligns and not self.selecting
+        return self.aligner.never_aligns and not self.selecting and not self._gated
 
     def _continuous_step(self, now: float) -> StepPlan | None:
         plan = self.aligner.continuous_step(now)
+        self._gated = False
+        if plan is not None and self.gate is not None and len(plan.decodes) > 1:
+            everyone = plan.decodes
+            plan.decodes = self.gate.select(everyone, now, self.aligner.guard.step_time)
+            self._gated = self.gate.mixed
         if plan is not None and self.selecting and plan.decodes \
                 and not self.selector.everyone_fits(plan.decodes, now):
             plan.decodes = self.selector.select(plan.decodes, now)
