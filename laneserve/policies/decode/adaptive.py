@@ -93,7 +93,7 @@ class AdaptiveDecodeOptions(AlignmentOptions):
     batch_ceiling: int = 1024      # past max_batch_size, a step may hold up to this many while TPOT allows
     defer_infeasible: bool = True  # TPOT-infeasible requests decode on the others' slack (.infeasible_gate)
     infeasible_reserve: float = 1.0   # TPOTs of slack each feasible request keeps from them
-    infeasible_bound: float = 1.0     # seconds an infeasible request waits at most between tokens
+    infeasible_bound: float = 5.0     # seconds an infeasible request waits at most between tokens
 
     def validate(self) -> None:
         AlignmentOptions.validate(self)
@@ -132,6 +132,7 @@ class AdaptiveDecode(AlignedWiring, DecodeScheduler):
         self.intake = OfferIntake(o.intake, o.max_offer_wait)
         self.gate = InfeasibleGate(o.infeasible_reserve, o.infeasible_bound) if o.defer_infeasible else None
         self._gated = False                          # the last continuous step was gated (7.)
+        self._offer_refused = False                  # the last offered transfer tried did not fit
 
     # ---- slack-sized batches (6.) ----------------------------------------------------------
     def _batch_limit(self) -> int:
@@ -159,6 +160,11 @@ class AdaptiveDecode(AlignedWiring, DecodeScheduler):
             n, total, longest, tight = n + 1, total + c, max(longest, c), t
         return max(cap, n)
 
+    def can_reserve(self, req) -> bool:
+        ok = super().can_reserve(req)
+        self._offer_refused = not ok
+        return ok
+
     def offer_end(self, pending, now: float) -> int:
         return self.intake.end(pending, now)
 
@@ -184,7 +190,8 @@ class AdaptiveDecode(AlignedWiring, DecodeScheduler):
         self._gated = False
         if plan is not None and self.gate is not None and len(plan.decodes) > 1:
             everyone = plan.decodes
-            plan.decodes = self.gate.select(everyone, now, self.aligner.guard.step_time)
+            plan.decodes = self.gate.select(everyone, now, self.aligner.guard.step_time,
+                                            memory_bound=self._offer_refused)
             self._gated = self.gate.mixed
         if plan is not None and self.selecting and plan.decodes \
                 and not self.selector.everyone_fits(plan.decodes, now):
