@@ -45,6 +45,13 @@ steps). Three mechanisms compose:
    join up to ``batch_ceiling`` (1024). On short-context traffic the fixed cap, not the GPU, made
    requests wait between their first and second tokens (the league's AlignedServe 95%-short mix:
    every TPOT miss there had waited for a batch slot, none for memory or a slow step).
+7. **TPOT-infeasible contexts on the others' slack** (:mod:`.infeasible_gate`, ``defer_infeasible``):
+   a request whose step alone is over its TPOT target cannot meet it, and without split-KV it sets
+   the step of every request beside it. It decodes only while the feasible requests it runs with
+   can afford the longer step (each keeps ``infeasible_reserve`` TPOTs of slack), at least once
+   every ``infeasible_bound`` seconds, and always while a hand-off waits for decode memory. On
+   ``long_context_mix`` (``benchmarks/longctx_why.py``) that, not the prefill order, is what
+   Kairos' prefill got right by deferring long prompts.
 
 Composition: the class derives from :class:`~.base.DecodeScheduler` alone (memory admission,
 growth, swap/recompute preemption), so editing a reproduction cannot change it. It holds
