@@ -1,7 +1,9 @@
 """Why Kairos' prefill order keeps TPOT attainment on long-context traffic where adaptive loses it.
 
 ``long_context_mix`` (400 requests, Poisson, TTFT 8 s / TPOT 50 ms) on 1P+1D, Llama-3.1-8B on
-H100 (analytic cost model), host KV pool 4M tokens; adaptive+adaptive against kairos+adaptive.
+H100 (analytic cost model), host KV pool 4M tokens; adaptive before its decode-side gate
+(``adaptive+adaptive:defer_infeasible=false``) against Kairos (``kairos+kairos``), then the gate
+itself (``benchmarks/longctx_gate.py``: adaptive with it, and the holds that explain its rules).
 Per request: TTFT, TPOT (the metrics' mean over the decode), and whether the request is
 *TPOT-infeasible*: its decode step alone, on an idle instance at its final context, is over its
 TPOT target (the league's TPOT-feasible share, per request). A decode step costs about what its
@@ -27,10 +29,14 @@ from laneserve.policies.registry import register
 from laneserve.sim import ClusterConfig, Simulator
 from laneserve.workloads import make_workload
 
+import longctx_gate  # noqa: E402  (benchmarks/longctx_gate.py: the decode-side gate's section)
+
 N = 400
 RATES = (0.6, 0.8, 1.0)
 HOST_KV = 4_000_000
-POLICIES = ("adaptive+adaptive", "kairos+adaptive")
+OLD = "adaptive+adaptive:defer_infeasible=false"   # adaptive before its decode-side gate
+KAIROS = "kairos+kairos"                              # the league's Kairos entry
+POLICIES = (OLD, KAIROS)
 OVERLAP_BINS = ((0.0, 0.01), (0.01, 0.3), (0.3, 0.7), (0.7, 1.01))
 GRID = 0.05   # s, the time grid overlaps are measured on
 
@@ -143,7 +149,7 @@ def reading(rows: list[dict], cf: list[dict], cost) -> str:
     top = max(RATES)
     r = {x["policy"]: x for x in rows if x["rate"] == top}
     c = {x["policy"]: x for x in cf if x["rate"] == top}
-    ad, ka = r["adaptive+adaptive"], r["kairos+adaptive"]
+    ad, ka = r[OLD], r[KAIROS]
     short = cost.decode_step_time([4000] * 12)
     mixed = cost.decode_step_time([4000] * 12 + [ad["infeasible_min_prompt"]])
     return (
@@ -160,11 +166,11 @@ def reading(rows: list[dict], cf: list[dict], cost) -> str:
         f"{ka['infeasible_median_ttft_s']:.0f} s, {ka['infeasible_decoding_after_last_arrival']} of them "
         f"decoding after the last arrival, against {ad['infeasible_decoding_after_last_arrival']}): "
         f"{ka['feasible_overlap_ge_0.7']} such victims. Without the infeasible requests the two "
-        f"prefill orders tie ({c['adaptive+adaptive']['both_without_infeasible']:.3f} vs "
-        f"{c['kairos+adaptive']['both_without_infeasible']:.3f} of the rest): Kairos' order of the feasible "
+        f"prefill orders tie ({c[OLD]['both_without_infeasible']:.3f} vs "
+        f"{c[KAIROS]['both_without_infeasible']:.3f} of the rest): Kairos' order of the feasible "
         "requests, its chunking and its TTFT hopeless rule as such gain nothing there. With the infeasible "
         f"ones arriving after the last feasible request (standing in for an order that serves them last), "
-        f"adaptive reaches {c['adaptive+adaptive']['both_infeasible_arriving_last']:.3f} of all {N}, above "
+        f"adaptive reaches {c[OLD]['both_infeasible_arriving_last']:.3f} of all {N}, above "
         f"Kairos' {ka['attainment_both']:.3f}: what Kairos gets right is partly, by accident, deferring "
         "the requests that cannot meet TPOT anyway. Part of that is the finite trace: deferred past the "
         "last arrival, an infeasible request has few feasible ones left to slow.\n\n"
@@ -190,16 +196,22 @@ def main() -> None:
                   f"{c['attainment_both']:.3f}", flush=True)
         probe = per_request(Simulator(config(f"{PROBE}+adaptive"), cost).run(wl.specs), cost)
         by_rate = {r["policy"]: r["both_all"] for r in cf if r["rate"] == rate}
-        probes.append({"rate": rate, "adaptive": by_rate["adaptive+adaptive"], "kairos": by_rate["kairos+adaptive"],
+        probes.append({"rate": rate, "adaptive": by_rate[OLD], "kairos": by_rate[KAIROS],
                        "adaptive_deferring_infeasible_prompts": (probe["ok_ttft"] & probe["ok_tpot"]).mean()})
     by = {(r["policy"], r["rate"]): r for r in cf}
-    metrics = {f"gap_both_at_{rate:g}": by[("kairos+adaptive", rate)]["both_all"] - by[("adaptive+adaptive", rate)]["both_all"]
+    metrics = {f"gap_both_at_{rate:g}": by[(KAIROS, rate)]["both_all"] - by[(OLD, rate)]["both_all"]
                for rate in RATES}
-    metrics.update({f"adaptive_both_infeasible_last_at_{rate:g}": by[("adaptive+adaptive", rate)]["both_infeasible_arriving_last"]
+    metrics.update({f"adaptive_both_infeasible_last_at_{rate:g}": by[(OLD, rate)]["both_infeasible_arriving_last"]
                     for rate in RATES})
-    metrics.update({f"gap_without_infeasible_at_{rate:g}": by[("kairos+adaptive", rate)]["both_without_infeasible"]
-                    - by[("adaptive+adaptive", rate)]["both_without_infeasible"] for rate in RATES})
-    md = (reading(rows, cf, cost) + "\n## Per policy\n\n" + markdown_table(rows) + "\n## Feasible requests' TPOT by overlap with an infeasible "
+    metrics.update({f"gap_without_infeasible_at_{rate:g}": by[(KAIROS, rate)]["both_without_infeasible"]
+                    - by[(OLD, rate)]["both_without_infeasible"] for rate in RATES})
+    gate_rows, gate_md = longctx_gate.measure(RATES, lambda r: make_workload("long_context_mix", n=N, rate=r).specs,
+                                              cost, HOST_KV)
+    g = {(r["policy"], r["rate"]): r["both"] for r in gate_rows}
+    metrics.update({f"adaptive_gated_both_at_{rate:g}": g[(longctx_gate.NEW, rate)] for rate in RATES})
+    metrics.update({f"adaptive_gated_minus_kairos_at_{rate:g}": g[(longctx_gate.NEW, rate)] - g[(KAIROS, rate)]
+                    for rate in RATES})
+    md = (gate_md + "\n" + reading(rows, cf, cost) + "\n## Per policy\n\n" + markdown_table(rows) + "\n## Feasible requests' TPOT by overlap with an infeasible "
           "request's decode\n\n" + markdown_table(bins) + "\n## Counterfactuals: the trace without the "
           "TPOT-infeasible requests; with them arriving after the last feasible one (all 400 counted)\n\n" + markdown_table(cf) + "\n## Prototype: prefill-side deferral alone (both-SLO attainment of all "
           f"{N})\n\nadaptive prefill holding prompts whose decode step alone at the prompt's length is over TPOT "
@@ -209,7 +221,7 @@ def main() -> None:
           "What decides TPOT is when an infeasible context joins the decode batch, which the prefill side "
           "does not see (and, with online predictors, cannot cost: its learner never times a decode step).\n")
     write_result("longctx_why", metrics, extra={"rows": rows, "overlap_bins": bins, "counterfactual": cf,
-                                                       "prefill_deferral_probe": probes},
+                                                       "prefill_deferral_probe": probes, "decode_gate": gate_rows},
                  markdown=md)
 
 

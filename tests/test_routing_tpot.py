@@ -142,7 +142,10 @@ def tpot_attainment(config: ClusterConfig, specs) -> tuple[float, Simulator]:
 @pytest.mark.parametrize("predictor", ["online", "oracle"])
 def test_long_contexts_kept_apart_raise_tpot_attainment(predictor):
     specs = long_context_mix()
-    base = ClusterConfig(num_prefill=4, num_decode=4, router="least-loaded", predictor=predictor)
+    # the router alone: adaptive decode's gate for TPOT-infeasible contexts reaches the same
+    # attainment on this traffic with either router (0.944 both), so it is off here
+    base = ClusterConfig(num_prefill=4, num_decode=4, router="least-loaded", predictor=predictor,
+                         decode_policy="adaptive:defer_infeasible=false")
     spread, _ = tpot_attainment(replace(base, decode_router="least-loaded"), specs)
     kept, sim = tpot_attainment(replace(base, decode_router="tpot-aware"), specs)
     assert kept > spread + 0.05

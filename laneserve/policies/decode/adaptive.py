@@ -45,6 +45,13 @@ steps). Three mechanisms compose:
    join up to ``batch_ceiling`` (1024). On short-context traffic the fixed cap, not the GPU, made
    requests wait between their first and second tokens (the league's AlignedServe 95%-short mix:
    every TPOT miss there had waited for a batch slot, none for memory or a slow step).
+7. **TPOT-infeasible contexts on the others' slack** (:mod:`.infeasible_gate`, ``defer_infeasible``):
+   a request whose step alone is over its TPOT target cannot meet it, and without split-KV it sets
+   the step of every request beside it. It decodes only while the feasible requests it runs with
+   can afford the longer step (each keeps ``infeasible_reserve`` TPOTs of slack), at least once
+   every ``infeasible_bound`` seconds, and always while a hand-off waits for decode memory. On
+   ``long_context_mix`` (``benchmarks/longctx_why.py``) that, not the prefill order, is what
+   Kairos' prefill got right by deferring long prompts.
 
 Composition: the class derives from :class:`~.base.DecodeScheduler` alone (memory admission,
 growth, swap/recompute preemption), so editing a reproduction cannot change it. It holds
@@ -72,6 +79,7 @@ from laneserve.policies.base import StepOutcome
 from laneserve.policies.decode.aligned_guard import AlignmentGuard
 from laneserve.policies.decode.aligner import AlignedWiring, AlignmentOptions, LengthAligner
 from laneserve.policies.decode.base import DecodeScheduler
+from laneserve.policies.decode.infeasible_gate import InfeasibleGate
 from laneserve.policies.decode.intake import OfferIntake
 from laneserve.policies.decode.kairos import KairosDecode, selection_pays
 from laneserve.policies.options import above, at_least, option_error
@@ -90,6 +98,9 @@ class AdaptiveDecodeOptions(AlignmentOptions):
     intake: Literal["slack", "newest", "oldest"] = "slack"   # which offered KV transfer goes first (.intake)
     max_offer_wait: float = 30.0   # seconds since its first token after which an offer goes first
     batch_ceiling: int = 1024      # past max_batch_size, a step may hold up to this many while TPOT allows
+    defer_infeasible: bool = True  # TPOT-infeasible requests decode on the others' slack (.infeasible_gate)
+    infeasible_reserve: float = 1.0   # TPOTs of slack each feasible request keeps from them
+    infeasible_bound: float = 5.0     # seconds an infeasible request waits at most between tokens
 
     def validate(self) -> None:
         AlignmentOptions.validate(self)
@@ -97,6 +108,8 @@ class AdaptiveDecodeOptions(AlignmentOptions):
             raise option_error("guard", "is always on in adaptive decode", self.guard)
         above(self, "max_offer_wait", 0)
         at_least(self, "batch_ceiling", 0)
+        at_least(self, "infeasible_reserve", 0)
+        above(self, "infeasible_bound", 0)
 
 
 @register("decode", "adaptive")
@@ -124,6 +137,9 @@ class AdaptiveDecode(AlignedWiring, DecodeScheduler):
                                      attention="ragged", guard=False) if o.slack_guided else None
         self._kernel_selects = True                  # until a cost model says which kernel
         self.intake = OfferIntake(o.intake, o.max_offer_wait)
+        self.gate = InfeasibleGate(o.infeasible_reserve, o.infeasible_bound) if o.defer_infeasible else None
+        self._gated = False                          # the last continuous step was gated (7.)
+        self._offer_refused = False                  # the last offered transfer tried did not fit
 
     # ---- slack-sized batches (6.) ----------------------------------------------------------
     def _batch_limit(self) -> int:
@@ -151,6 +167,11 @@ class AdaptiveDecode(AlignedWiring, DecodeScheduler):
             n, total, longest, tight = n + 1, total + c, max(longest, c), t
         return max(cap, n)
 
+    def can_reserve(self, req) -> bool:
+        ok = super().can_reserve(req)
+        self._offer_refused = not ok
+        return ok
+
     def offer_end(self, pending, now: float) -> int:
         return self.intake.end(pending, now)
 
@@ -169,10 +190,16 @@ class AdaptiveDecode(AlignedWiring, DecodeScheduler):
     @property
     def stable_decode_batch(self) -> bool:      # type: ignore[override]
         """Neither aligning ever nor selecting: continuous batching, a stable batch."""
-        return self.aligner.never_aligns and not self.selecting
+        return self.aligner.never_aligns and not self.selecting and not self._gated
 
     def _continuous_step(self, now: float) -> StepPlan | None:
         plan = self.aligner.continuous_step(now)
+        self._gated = False
+        if plan is not None and self.gate is not None and len(plan.decodes) > 1:
+            everyone = plan.decodes
+            plan.decodes = self.gate.select(everyone, now, self.aligner.guard.step_time,
+                                            memory_bound=self._offer_refused)
+            self._gated = self.gate.mixed
         if plan is not None and self.selecting and plan.decodes \
                 and not self.selector.everyone_fits(plan.decodes, now):
             plan.decodes = self.selector.select(plan.decodes, now)
