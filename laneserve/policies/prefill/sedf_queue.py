@@ -60,7 +60,8 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from operator import itemgetter
 
 from laneserve.core.request import Request
 from laneserve.core.sorted_keys import SortedKeys
@@ -108,32 +109,46 @@ def refit_bounds(old: Coefficients, new: Coefficients, band: int) -> tuple[float
     return max(top, 0.0) + margin, max(-bottom, 0.0) + margin
 
 
-def _merged(keys: SortedKeys, changed: dict[int, PriorityKey], old: list[PriorityKey],
-            added: list[PriorityKey]) -> SortedKeys:
-    """``keys`` without the keys ``old`` (sorted, all in ``keys``; their members are those of
-    ``changed``, id last in each key), plus the sorted run ``added``. When ``old`` is one
-    contiguous run of ``keys`` (a deadline class flipping together) it is cut out by slicing,
-    else the members of ``changed`` are filtered out."""
+def _merged(keys: SortedKeys, changed: dict[int, PriorityKey], first: PriorityKey, last: PriorityKey,
+            count: int, runs: Iterable[list[PriorityKey]]) -> SortedKeys:
+    """``keys`` without the ``count`` old keys of the members of ``changed`` (all in ``keys``,
+    ``first`` the least, ``last`` the greatest; id last in each key), plus the sorted ``runs``.
+    When the old keys are one contiguous run of ``keys`` (a deadline class flipping together)
+    it is cut out by slicing, else the members of ``changed`` are filtered out."""
     ordered = keys.to_list()
-    at = bisect_left(ordered, old[0])
-    end = at + len(old)
-    if end <= len(ordered) and ordered[end - 1] == old[-1]:      # every old key lies in [at, end)
+    at = bisect_left(ordered, first)
+    end = at + count
+    if end <= len(ordered) and ordered[end - 1] == last:         # every old key lies in [at, end)
         kept = ordered[:at] + ordered[end:]
     else:
         kept = [k for k in ordered if k[3] not in changed]
-    return _joined(kept, added)
+    return _joined(kept, runs)
 
 
-def _joined(kept: list, added: list) -> SortedKeys:
-    """The sorted set of two sorted runs: ``added`` spliced in one piece when it falls between
-    two neighbours of ``kept`` (a deadline class flipping together: no comparison but two), else
-    one sort of the two runs (a linear merge in C)."""
-    if not added:
-        return SortedKeys.from_sorted(kept)
-    at = bisect_left(kept, added[0])
-    if at == len(kept) or added[-1] < kept[at]:
-        return SortedKeys.from_sorted(kept[:at] + added + kept[at:])
-    return SortedKeys(kept + added)
+def _joined(kept: list, runs: Iterable[list]) -> SortedKeys:
+    """The sorted set of the sorted list ``kept`` and the sorted ``runs`` (none sharing a key):
+    a run is spliced in one piece when it falls between two neighbours of ``kept`` (a deadline
+    class flipping together: no comparison but two), else the rest are merged by one sort (a
+    linear merge of sorted runs, in C)."""
+    rest = []
+    for added in runs:
+        if not added:
+            continue
+        at = bisect_left(kept, added[0])
+        if at == len(kept) or added[-1] < kept[at]:
+            kept = kept[:at] + added + kept[at:]
+        else:
+            rest.extend(added)
+    return SortedKeys(kept + rest) if rest else SortedKeys.from_sorted(kept)
+
+
+def _sorted_group(keys: list[PriorityKey]) -> list[PriorityKey]:
+    """``sorted(keys)`` for keys of one group (first fields equal): sorted by their second field
+    (a float: compared without the tuple machinery), then fully only when two share it."""
+    keys.sort(key=itemgetter(1))
+    if len(set(map(itemgetter(1), keys))) < len(keys):
+        keys.sort()
+    return keys
 
 
 def size_class(tokens: int) -> int:
@@ -213,7 +228,7 @@ class _Generation:
         """Add the checks ``added`` (of members not in this generation yet) at once."""
         sets = self.flips if positive else self.unflips
         members = sets.get(band)
-        sets[band] = _joined(members.to_list() if members else [], sorted(added))
+        sets[band] = _joined(members.to_list() if members else [], (sorted(added),))
         self.size += len(added)
 
     def bound(self, current: Coefficients) -> None:
@@ -250,6 +265,7 @@ class SignedDeadlineQueue:
         self._gens: list[_Generation] = [_Generation(self._coefficients())]   # oldest first
         self.rekeys = 0
         self.moves = 0              # members moved one at a time (outside the bulk passes)
+        self.predictions = 0        # predictor calls of the bulk re-predictions
         self._pending: dict[int, PriorityKey] = {}     # new keys not in the sorted sets yet (bulk)
         self._was: dict[int, PriorityKey] = {}         # their keys in the sorted sets
 
@@ -418,29 +434,31 @@ class SignedDeadlineQueue:
 
     def _migrate_bulk(self, due: list[tuple[_Generation, int, bool, list[int]]], now: float) -> None:
         """:meth:`_migrate` for every member of ``due`` at once: the same predictions, keys and
-        checks, but each sorted set they leave or join is rebuilt once (filtered, merged with the
-        new entries) instead of changed one key at a time."""
-        keys, ps, tokens, entries, gen_of = self._key, self._p, self._tokens, self._entry, self._gen_of
-        predict, sedf, current = self.predict, self.ordering == "sedf", self._gens[-1]
+        checks, but the predictor is asked once per step-token count, and each sorted set they
+        leave or join is rebuilt once (filtered, merged with the new entries) instead of changed
+        one key at a time."""
+        keys, tokens, entries = self._key, self._tokens, self._entry
+        current = self._gens[-1]
         joining: dict[tuple[int, bool], list[tuple[float, int]]] = {}
         changed, was = self._pending, self._was
         for gen, band, positive, rids in due:
+            ps = self._predicted(map(tokens.__getitem__, rids)) if self.ordering == "sedf" else [0.0] * len(rids)
+            self._p.update(zip(rids, ps))
             stay, turn = [], []                           # new checks: same sign, other sign
-            sign = 1.0 if positive else -1.0
-            for rid in rids:
+            for rid, p in zip(rids, ps):
                 key = keys[rid]
-                d = sign * key[1]
-                p = ps[rid] = predict(tokens[rid]) if sedf else 0.0
+                d = key[1] if positive else -key[1]
                 tol = 1e-9 * (abs(d) + abs(p) + 1.0)                 # _tol, inlined
                 if (d - now - p < 0) == positive:                    # the sign changed
                     keys[rid] = changed[rid] = (2, -d, key[2], rid) if positive else (0, d, key[2], rid)
-                    was.setdefault(rid, key)
-                    entry = entries[rid] = (d - p + tol, rid) if positive else (d - p - tol, rid)
-                    turn.append(entry)
+                    if rid not in was:
+                        was[rid] = key
+                    turn.append((d - p + tol, rid) if positive else (d - p - tol, rid))
                 else:
-                    entry = entries[rid] = (d - p - tol, rid) if positive else (d - p + tol, rid)
-                    stay.append(entry)
-                gen_of[rid] = current
+                    stay.append((d - p - tol, rid) if positive else (d - p + tol, rid))
+            for added in (stay, turn):
+                entries.update(zip(map(itemgetter(1), added), added))
+            self._gen_of.update(dict.fromkeys(rids, current))
             gen.drop(band, positive, set(rids))
             for sign_now, added in ((positive, stay), (not positive, turn)):
                 if added:
@@ -448,6 +466,16 @@ class SignedDeadlineQueue:
             self.rekeys += len(rids)
         for (band, positive), added in joining.items():
             current.merge(band, positive, added)
+
+    def _predicted(self, counts: Iterable[int]) -> list[float]:
+        """The current fit's ``p`` of each step-token count of ``counts``, the predictor asked
+        once per distinct count (:attr:`predictions` counts the asks)."""
+        counts = list(counts)
+        memo = {}
+        for n in set(counts):
+            memo[n] = self.predict(n)
+        self.predictions += len(memo)
+        return list(map(memo.__getitem__, counts))
 
     def _migrate(self, rid: int, now: float) -> None:
         """Re-predict member ``rid`` of an older generation under the current fit and file it in
@@ -558,20 +586,24 @@ class SignedDeadlineQueue:
     def _rekey_bulk(self, changed: dict[int, PriorityKey], was: dict[int, PriorityKey]) -> None:
         """Give each member of ``changed`` its new key in the sets of keys (``was``: its key
         there now): every set holding one of them is rebuilt once, the others kept in order
-        plus the new keys sorted (a linear merge in C)."""
+        plus the new keys sorted (a linear merge in C). The new keys are sorted once per group
+        (:func:`_sorted_group`); split by size class they stay sorted."""
         class_of = self._class_of
+        news = changed.values()
+        runs = [_sorted_group([k for k in news if k[0] == group]) for group in (0, 2)]
+        olds = was.values()
+        self._order = _merged(self._order, changed, min(olds), max(olds), len(was), runs)
         by_class: dict[int, tuple[list[PriorityKey], list[PriorityKey]]] = {}
-        for rid, key in changed.items():
-            old_new = by_class.get(class_of[rid])
-            if old_new is None:
-                old_new = by_class[class_of[rid]] = ([], [])
-            old_new[0].append(was[rid])
-            old_new[1].append(key)
-        self._order = _merged(self._order, changed, sorted(was.values()), sorted(changed.values()))
-        for c, (old, added) in by_class.items():
-            old.sort()
-            added.sort()
-            self._classes[c] = _merged(self._classes[c], changed, old, added)
+        for at, run in enumerate(runs):
+            for key in run:
+                c = class_of[key[3]]
+                pair = by_class.get(c)
+                if pair is None:
+                    pair = by_class[c] = ([], [])
+                pair[at].append(key)
+        for c, pair in by_class.items():
+            kept = [k for k in self._classes[c].to_list() if k[3] not in changed]
+            self._classes[c] = _joined(kept, pair)
 
     def rebuild(self) -> None:
         """Re-predict every member and re-sort every structure (O(n log n), one C sort each): for
