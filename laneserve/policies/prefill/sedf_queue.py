@@ -42,10 +42,15 @@ Work proportional to the queue happens only in bulk, in C: when many keys flip a
 cost more) the sets they are in are filtered and merged with their new keys in one linear pass
 each; the same when a refit makes many members of older generations due at once (a whole TTFT
 class of a burst near its flip point: they are re-predicted, and every set they leave or join is
-rebuilt once); and
-:meth:`rebuild` (:meth:`set_predictor`, a new predictor) sorts everything afresh. :attr:`rekeys` counts the members re-predicted,
-:attr:`moves` those moved one key at a time (for tests and benchmarks: at most a bounded number
-per decision, whatever the queue).
+rebuilt once); and :meth:`rebuild` (:meth:`set_predictor`, a new predictor) sorts everything
+afresh. In the bulk passes the sign tests and checks are evaluated on arrays (numpy float64:
+element-wise the same IEEE operations, in the same order, as the reference's float expression,
+so the same signs), the predictor is asked once per distinct step-token count (a burst's members
+share few), the due checks are found by bisection, and the new keys are sorted by their float
+field (the tuple order only where two share it). :attr:`rekeys` counts the members re-predicted,
+:attr:`predictions` the predictor's answers the bulk passes asked for, :attr:`moves` the members
+moved one key at a time (for tests and benchmarks: at most a bounded number per decision,
+whatever the queue).
 
 ``ordered`` walks the keys best first; requests may be removed during the walk. EDF and FCFS keys
 never change. Every key is also filed in the sorted set of its *size class* (remaining prompt
