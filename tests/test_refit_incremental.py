@@ -51,11 +51,13 @@ def reference_order(queue: SignedDeadlineQueue, predictor: Quadratic, tokens: di
     return sorted(sedf_key(r, now, predictor(tokens[r.request_id])) for r in queue._reqs.values())
 
 
-@pytest.mark.parametrize("bulk_flip", [BULK_FLIP, 0])
+@pytest.mark.parametrize("bulk_flip,vector", [(BULK_FLIP, sedf_queue._VECTOR), (0, sedf_queue._VECTOR), (0, 0)])
 @pytest.mark.parametrize("seed", range(6))
-def test_refits_keep_the_order_of_a_full_reprediction(seed, bulk_flip, monkeypatch):
-    """With ``bulk_flip`` 0 nearly every flip and due migration goes through the bulk passes."""
+def test_refits_keep_the_order_of_a_full_reprediction(seed, bulk_flip, vector, monkeypatch):
+    """With ``bulk_flip`` 0 nearly every flip and due migration goes through the bulk passes, with
+    ``vector`` 0 every flip scan too runs on arrays."""
     monkeypatch.setattr(sedf_queue, "BULK_FLIP", bulk_flip)
+    monkeypatch.setattr(sedf_queue, "_VECTOR", vector)
     rng = random.Random(seed)
     predictor = Quadratic(random_coefficients(rng))
     tokens: dict[int, int] = {}
@@ -217,6 +219,47 @@ def test_flip_bursts_move_a_bounded_number_of_keys_one_by_one(spec):
             now = run_step(sched, learner, executor, plan, now)
         assert most_rekeys > n // 8, (n, most_rekeys)              # the burst re-keys in bulk
         assert most_moves <= 2 * (BULK_FLIP + n // 64) + MIGRATE_BATCH, (n, most_moves)
+
+
+class CountedPredictor:
+    """A predictor whose calls are counted (its version and fit passed through)."""
+
+    def __init__(self, predict) -> None:
+        self.predict, self.calls = predict, 0
+
+    @property
+    def version(self):
+        return self.predict.version
+
+    def coefficients(self):
+        return self.predict.coefficients()
+
+    def __call__(self, n: float) -> float:
+        self.calls += 1
+        return self.predict(n)
+
+
+def test_flip_burst_refits_ask_the_predictor_once_per_step_token_count():
+    """sedf-chunk in the flip burst: after the early refits single decisions re-predict thousands
+    of queued requests (a whole TTFT class near its flip point), but ask the predictor at most once
+    per distinct step-token count of the queue, beyond the members handled one at a time."""
+    padded = make_cost_model(model="llama-3-8b", hardware="h100", attention="padded")
+    n = 8_000
+    sched, learner = flip_burst("sedf-chunk", n, seed=2)
+    queue = sched.ordering.queue
+    queue.predict = counted = CountedPredictor(queue.predict)
+    now, executor, decisions = 0.01, SimExecutor(padded), []
+    sched.schedule(now)
+    for _ in range(60):
+        calls, rekeys, distinct, size = counted.calls, queue.rekeys, len(set(queue._tokens.values())), len(queue)
+        plan = sched.schedule(now)
+        decisions.append((queue.rekeys - rekeys, counted.calls - calls, distinct, size))
+        now = run_step(sched, learner, executor, plan, now)
+    assert learner.prefill_version >= 5
+    rekeys, calls, distinct, _ = max(decisions)
+    assert rekeys > n // 4 and distinct < n // 16, (rekeys, distinct)          # whole classes re-predicted
+    for rekeys, calls, distinct, size in decisions:
+        assert calls <= distinct + BULK_FLIP + size // 64 + MIGRATE_BATCH, (rekeys, calls, distinct)
 
 
 @pytest.mark.parametrize("attention", ["ragged", "padded"])

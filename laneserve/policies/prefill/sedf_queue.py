@@ -42,10 +42,15 @@ Work proportional to the queue happens only in bulk, in C: when many keys flip a
 cost more) the sets they are in are filtered and merged with their new keys in one linear pass
 each; the same when a refit makes many members of older generations due at once (a whole TTFT
 class of a burst near its flip point: they are re-predicted, and every set they leave or join is
-rebuilt once); and
-:meth:`rebuild` (:meth:`set_predictor`, a new predictor) sorts everything afresh. :attr:`rekeys` counts the members re-predicted,
-:attr:`moves` those moved one key at a time (for tests and benchmarks: at most a bounded number
-per decision, whatever the queue).
+rebuilt once); and :meth:`rebuild` (:meth:`set_predictor`, a new predictor) sorts everything
+afresh. In the bulk passes the sign tests and checks are evaluated on arrays (numpy float64:
+element-wise the same IEEE operations, in the same order, as the reference's float expression,
+so the same signs), the predictor is asked once per distinct step-token count (a burst's members
+share few), the due checks are found by bisection, and the new keys are sorted by their float
+field (the tuple order only where two share it). :attr:`rekeys` counts the members re-predicted,
+:attr:`predictions` the predictor's answers the bulk passes asked for, :attr:`moves` the members
+moved one key at a time (for tests and benchmarks: at most a bounded number per decision,
+whatever the queue).
 
 ``ordered`` walks the keys best first; requests may be removed during the walk. EDF and FCFS keys
 never change. Every key is also filed in the sorted set of its *size class* (remaining prompt
@@ -59,8 +64,12 @@ down to a few tokens with thousands of short prompts queued.
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable, Iterator
+from itertools import repeat
+from operator import itemgetter
+
+import numpy as np
 
 from laneserve.core.request import Request
 from laneserve.core.sorted_keys import SortedKeys
@@ -70,6 +79,7 @@ _FLIPPING = ("sedf", "dedf")
 BUCKET = 128                 # tokens per size class of :meth:`SignedDeadlineQueue.ordered_below` (long prompts)
 MIGRATE_BATCH = 32           # members of older generations re-predicted per advance beyond the due ones
 BULK_FLIP = 64               # flips beyond this + 1/64 of the queue go in by one merge per set
+_VECTOR = 32                 # members from which a pass over them is done on arrays
 _MARGIN = 1e-9               # relative slack of the refit bounds (float evaluation of p and of d - now)
 
 Coefficients = tuple[float, float, float]
@@ -108,32 +118,59 @@ def refit_bounds(old: Coefficients, new: Coefficients, band: int) -> tuple[float
     return max(top, 0.0) + margin, max(-bottom, 0.0) + margin
 
 
-def _merged(keys: SortedKeys, changed: dict[int, PriorityKey], old: list[PriorityKey],
-            added: list[PriorityKey]) -> SortedKeys:
-    """``keys`` without the keys ``old`` (sorted, all in ``keys``; their members are those of
-    ``changed``, id last in each key), plus the sorted run ``added``. When ``old`` is one
-    contiguous run of ``keys`` (a deadline class flipping together) it is cut out by slicing,
-    else the members of ``changed`` are filtered out."""
+def _merged(keys: SortedKeys, changed: dict[int, PriorityKey], first: PriorityKey, last: PriorityKey,
+            count: int, runs: Iterable[list[PriorityKey]]) -> SortedKeys:
+    """``keys`` without the ``count`` old keys of the members of ``changed`` (all in ``keys``,
+    ``first`` the least, ``last`` the greatest; id last in each key), plus the sorted ``runs``.
+    When the old keys are one contiguous run of ``keys`` (a deadline class flipping together)
+    it is cut out by slicing, else the members of ``changed`` are filtered out."""
     ordered = keys.to_list()
-    at = bisect_left(ordered, old[0])
-    end = at + len(old)
-    if end <= len(ordered) and ordered[end - 1] == old[-1]:      # every old key lies in [at, end)
+    at = bisect_left(ordered, first)
+    end = at + count
+    if end <= len(ordered) and ordered[end - 1] == last:         # every old key lies in [at, end)
         kept = ordered[:at] + ordered[end:]
     else:
         kept = [k for k in ordered if k[3] not in changed]
-    return _joined(kept, added)
+    return _joined(kept, runs)
 
 
-def _joined(kept: list, added: list) -> SortedKeys:
-    """The sorted set of two sorted runs: ``added`` spliced in one piece when it falls between
-    two neighbours of ``kept`` (a deadline class flipping together: no comparison but two), else
-    one sort of the two runs (a linear merge in C)."""
-    if not added:
-        return SortedKeys.from_sorted(kept)
-    at = bisect_left(kept, added[0])
-    if at == len(kept) or added[-1] < kept[at]:
-        return SortedKeys.from_sorted(kept[:at] + added + kept[at:])
-    return SortedKeys(kept + added)
+def _joined(kept: list, runs: Iterable[list]) -> SortedKeys:
+    """The sorted set of the sorted list ``kept`` and the sorted ``runs`` (none sharing a key):
+    a run is spliced in one piece when it falls between two neighbours of ``kept`` (a deadline
+    class flipping together: no comparison but two), else the rest are merged by one sort (a
+    linear merge of sorted runs, in C)."""
+    rest = []
+    for added in runs:
+        if not added:
+            continue
+        at = bisect_left(kept, added[0])
+        if at == len(kept) or added[-1] < kept[at]:
+            kept = kept[:at] + added + kept[at:]
+        else:
+            rest.extend(added)
+    return SortedKeys(kept + rest) if rest else SortedKeys.from_sorted(kept)
+
+
+def _split(items: list, labels: list[int]) -> Iterator[tuple[int, list]]:
+    """``(label, items with that label)`` per distinct label, each part in the order of
+    ``items`` (a stable partition, grouped by one stable sort of the labels)."""
+    if not items:
+        return
+    labels_ = np.array(labels)
+    order = np.argsort(labels_, kind="stable")
+    grouped = labels_[order]
+    cuts = np.flatnonzero(grouped[1:] != grouped[:-1]) + 1
+    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(items)]):
+        yield int(grouped[lo]), [items[i] for i in order[lo:hi].tolist()]
+
+
+def _sorted_group(keys: list[PriorityKey]) -> list[PriorityKey]:
+    """``sorted(keys)`` for keys of one group (first fields equal): sorted by their second field
+    (a float: compared without the tuple machinery), then fully only when two share it."""
+    keys.sort(key=itemgetter(1))
+    if len(set(map(itemgetter(1), keys))) < len(keys):
+        keys.sort()
+    return keys
 
 
 def size_class(tokens: int) -> int:
@@ -209,11 +246,23 @@ class _Generation:
             del sets[band]
         self.size -= len(gone)
 
+    def cut(self, band: int, positive: bool, count: int) -> None:
+        """Remove the first ``count`` flip checks (``positive``) or the last ``count`` unflip
+        checks of ``band`` at once (the due ones of :meth:`SignedDeadlineQueue._due`)."""
+        sets = self.flips if positive else self.unflips
+        checks = sets[band].to_list()
+        kept = checks[count:] if positive else checks[:len(checks) - count]
+        if kept:
+            sets[band] = SortedKeys.from_sorted(kept)
+        else:
+            del sets[band]
+        self.size -= count
+
     def merge(self, band: int, positive: bool, added: list[tuple[float, int]]) -> None:
         """Add the checks ``added`` (of members not in this generation yet) at once."""
         sets = self.flips if positive else self.unflips
         members = sets.get(band)
-        sets[band] = _joined(members.to_list() if members else [], sorted(added))
+        sets[band] = _joined(members.to_list() if members else [], (sorted(added),))
         self.size += len(added)
 
     def bound(self, current: Coefficients) -> None:
@@ -250,6 +299,7 @@ class SignedDeadlineQueue:
         self._gens: list[_Generation] = [_Generation(self._coefficients())]   # oldest first
         self.rekeys = 0
         self.moves = 0              # members moved one at a time (outside the bulk passes)
+        self.predictions = 0        # predictor calls of the bulk re-predictions
         self._pending: dict[int, PriorityKey] = {}     # new keys not in the sorted sets yet (bulk)
         self._was: dict[int, PriorityKey] = {}         # their keys in the sorted sets
 
@@ -392,62 +442,77 @@ class SignedDeadlineQueue:
     def _due(self, now: float) -> list[tuple[_Generation, int, bool, list[int]]]:
         """The members of older generations whose sign the refits since their fit may have
         changed by ``now`` (flip checks within ``up`` of it, unflip checks within ``down``), per
-        generation, band and sign: ``(generation, band, positive, ids)``."""
+        generation, band and sign: ``(generation, band, positive, ids)``, the ids those of the
+        first checks of the band's flip checks, or of the last of its unflip checks (found by
+        bisection)."""
         margin = _MARGIN * (abs(now) + 1.0)
         due = []
         for gen in self._gens[:-1]:
             for band, flips in gen.flips.items():
                 limit = now + gen.up[band] + margin
-                rids = []
-                for check in flips:
-                    if check[0] > limit:
-                        break
-                    rids.append(check[1])
-                if rids:
-                    due.append((gen, band, True, rids))
+                if flips.first()[0] <= limit:
+                    checks = flips.to_list()
+                    due.append((gen, band, True, list(map(itemgetter(1), checks[:bisect_right(checks, (limit, INF))]))))
             for band, unflips in gen.unflips.items():
                 limit = now - gen.down[band] - margin
-                rids = []
-                for check in reversed(unflips):
-                    if check[0] < limit:
-                        break
-                    rids.append(check[1])
-                if rids:
-                    due.append((gen, band, False, rids))
+                if unflips.last()[0] >= limit:
+                    checks = unflips.to_list()
+                    due.append((gen, band, False, list(map(itemgetter(1), checks[bisect_left(checks, (limit, -INF)):]))))
         return due
 
     def _migrate_bulk(self, due: list[tuple[_Generation, int, bool, list[int]]], now: float) -> None:
         """:meth:`_migrate` for every member of ``due`` at once: the same predictions, keys and
-        checks, but each sorted set they leave or join is rebuilt once (filtered, merged with the
-        new entries) instead of changed one key at a time."""
-        keys, ps, tokens, entries, gen_of = self._key, self._p, self._tokens, self._entry, self._gen_of
-        predict, sedf, current = self.predict, self.ordering == "sedf", self._gens[-1]
+        checks (the same float expressions, evaluated element-wise on arrays), but the
+        predictor is asked once per step-token count, and each sorted set they leave or join
+        is rebuilt once (cut, merged with the new entries) instead of changed one key at a
+        time."""
+        keys, current = self._key, self._gens[-1]
         joining: dict[tuple[int, bool], list[tuple[float, int]]] = {}
         changed, was = self._pending, self._was
         for gen, band, positive, rids in due:
-            stay, turn = [], []                           # new checks: same sign, other sign
-            sign = 1.0 if positive else -1.0
-            for rid in rids:
-                key = keys[rid]
-                d = sign * key[1]
-                p = ps[rid] = predict(tokens[rid]) if sedf else 0.0
-                tol = 1e-9 * (abs(d) + abs(p) + 1.0)                 # _tol, inlined
-                if (d - now - p < 0) == positive:                    # the sign changed
-                    keys[rid] = changed[rid] = (2, -d, key[2], rid) if positive else (0, d, key[2], rid)
-                    was.setdefault(rid, key)
-                    entry = entries[rid] = (d - p + tol, rid) if positive else (d - p - tol, rid)
-                    turn.append(entry)
+            n = len(rids)
+            ps = self._predicted(map(self._tokens.__getitem__, rids)) if self.ordering == "sedf" else [0.0] * n
+            old = list(map(keys.__getitem__, rids))
+            d = np.fromiter(map(itemgetter(1), old), float, n)
+            if not positive:
+                d = -d
+            p = np.array(ps, dtype=float)
+            negative = d - now - p < 0
+            tol = 1e-9 * (np.abs(d) + np.abs(p) + 1.0)                # _tol
+            base = d - p
+            checks = list(zip(np.where(negative, base + tol, base - tol).tolist(), rids))
+            self._p.update(zip(rids, ps))
+            self._entry.update(zip(rids, checks))
+            self._gen_of.update(dict.fromkeys(rids, current))
+            turned = np.flatnonzero(negative if positive else ~negative).tolist()
+            if turned:
+                trids = [rids[i] for i in turned]
+                tkeys = [was.get(rid, old[i]) for i, rid in zip(turned, trids)] if was else [old[i] for i in turned]
+                if positive:
+                    new = list(zip(repeat(2), (-d[turned]).tolist(), map(itemgetter(2), tkeys), trids))
                 else:
-                    entry = entries[rid] = (d - p - tol, rid) if positive else (d - p + tol, rid)
-                    stay.append(entry)
-                gen_of[rid] = current
-            gen.drop(band, positive, set(rids))
-            for sign_now, added in ((positive, stay), (not positive, turn)):
+                    new = list(zip(repeat(0), d[turned].tolist(), map(itemgetter(2), tkeys), trids))
+                keys.update(zip(trids, new))
+                changed.update(zip(trids, new))
+                was.update(zip(trids, tkeys))
+            gen.cut(band, positive, n)
+            for sign_now, members in ((True, ~negative), (False, negative)):
+                added = [checks[i] for i in np.flatnonzero(members).tolist()]
                 if added:
                     joining.setdefault((band, sign_now), []).extend(added)
-            self.rekeys += len(rids)
+            self.rekeys += n
         for (band, positive), added in joining.items():
             current.merge(band, positive, added)
+
+    def _predicted(self, counts: Iterable[int]) -> list[float]:
+        """The current fit's ``p`` of each step-token count of ``counts``, the predictor asked
+        once per distinct count (:attr:`predictions` counts the asks)."""
+        counts = list(counts)
+        memo = {}
+        for n in set(counts):
+            memo[n] = self.predict(n)
+        self.predictions += len(memo)
+        return list(map(memo.__getitem__, counts))
 
     def _migrate(self, rid: int, now: float) -> None:
         """Re-predict member ``rid`` of an older generation under the current fit and file it in
@@ -488,13 +553,16 @@ class SignedDeadlineQueue:
         gen = self._gens[-1]
         by_band: dict[int, list[int]] = {}
         for band, flips in gen.flips.items():
-            flipping = []
-            for check in flips:
-                if check[0] > now:
-                    break
-                rid = check[1]
-                if keys[rid][1] - now - ps[rid] < 0:         # the reference's own expression
-                    flipping.append(rid)
+            if flips.first()[0] > now:
+                continue
+            checks = flips.to_list()
+            rids = list(map(itemgetter(1), checks[:bisect_right(checks, (now, INF))]))
+            if len(rids) < _VECTOR:
+                flipping = [rid for rid in rids if keys[rid][1] - now - ps[rid] < 0]   # the reference's expression
+            else:                                         # the same, element-wise on arrays
+                d = np.fromiter(map(itemgetter(1), map(keys.__getitem__, rids)), float, len(rids))
+                p = np.fromiter(map(ps.__getitem__, rids), float, len(rids))
+                flipping = [rids[i] for i in np.flatnonzero(d - now - p < 0).tolist()]
             if flipping:
                 by_band[band] = flipping
         if back:
@@ -539,39 +607,39 @@ class SignedDeadlineQueue:
         """Turn the keys of the members ``by_band`` (current generation, positive, per band)
         negative and rebuild the sets they are in: each is the set without them merged with
         their new keys (at the end of :meth:`advance` for the sets of keys), not changed one key
-        at a time."""
-        gen, keys, ps, entries = self._gens[-1], self._key, self._p, self._entry
-        changed, was = self._pending, self._was
+        at a time. Their unflip checks are computed on arrays (the same float expression)."""
+        gen, keys, ps, was = self._gens[-1], self._key, self._p, self._was
         for band, flipping in by_band.items():
-            added = []
-            for rid in flipping:
-                key = keys[rid]
-                _, d, arrival, _ = key
-                keys[rid] = changed[rid] = (2, -d, arrival, rid)
-                was.setdefault(rid, key)
-                p = ps[rid]
-                entry = entries[rid] = (d - p + 1e-9 * (abs(d) + abs(p) + 1.0), rid)
-                added.append(entry)
+            n = len(flipping)
+            old = list(map(keys.__getitem__, flipping))
+            d = np.fromiter(map(itemgetter(1), old), float, n)
+            p = np.fromiter(map(ps.__getitem__, flipping), float, n)
+            new = list(zip(repeat(2), (-d).tolist(), map(itemgetter(2), old), flipping))
+            keys.update(zip(flipping, new))
+            self._pending.update(zip(flipping, new))
+            was.update(zip(flipping, [was.get(rid, key) for rid, key in zip(flipping, old)] if was else old))
+            checks = list(zip((d - p + 1e-9 * (np.abs(d) + np.abs(p) + 1.0)).tolist(), flipping))   # _tol
+            self._entry.update(zip(flipping, checks))
             gen.drop(band, True, set(flipping))
-            gen.merge(band, False, added)
+            gen.merge(band, False, checks)
 
     def _rekey_bulk(self, changed: dict[int, PriorityKey], was: dict[int, PriorityKey]) -> None:
         """Give each member of ``changed`` its new key in the sets of keys (``was``: its key
         there now): every set holding one of them is rebuilt once, the others kept in order
-        plus the new keys sorted (a linear merge in C)."""
+        plus the new keys sorted (a linear merge in C). The new keys are sorted once per group
+        (:func:`_sorted_group`); split by size class they stay sorted."""
         class_of = self._class_of
-        by_class: dict[int, tuple[list[PriorityKey], list[PriorityKey]]] = {}
-        for rid, key in changed.items():
-            old_new = by_class.get(class_of[rid])
-            if old_new is None:
-                old_new = by_class[class_of[rid]] = ([], [])
-            old_new[0].append(was[rid])
-            old_new[1].append(key)
-        self._order = _merged(self._order, changed, sorted(was.values()), sorted(changed.values()))
-        for c, (old, added) in by_class.items():
-            old.sort()
-            added.sort()
-            self._classes[c] = _merged(self._classes[c], changed, old, added)
+        news = changed.values()
+        runs = [_sorted_group([k for k in news if k[0] == group]) for group in (0, 2)]
+        olds = was.values()
+        self._order = _merged(self._order, changed, min(olds), max(olds), len(was), runs)
+        by_class: dict[int, list[list[PriorityKey]]] = {}
+        for run in runs:
+            for c, keys in _split(run, list(map(class_of.__getitem__, map(itemgetter(3), run)))):
+                by_class.setdefault(c, []).append(keys)
+        for c, parts in by_class.items():
+            kept = [k for k in self._classes[c].to_list() if k[3] not in changed]
+            self._classes[c] = _joined(kept, parts)
 
     def rebuild(self) -> None:
         """Re-predict every member and re-sort every structure (O(n log n), one C sort each): for
