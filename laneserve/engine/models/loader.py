@@ -1,6 +1,7 @@
 """Checkpoint loader: a Hugging Face folder (``config.json``, ``*.safetensors`` — single file or
 sharded with ``model.safetensors.index.json`` — and optionally a tokenizer with its chat template)
 into a :class:`~laneserve.engine.models.llama.LlamaModel` with fused Q/K/V and gate/up weights.
+A GGUF file (llama.cpp's single-file format) goes to ``models/gguf.py``.
 """
 
 from __future__ import annotations
@@ -57,8 +58,12 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_tokenizer(folder: Path) -> object | None:
-    """``transformers.AutoTokenizer`` from the folder when it holds tokenizer files, else ``None``
-    (the engine works on token ids; text in/out needs a tokenizer)."""
+    """``transformers.AutoTokenizer`` from the folder when it holds tokenizer files (or from a GGUF
+    file), else ``None`` (the engine works on token ids; text in/out needs a tokenizer)."""
+    from laneserve.engine.models.gguf import is_gguf_file, load_gguf_tokenizer
+
+    if is_gguf_file(folder):
+        return load_gguf_tokenizer(folder)
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer
@@ -68,7 +73,14 @@ def load_tokenizer(folder: Path) -> object | None:
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str = "float32",
                load_tokenizer_too: bool = True) -> LlamaModel:
+    from laneserve.engine.models.gguf import is_gguf_file, load_gguf_model
+
     folder = Path(path)
+    if is_gguf_file(folder):
+        return load_gguf_model(folder, device, dtype, load_tokenizer_too)
+    if folder.is_file():
+        raise ValueError(f"model path {folder} is a file but not a GGUF file (it does not start with the "
+                         "GGUF magic bytes); pass a GGUF file or a checkpoint folder")
     if not folder.is_dir():
         raise FileNotFoundError(f"model path {folder} is not a folder")
     cfg = ModelConfig.from_folder(folder)
