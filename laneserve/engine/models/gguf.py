@@ -219,8 +219,9 @@ def load_gguf_model(path: str | Path, device: str | torch.device = "cpu", dtype:
         lm_head = embed
     if src.tensors:
         log.warning("%s: %d GGUF tensors unused, e.g. %s", path, len(src.tensors), list(src.tensors)[:3])
+    has_tokenizer = "tokenizer.ggml.tokens" in reader.fields
     del reader, src
-    tokenizer = load_gguf_tokenizer(path) if load_tokenizer_too else None
+    tokenizer = load_gguf_tokenizer(path) if load_tokenizer_too and has_tokenizer else None
     return LlamaModel(cfg, embed, layers, final_norm, lm_head, tokenizer=tokenizer, path=str(path))  # type: ignore[arg-type]
 
 
