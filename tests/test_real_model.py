@@ -42,6 +42,8 @@ def _gguf_path() -> Path:
 
 GGUF = _gguf_path()
 pytest.importorskip("gguf", reason="the real-model tests need the gguf package (the models extra)")
+# one intra-op thread: two spinning OpenMP threads beside the server's load cost more than they give
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,7 @@ def shared_reader():
 def llm(server, shared_reader):
     from laneserve.engine.llm import LLM
 
-    return LLM(GGUF, config=EngineConfig(num_kv_blocks=64, block_size=16), quiet=True)
+    return LLM(GGUF, config=EngineConfig(num_kv_blocks=64, block_size=16, num_threads=1), quiet=True)
 
 
 @pytest.fixture(scope="module")
