@@ -73,8 +73,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, help="checkpoint folder or GGUF file, or a Hugging Face id in the local Hugging Face "
-                                              "cache (never downloaded) (default: the embedded smoke model)")
+    p.add_argument("--model", type=Path, help="checkpoint folder or GGUF file, or a Hugging Face id in the local "
+                                              "Hugging Face cache (never downloaded) (default: the embedded smoke "
+                                              "model)")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="model id(s) clients may send; answers carry the first (default: the folder name, or the "
                         "Hugging Face id)")
@@ -225,10 +226,11 @@ def make_defaults(args: argparse.Namespace):
 
 
 def _load_tokenizer(path: Path | None):
-    from laneserve.engine.models.gguf import is_gguf_file, load_gguf_tokenizer
-
-    if path is not None and is_gguf_file(path):
-        return load_gguf_tokenizer(path)     # the tokenizer and chat template stored in the file
+    if path is not None and path.is_file():  # a GGUF file: the tokenizer and chat template stored in it
+        from laneserve.engine.models.gguf import is_gguf_file, load_gguf_tokenizer
+        if not is_gguf_file(path):
+            raise ValueError(f"{path} is a file but not a GGUF file; --tokenizer takes a folder or a GGUF file")
+        return load_gguf_tokenizer(path)
     if path is None or not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json",
                                                               "tokenizer.model")):
         return None
