@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from laneserve.engine.models.config import ModelConfig, UnsupportedModelError
+from laneserve.engine.models.dtypes import resolve_dtype
 from laneserve.engine.models.llama import LayerWeights, LlamaModel
 
 log = logging.getLogger(__name__)
@@ -203,8 +204,6 @@ def _layer(src: _TensorSource, i: int) -> LayerWeights:
 def load_gguf_model(path: str | Path, device: str | torch.device = "cpu", dtype: str = "float32",
                     load_tokenizer_too: bool = True) -> LlamaModel:
     """A :class:`LlamaModel` from one GGUF file, its weights dequantized tensor by tensor."""
-    from laneserve.engine.models.loader import resolve_dtype
-
     path = Path(path)
     reader = open_reader(path)
     cfg = ModelConfig.from_dict(config_dict(reader, path))

@@ -13,22 +13,12 @@ from pathlib import Path
 import torch
 
 from laneserve.engine.models.config import ModelConfig
+from laneserve.engine.models.dtypes import resolve_dtype
 from laneserve.engine.models.llama import LayerWeights, LlamaModel
 from laneserve.engine.models.moe import moe_from_checkpoint
 
 log = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    """``"auto"``: the checkpoint's dtype on CUDA, float32 on CPU (the CPU default: docs/design.md,
-    "Measured facts")."""
-    if requested != "auto":
-        return _TORCH_DTYPES[requested]
-    if device.type == "cuda":
-        return _TORCH_DTYPES.get(checkpoint_dtype.removeprefix("torch."), torch.float32)
-    return torch.float32
 
 
 def _safetensor_files(folder: Path) -> list[Path]:
