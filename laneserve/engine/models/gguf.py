@@ -170,7 +170,10 @@ class _TensorSource:
             if required:
                 raise KeyError(f"{self.path}: GGUF file lacks tensor {name!r} ({self.cfg.architecture})")
             return None
-        w = dequantize(t.data, t.tensor_type)
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as exc:     # a type check_quant_types could not see in the package
+            raise UnsupportedModelError(f"{self.path}: tensor {name}: {exc}") from None
         if name.endswith(("attn_q.weight", "attn_k.weight")):
             w = unpermute_rows(w, self.cfg.num_heads if "attn_q" in name else self.cfg.num_kv_heads)
         if not (w.flags.writeable and w.flags.c_contiguous):   # a view of the read-only mapped file
