@@ -169,6 +169,23 @@ def test_the_file_gives_the_config_and_a_chat_tokenizer(llm, hf):
     assert llm.tokenizer.chat_template and "<|im_start|>" in llm.tokenizer.chat_template
 
 
+def test_q_and_k_rows_are_unpermuted_as_transformers_does(llm):
+    """transformers' own processing of the file's layer-0 Q and K tensors (un-permuted from llama.cpp's
+    order) equals the engine's rows of them."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    cfg = llm.model.config
+    processor = TENSOR_PROCESSORS["llama"](config={"num_attention_heads": cfg.num_heads,
+                                                   "num_key_value_heads": cfg.num_kv_heads})
+    tensors = {t.name: t for t in gguf.GGUFReader(str(GGUF), "r").tensors}
+    q, k, _ = llm.model.layers[0].qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size))
+    for name, ours in (("blk.0.attn_q.weight", q), ("blk.0.attn_k.weight", k)):
+        t = tensors[name]
+        ref = processor.process(weights=gguf.dequantize(t.data, t.tensor_type), name=name).weights
+        assert torch.equal(ours, torch.from_numpy(ref.copy()))
+
+
 def test_greedy_chat_answers_equal_transformers(llm, hf):
     prompts = [_chat_ids(llm.tokenizer, m) for m in (CAPITAL, *MULTIBYTE)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
