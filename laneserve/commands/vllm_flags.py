@@ -54,7 +54,7 @@ _UVICORN_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     """The flags of ``vllm serve`` that laneserve's own set lacks."""
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="checkpoint folder or Hugging Face id (as vllm serve's positional MODEL; same as --model)")
+                   help="checkpoint folder, GGUF file or Hugging Face id (as vllm serve's positional MODEL; same as --model)")
     v = p.add_argument_group("vllm serve compatibility")
     v.add_argument("--max-model-len", type=POSITIVE, default=None,
                    help="context length a request may use, prompt + output (default: the checkpoint's "

@@ -148,6 +148,9 @@ class ModelConfig:
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
         folder = Path(path)
+        if folder.is_file():
+            raise UnsupportedModelError(f"{folder} is a file, not a checkpoint folder (a GGUF file loads on "
+                                        "one rank only: tensor parallelism needs a safetensors folder)")
         cfg_path = folder / "config.json"
         if not cfg_path.is_file():
             raise FileNotFoundError(f"{folder}: no config.json (is this a Hugging Face checkpoint folder?)")

@@ -3,6 +3,7 @@ sharded with ``model.safetensors.index.json`` — and optionally a tokenizer wit
 into a :class:`~laneserve.engine.models.llama.LlamaModel` with fused Q/K/V and gate/up weights,
 or an :class:`~laneserve.engine.models.opt.OPTModel` for an OPT checkpoint (the architecture's
 ``ArchSpec.family`` picks the builder).
+A GGUF file (llama.cpp's single-file format) goes to ``models/gguf.py``.
 """
 
 from __future__ import annotations
@@ -14,23 +15,13 @@ from pathlib import Path
 import torch
 
 from laneserve.engine.models.config import ARCHITECTURES, ModelConfig
+from laneserve.engine.models.dtypes import resolve_dtype
 from laneserve.engine.models.llama import LayerWeights, LlamaModel
 from laneserve.engine.models.moe import moe_from_checkpoint
 from laneserve.engine.models.opt import OPTModel, opt_from_checkpoint
 
 log = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    """``"auto"``: the checkpoint's dtype on CUDA, float32 on CPU (the CPU default: docs/design.md,
-    "Measured facts")."""
-    if requested != "auto":
-        return _TORCH_DTYPES[requested]
-    if device.type == "cuda":
-        return _TORCH_DTYPES.get(checkpoint_dtype.removeprefix("torch."), torch.float32)
-    return torch.float32
 
 
 def _safetensor_files(folder: Path) -> list[Path]:
@@ -60,8 +51,12 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_tokenizer(folder: Path) -> object | None:
-    """``transformers.AutoTokenizer`` from the folder when it holds tokenizer files, else ``None``
-    (the engine works on token ids; text in/out needs a tokenizer)."""
+    """``transformers.AutoTokenizer`` from the folder when it holds tokenizer files (or from a GGUF
+    file), else ``None`` (the engine works on token ids; text in/out needs a tokenizer)."""
+    from laneserve.engine.models.gguf import is_gguf_file, load_gguf_tokenizer
+
+    if is_gguf_file(folder):
+        return load_gguf_tokenizer(folder)
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer
@@ -71,7 +66,14 @@ def load_tokenizer(folder: Path) -> object | None:
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str = "float32",
                load_tokenizer_too: bool = True) -> LlamaModel | OPTModel:
+    from laneserve.engine.models.gguf import is_gguf_file, load_gguf_model
+
     folder = Path(path)
+    if is_gguf_file(folder):
+        return load_gguf_model(folder, device, dtype, load_tokenizer_too)
+    if folder.is_file():
+        raise ValueError(f"model path {folder} is a file but not a GGUF file (it does not start with the "
+                         "GGUF magic bytes); pass a GGUF file or a checkpoint folder")
     if not folder.is_dir():
         raise FileNotFoundError(f"model path {folder} is not a folder")
     cfg = ModelConfig.from_folder(folder)
