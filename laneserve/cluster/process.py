@@ -120,6 +120,10 @@ class ClusterSpec:
                           num_decode=self.num_decode, prefill_policy=self.prefill_policy,
                           decode_policy=self.decode_policy, router=self.router, decode_router=self.decode_router)
 
+    def tensor_parallel_size(self, role: str) -> int:
+        """The tensor-parallel degree of ``role``'s instances (colocated ones take the prefill degree)."""
+        return self.decode_tensor_parallel_size if role == "decode" else self.prefill_tensor_parallel_size
+
     def instance_specs(self, deployment: Deployment) -> tuple[InstanceSpec, ...]:
         """Every instance of ``deployment``, sized by this spec and its engine options: devices
         given in turn, a decode-side instance the host pool ``num_host_blocks``, a colocated one
@@ -131,8 +135,7 @@ class ClusterSpec:
             return {"kv_tokens": max(self.kv_tokens, engine["block_size"]),
                     "host_kv_tokens": 0 if role == "prefill" else host,
                     "token_budget": engine["max_num_batched_tokens"] if role == "colocated" else None,
-                    "tensor_parallel_size": (self.decode_tensor_parallel_size if role == "decode"
-                                             else self.prefill_tensor_parallel_size)}
+                    "tensor_parallel_size": self.tensor_parallel_size(role)}
         return tuple(replace(spec, device=self.devices[i % len(self.devices)])
                      for i, spec in enumerate(deployment.instance_specs(sizes)))
 
@@ -466,7 +469,8 @@ class ProcessCluster:
         for h in self.instances:
             if h.sock is not None:
                 h.sock.close()
-        self.pull.close()
+        if getattr(self, "pull", None) is not None:      # None when start() failed before binding it
+            self.pull.close()
         # destroy, not term: a socket an in-process instance left open when it failed (it never
         # closed it) would make term() wait for ever
         self.ctx.destroy(linger=0)

@@ -159,7 +159,7 @@ class RayCluster(ProcessCluster):
         device = self.spec.devices[0] if self.spec.devices else "cpu"
         (kind, _), = device_resource(device).items()
         for role in {role for role, _ in self._roles()}:
-            tp = self._tensor_parallel_size(role)
+            tp = self.spec.tensor_parallel_size(role)
             if tp > 1 and offered.get(kind, 0) < tp:
                 raise RuntimeError(f"a {role} instance at tensor parallel size {tp} needs {tp} {kind} on one "
                                    f"node; the Ray cluster at {self.address} offers {offered.get(kind, 0):g}")
