@@ -24,9 +24,12 @@ demo: $(STAMP)
 chat: $(STAMP)
 	$(BIN)/python -m laneserve.bench.chat
 
+# Two worker processes, each taking whole modules (a module's live server and Ray cluster stay
+# with its tests): much of the suite waits on the servers and rank processes it starts, so two
+# workers keep both cores busy. `python -m pytest tests/x.py` runs one module in one process.
 test: $(STAMP)
 	$(BIN)/ruff check laneserve tests benchmarks
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
