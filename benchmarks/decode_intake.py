@@ -1,7 +1,7 @@
 """Adaptive decode's intake rule against its ablations where decode KV memory is the bottleneck.
 
 When a decode instance's KV memory is full, finished prefills wait as offered KV transfers, and
-every second of that wait counts against their TPOT (``policies/decode/intake.py``). On the
+every second of that wait counts against their TPOT (``policies/decode/mechanisms/intake.py``). On the
 league's ShareGPT workload that wait, not prefill, bounds every policy's goodput. This benchmark
 runs the league's ShareGPT cells (same workload builder, cost model, host pool, run lengths and
 2% bisection: ``benchmarks/league.py``; online predictors) for:

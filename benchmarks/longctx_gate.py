@@ -17,7 +17,7 @@ import numpy as np
 
 from laneserve.core.request import Request
 from laneserve.policies.decode.adaptive import AdaptiveDecode
-from laneserve.policies.decode.infeasible_gate import InfeasibleGate
+from laneserve.policies.decode.mechanisms.infeasible_gate import InfeasibleGate
 from laneserve.policies.registry import register
 from laneserve.sim import ClusterConfig, Simulator
 
@@ -118,7 +118,7 @@ def reading(rows: list[dict]) -> str:
         "## The decode-side gate\n\n"
         "Adaptive decode now lets a TPOT-infeasible context decode only on the slack of the feasible "
         "requests beside it (each keeps one TPOT of slack), at least once every 5 s, and always while a "
-        "hand-off waits for decode memory (`laneserve/policies/decode/infeasible_gate.py`). Both-SLO "
+        "hand-off waits for decode memory (`laneserve/policies/decode/mechanisms/infeasible_gate.py`). Both-SLO "
         f"attainment at {' / '.join(f'{x:g}' for x in rates)} req/s: adaptive before {series(ROWS[0])}, "
         f"with the gate {series(NEW)}, Kairos {series('kairos+kairos')}; Kairos' prefill with adaptive "
         f"decode {series('kairos+adaptive')}.\n\n"

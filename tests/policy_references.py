@@ -14,9 +14,9 @@ from laneserve.policies.prefill.base import PrefillScheduler
 from laneserve.policies.prefill.fcfs import FCFSPrefill
 from laneserve.policies.prefill.kairos import KairosPrefill
 from laneserve.policies.prefill.laps import LapsPrefill
-from laneserve.policies.prefill.laps_lanes import Lane
-from laneserve.policies.prefill.priority import PriorityKey
-from laneserve.policies.prefill.sedf_ordering import SEDFOrdering
+from laneserve.policies.prefill.mechanisms.laps_lanes import Lane
+from laneserve.policies.prefill.mechanisms.priority import PriorityKey
+from laneserve.policies.prefill.mechanisms.sedf_ordering import SEDFOrdering
 
 
 class ScanSEDFOrdering(SEDFOrdering):

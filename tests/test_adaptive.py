@@ -351,16 +351,16 @@ def test_adaptive_holds_the_mechanisms_instead_of_deriving_from_the_reproduction
     bases and the components' wiring only (defined beside the components, which the reproductions
     mix in too), never from a reproduction, and holds the same mechanism components."""
     from laneserve.policies.decode.adaptive import AdaptiveDecode
-    from laneserve.policies.decode.aligned_guard import AlignmentGuard
-    from laneserve.policies.decode.aligner import AlignedWiring, LengthAligner
+    from laneserve.policies.decode.mechanisms.aligned_guard import AlignmentGuard
+    from laneserve.policies.decode.mechanisms.aligner import AlignedWiring, LengthAligner
     from laneserve.policies.decode.alignedserve import AlignedServeDecode
     from laneserve.policies.decode.base import DecodeScheduler
     from laneserve.policies.prefill.adaptive import AdaptivePrefill
     from laneserve.policies.prefill.base import PrefillScheduler
     from laneserve.policies.prefill.sedf import SEDFPrefill
-    from laneserve.policies.prefill.sedf_ordering import SEDFOrdering
-    from laneserve.policies.prefill.sedf_tasks import PreemptiveTasks, SEDFWiring
-    from laneserve.policies.prefill.slo_batching import SLOAwareBatching
+    from laneserve.policies.prefill.mechanisms.sedf_ordering import SEDFOrdering
+    from laneserve.policies.prefill.mechanisms.sedf_tasks import PreemptiveTasks, SEDFWiring
+    from laneserve.policies.prefill.mechanisms.slo_batching import SLOAwareBatching
     assert AdaptivePrefill.__bases__ == SEDFPrefill.__bases__ == (SEDFWiring, PrefillScheduler)
     assert AdaptiveDecode.__bases__ == AlignedServeDecode.__bases__ == (AlignedWiring, DecodeScheduler)
     assert SEDFPrefill not in AdaptivePrefill.__mro__ and AlignedServeDecode not in AdaptiveDecode.__mro__

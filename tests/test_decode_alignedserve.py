@@ -11,11 +11,11 @@ from laneserve.costmodel import make_cost_model
 from laneserve.costmodel.linear import LinearCostModel
 from laneserve.policies import make
 from laneserve.core.kv import blocks_for
-from laneserve.policies.decode.aligned_guard import AlignmentGuard, contexts
-from laneserve.policies.decode.aligned_stats import Aligned
-from laneserve.policies.decode.aligner import LengthAligner
+from laneserve.policies.decode.mechanisms.aligned_guard import AlignmentGuard, contexts
+from laneserve.policies.decode.mechanisms.aligned_stats import Aligned
+from laneserve.policies.decode.mechanisms.aligner import LengthAligner
 from laneserve.policies.decode.alignedserve import AlignedServeDecode
-from laneserve.policies.decode.quadtree import KVLengthQuadTree
+from laneserve.policies.decode.mechanisms.quadtree import KVLengthQuadTree
 from laneserve.policies.registry import register
 from laneserve.sim import ClusterConfig, Simulator
 from laneserve.workloads import make_workload

@@ -14,7 +14,7 @@ from laneserve.core.slo import SLO
 from laneserve.costmodel import StepTimeLUT, make_cost_model
 from laneserve.policies import registry
 from laneserve.policies.decode.kairos import Held, KairosDecode, geometric_edges
-from laneserve.policies.decode.pacing import TokenPacer
+from laneserve.policies.decode.mechanisms.pacing import TokenPacer
 from laneserve.sim import ClusterConfig, Simulator
 
 

@@ -165,3 +165,17 @@ def test_registry_discovers_every_registering_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT.parent)}).stdout.split()
     assert expected <= set(out), sorted(expected - set(out))
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_policy_package_holds_policies_and_mechanisms_hold_parts(side):
+    """``policies/<side>/`` holds the policies (each module registers one; ``base`` is the scheduler
+    they derive from) and ``policies/<side>/mechanisms/`` the parts they compose (none registers):
+    a newcomer tells the two apart by where a module lives, not by its name."""
+    registering = _registering_modules()
+    package = ROOT / "policies" / side
+    tops = {_module_name(p, ROOT) for p in package.glob("*.py") if p.stem not in ("__init__", "base")}
+    parts = {_module_name(p, ROOT) for p in (package / "mechanisms").glob("*.py") if p.stem != "__init__"}
+    assert tops and parts
+    assert not tops - registering, f"not a policy, belongs in mechanisms/: {sorted(tops - registering)}"
+    assert not parts & registering, f"registers a policy, belongs beside them: {sorted(parts & registering)}"

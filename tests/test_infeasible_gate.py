@@ -8,7 +8,7 @@ import pytest
 from laneserve.core.request import Phase, Request, RequestSpec
 from laneserve.core.slo import SLO
 from laneserve.costmodel import make_cost_model
-from laneserve.policies.decode.infeasible_gate import InfeasibleGate
+from laneserve.policies.decode.mechanisms.infeasible_gate import InfeasibleGate
 from laneserve.sim import ClusterConfig, Simulator
 
 COST = make_cost_model(model="llama-3.1-8b", hardware="h100")   # 60K context alone: a 60 ms step

@@ -22,7 +22,7 @@ from laneserve.core.request import Request
 from laneserve.core.slo import SLO
 from laneserve.costmodel import make_cost_model
 from laneserve.core.request import Phase
-from laneserve.policies.decode.quadtree import KVLengthQuadTree
+from laneserve.policies.decode.mechanisms.quadtree import KVLengthQuadTree
 from laneserve.policies.routing_laps import LapsPoolRouter, _Stats
 from laneserve.policies import registry
 from laneserve.policies.prefill.sedf import SEDFPrefill

@@ -22,7 +22,7 @@ from laneserve.policies.prefill.base import PrefillOptions
 from laneserve.policies.prefill.cp_edf import ChunkedEDFOptions, ChunkedEDFPrefill
 from laneserve.policies.prefill.fcfs import FCFSPrefill
 from laneserve.policies.prefill.sedf import SEDFOptions, SEDFPrefill
-from laneserve.policies.prefill.priority import ORDERINGS, Ordering
+from laneserve.policies.prefill.mechanisms.priority import ORDERINGS, Ordering
 from laneserve.policies.routing import CacheAwareOptions, CacheAwareRouter, RoundRobinRouter
 
 

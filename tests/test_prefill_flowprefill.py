@@ -16,7 +16,7 @@ from laneserve.costmodel import PolynomialTTFT, make_cost_model
 from laneserve.policies import make
 from laneserve.policies.prefill.sedf import SEDFPrefill
 from laneserve.policies.predictors import PRIOR_PREFILL, LearnedTTFT
-from laneserve.policies.prefill.priority import priority_key
+from laneserve.policies.prefill.mechanisms.priority import priority_key
 from laneserve.sim import ClusterConfig, Simulator
 
 

@@ -15,8 +15,8 @@ from laneserve.policies import make
 from laneserve.policies.registry import resolve
 from laneserve.policies.prefill.laps import LapsPrefill
 from laneserve.core.shapes import ShapeGrid
-from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig
-from laneserve.policies.prefill.laps_lanes import LONG, SHORT, LaneTag
+from laneserve.policies.prefill.mechanisms.laps_awd import AdaptiveWaitDepth, AWDConfig
+from laneserve.policies.prefill.mechanisms.laps_lanes import LONG, SHORT, LaneTag
 from laneserve.policies.routing_laps import LapsPoolRouter, PoolController
 from laneserve.measure.metrics import summarize
 from laneserve.sim import ClusterConfig, Simulator

@@ -150,7 +150,7 @@ def _waiting(rid: int, tokens: list[int], ttft: float = 1.0) -> Request:
 
 
 def test_prefill_policies_see_new_tokens_after_the_cache_hit():
-    from laneserve.policies.prefill.laps_lanes import LONG, SHORT
+    from laneserve.policies.prefill.mechanisms.laps_lanes import LONG, SHORT
     history = list(range(1, 1001))
     kv = _kv_holding(history)
     turn = _waiting(1, history + [7] * 40)             # 1040 tokens, 992 cached: 48 new

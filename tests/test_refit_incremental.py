@@ -15,11 +15,11 @@ from laneserve.core.slo import SLO
 from laneserve.costmodel import make_cost_model
 from laneserve.policies import registry
 from laneserve.policies.predictors import LearnedCostModel
-from laneserve.policies.prefill.kairos_slots import linear_prefill_times
-from laneserve.policies.prefill.priority import ORDERINGS, sedf_key
-from laneserve.policies.prefill import sedf_queue
-from laneserve.policies.prefill.sedf_queue import (BULK_FLIP, MIGRATE_BATCH, SignedDeadlineQueue,
-                                                   class_range, refit_bounds, size_class)
+from laneserve.policies.prefill.mechanisms.kairos_slots import linear_prefill_times
+from laneserve.policies.prefill.mechanisms.priority import ORDERINGS, sedf_key
+from laneserve.policies.prefill.mechanisms import sedf_queue
+from laneserve.policies.prefill.mechanisms.sedf_queue import (BULK_FLIP, MIGRATE_BATCH, SignedDeadlineQueue,
+                                                              class_range, refit_bounds, size_class)
 from laneserve.sim.executor import SimExecutor
 
 COST = make_cost_model(model="llama-3-8b", hardware="h100")

@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from laneserve.core.request import Phase, Request
-from laneserve.policies.prefill.laps_lanes import LONG, SHORT, LaneTag
+from laneserve.policies.prefill.mechanisms.laps_lanes import LONG, SHORT, LaneTag
 from laneserve.policies.options import PolicyOptions, above, at_least, option_error, within
 from laneserve.policies.registry import register
 from laneserve.policies.routing import InstanceLoad, LeastLoadedRouter, Router, affinity_candidates, cached_prefix

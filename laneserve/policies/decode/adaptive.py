@@ -5,8 +5,8 @@ Every step starts from what the instance observes: the requests it holds (their 
 TPOT targets), its KV memory, and step times (the bound cost model, refined online by measured
 steps). Three mechanisms compose:
 
-1. **Length-aligned batches** (AlignedServe §3, :class:`~.aligner.LengthAligner` guarded by
-   :class:`~.aligned_guard.AlignmentGuard`, as ``alignedserve`` with ``guard=True``), on by
+1. **Length-aligned batches** (AlignedServe §3, :class:`~.mechanisms.aligner.LengthAligner` guarded by
+   :class:`~.mechanisms.aligned_guard.AlignmentGuard`, as ``alignedserve`` with ``guard=True``), on by
    default with a host KV pool (``adaptive:align=false`` turns them off): alignment runs only
    where it can pay, i.e. the attention kernel pads a mixed batch to its longest member, the
    padding is at least ``tpot_margin`` of the everyone-decodes step, and continuous batching is in
@@ -33,7 +33,7 @@ steps). Three mechanisms compose:
    ``tpot-aware`` router (:mod:`laneserve.policies.routing_tpot`), which keeps long contexts from
    joining the steps of short requests whose TPOT they would break. On the league's Kairos
    workload (Mooncake lengths, 4P+4D) that, not prefill order, bounds goodput.
-5. **Intake under memory pressure** (:mod:`.intake`): when the decode memory is the bottleneck,
+5. **Intake under memory pressure** (:mod:`.mechanisms.intake`): when the decode memory is the bottleneck,
    finished prefills wait as offered transfers, and the wait counts against their TPOT. Oldest
    first (every other policy's order) while the oldest offer could still meet the target of the
    shortest tenth of recent outputs; past that, newest first until the backlog clears, and any
@@ -45,8 +45,8 @@ steps). Three mechanisms compose:
    join up to ``batch_ceiling`` (1024). On short-context traffic the fixed cap, not the GPU, made
    requests wait between their first and second tokens (the league's AlignedServe 95%-short mix:
    every TPOT miss there had waited for a batch slot, none for memory or a slow step).
-7. **TPOT-infeasible contexts on the others' slack** (:mod:`.infeasible_gate`, ``defer_infeasible``):
-   a request whose step alone is over its TPOT target cannot meet it, and without split-KV it sets
+7. **TPOT-infeasible contexts on the others' slack** (:mod:`.mechanisms.infeasible_gate`,
+   ``defer_infeasible``): a request whose step alone is over its TPOT target cannot meet it, and without split-KV it sets
    the step of every request beside it. It decodes only while the feasible requests it runs with
    can afford the longer step (each keeps ``infeasible_reserve`` TPOTs of slack), at least once
    every ``infeasible_bound`` seconds, and always while a hand-off waits for decode memory. On
@@ -56,12 +56,12 @@ steps). Three mechanisms compose:
 Composition: the class derives from :class:`~.base.DecodeScheduler` alone (memory admission,
 growth, swap/recompute preemption), so editing a reproduction cannot change it. It holds
 
-- ``self.aligner``: a :class:`~.aligner.LengthAligner` (the component ``alignedserve`` holds)
-  with an :class:`~.aligned_guard.AlignmentGuard` that is always on (1.; the guard's step
+- ``self.aligner``: a :class:`~.mechanisms.aligner.LengthAligner` (the component ``alignedserve`` holds)
+  with an :class:`~.mechanisms.aligned_guard.AlignmentGuard` that is always on (1.; the guard's step
   predictions also size the batches of 6.);
 - ``self.selector``: a :class:`~.kairos.KairosDecode` used only for its ``select`` rule and its
   table (2.); it holds no requests;
-- ``self.intake``: an :class:`~.intake.OfferIntake` (5.).
+- ``self.intake``: an :class:`~.mechanisms.intake.OfferIntake` (5.).
 
 Its options declare AlignedServe's fields with AlignedServe's defaults (``guard`` stays, always
 True), plus its own.
@@ -76,11 +76,11 @@ from typing import Literal
 from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.plan import StepPlan, StepResult
 from laneserve.policies.base import StepOutcome
-from laneserve.policies.decode.aligned_guard import AlignmentGuard
-from laneserve.policies.decode.aligner import AlignedWiring, AlignmentOptions, LengthAligner
+from laneserve.policies.decode.mechanisms.aligned_guard import AlignmentGuard
+from laneserve.policies.decode.mechanisms.aligner import AlignedWiring, AlignmentOptions, LengthAligner
 from laneserve.policies.decode.base import DecodeScheduler
-from laneserve.policies.decode.infeasible_gate import InfeasibleGate
-from laneserve.policies.decode.intake import OfferIntake
+from laneserve.policies.decode.mechanisms.infeasible_gate import InfeasibleGate
+from laneserve.policies.decode.mechanisms.intake import OfferIntake
 from laneserve.policies.decode.kairos import KairosDecode, selection_pays
 from laneserve.policies.options import above, at_least, option_error
 from laneserve.policies.registry import register
@@ -89,7 +89,7 @@ from laneserve.policies.routing import DecodeSummary
 
 @dataclass(frozen=True, slots=True)
 class AdaptiveDecodeOptions(AlignmentOptions):
-    """The aligner's and its guard's options (:class:`~.aligner.AlignmentOptions`: AlignedServe's
+    """The aligner's and its guard's options (:class:`~.mechanisms.aligner.AlignmentOptions`: AlignedServe's
     defaults; ``guard`` is always on here), then adaptive's own."""
 
     # adaptive's own

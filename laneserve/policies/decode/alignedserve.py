@@ -4,7 +4,7 @@ Finished prefills land in the instance's :class:`~laneserve.core.kv.HostKVPool` 
 allocates host blocks; ``kv_lands_in_host`` tells the engine cluster to import there) and wait,
 indexed by KV length in a :class:`KVLengthQuadTree`. Density-first search (§3.3) turns a subtree
 into the **candidate batch**, which is staged (prefetched) while the running batch decodes
-(:mod:`.aligned_prefetch`). At each iteration end, batch-level scheduling (§3.4, Algorithm 2):
+(:mod:`.mechanisms.aligned_prefetch`). At each iteration end, batch-level scheduling (§3.4, Algorithm 2):
 
 * case 3 first — when the running requests cannot all grow by one token, evict the longest (during
   a switch, the longest of the *old* batch) to host memory: a member of the running batch goes to
@@ -29,7 +29,7 @@ prepared candidate batch, if not itself a starvation batch, returns to the pool)
 relaxed, and dynamic prefetch pauses so that the switch comes soon. A batch that misses ``n_min``
 is used only while the GPU would otherwise be under-filled (running batch below ``n_min``).
 
-Choices where the paper is silent are documented here and in :mod:`.quadtree`: the window rule,
+Choices where the paper is silent are documented here and in :mod:`.mechanisms.quadtree`: the window rule,
 the switch trigger, ``switch_evict``, the under-filled fallback, and where evicted requests go (a
 member of the running batch to the candidate-requests buffer; an old-batch member back to the tree,
 indexed by its grown length and keeping its starvation timer). The host pool being full at an
@@ -54,17 +54,17 @@ decodes. Entering aligned mode, the batch left running from continuous mode is n
 device-resident waiting requests join it only up to ``n_min`` and the first length-aligned batch
 replaces it at once (otherwise the mixed batch lingers and costs decode throughput; the figures:
 docs/design.md, "AlignedServe: what was measured"). The guard reads running
-figures (:mod:`.aligned_guard`) kept as requests arrive, decode and leave, so a decision costs O(1)
-however many requests are held (the longest context is rescanned only after the longest request
+figures (:mod:`.mechanisms.aligned_guard`) kept as requests arrive, decode and leave, so a
+decision costs O(1) however many requests are held (the longest context is rescanned only after the longest request
 left, and only with a padding cost model).
 ``alignedserve-literal`` (``guard=False``) is the paper's algorithm, used by
 ``benchmarks/decode_alignedserve.py``.
 
 Composition: the mechanism lives in components that ``adaptive`` decode holds too, so this class
 is only their wiring under :class:`~.base.DecodeScheduler` — ``self.aligner``
-(:class:`~.aligner.LengthAligner`: the quad-tree, host-pool parking, candidate batches, staging,
+(:class:`~.mechanisms.aligner.LengthAligner`: the quad-tree, host-pool parking, candidate batches, staging,
 the iteration-end decision) and, with ``guard=True``, the aligner's
-:class:`~.aligned_guard.AlignmentGuard`.
+:class:`~.mechanisms.aligned_guard.AlignmentGuard`.
 """
 
 from __future__ import annotations
@@ -73,16 +73,17 @@ from dataclasses import dataclass
 
 from laneserve.core.kv import HostKVPool, KVCacheManager
 from laneserve.core.plan import StepPlan
-from laneserve.policies.decode.aligned_guard import AlignmentGuard
-from laneserve.policies.decode.aligned_prefetch import PrefetchStager
-from laneserve.policies.decode.aligner import AlignedWiring, AlignmentOptions, LengthAligner
+from laneserve.policies.decode.mechanisms.aligned_guard import AlignmentGuard
+from laneserve.policies.decode.mechanisms.aligned_prefetch import PrefetchStager
+from laneserve.policies.decode.mechanisms.aligner import AlignedWiring, AlignmentOptions, LengthAligner
 from laneserve.policies.decode.base import DecodeScheduler
 from laneserve.policies.registry import register
 
 
 @dataclass(frozen=True, slots=True)
 class AlignedServeOptions(AlignmentOptions):
-    """AlignedServe's options: the aligner's and its guard's (:class:`~.aligner.AlignmentOptions`)."""
+    """AlignedServe's options: the aligner's and its guard's
+    (:class:`~.mechanisms.aligner.AlignmentOptions`)."""
 
 
 @register("decode", "alignedserve", aliases={"aligned": {}, "alignedserve-nop": {"prefetch": False, "guard": False},

@@ -47,7 +47,7 @@ Beyond the paper, and documented as such:
   ``s_min``); since their slack never runs out, a request delayed ``max_delay_steps`` steps in a
   row forces an everyone-decodes step (starvation bound). With finite targets the slack rule
   already bounds delays: a delayed request's slack shrinks every step until nothing fits.
-* ``pace=True`` turns on the token pacing buffer (:mod:`.pacing`), releasing tokens produced ahead
+* ``pace=True`` turns on the token pacing buffer (:mod:`.mechanisms.pacing`), releasing tokens produced ahead
   of schedule at the SLO pace; off by default.
 * do no harm (``guard=True``, the registered ``kairos``; ``kairos-literal`` has it off): everyone
   decodes when the everyone-decodes step fits the smallest slack (:meth:`everyone_fits`), and on
@@ -71,7 +71,7 @@ from laneserve.costmodel import StepTimeLUT, make_cost_model
 from laneserve.costmodel.base import CostModel
 from laneserve.policies.base import StepOutcome
 from laneserve.policies.decode.base import DecodeOptions, DecodeScheduler
-from laneserve.policies.decode.pacing import TokenPacer
+from laneserve.policies.decode.mechanisms.pacing import TokenPacer
 from laneserve.policies.options import above, at_least
 from laneserve.policies.registry import register
 

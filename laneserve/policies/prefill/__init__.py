@@ -1,5 +1,8 @@
 """Prefill-instance policies. Baselines: FCFS (DistServe), chunked prefill with EDF.
-The paper policies (FlowPrefill S-EDF, Kairos urgency, LAPS lanes) register here too."""
+The paper policies (FlowPrefill S-EDF, Kairos urgency, LAPS lanes) register here too.
+
+Each module here is a policy (it registers a name the registry builds), and ``base`` is the
+scheduler they all derive from; the parts they compose live in :mod:`.mechanisms`."""
 
 from laneserve.policies.prefill.adaptive import AdaptivePrefill  # noqa: F401
 from laneserve.policies.prefill.base import PrefillScheduler

@@ -24,10 +24,10 @@ slacks, so a predictor ~20% off moves decisions at the margin, not the regime.
 
 Composition (the class derives from :class:`~.base.PrefillScheduler` alone, so editing the ``sedf``
 reproduction cannot change it): it holds the same components as ``sedf`` (:mod:`.flowprefill`) —
-``self.ordering`` (:class:`~.sedf_ordering.SEDFOrdering`: S-EDF priorities, waiting set and TTFT
-predictor), ``self.batcher`` (:class:`~.slo_batching.SLOAwareBatching`: Algorithm 1) and
-``self.tasks`` (:class:`~.sedf_tasks.PreemptiveTasks`: operator preemption, Algorithm 2, the
-suspension bound) — plus its own ``self.lanes`` (:class:`~.bimodal_lanes.BimodalLanes`), handed
+``self.ordering`` (:class:`~.mechanisms.sedf_ordering.SEDFOrdering`: S-EDF priorities, waiting set and TTFT
+predictor), ``self.batcher`` (:class:`~.mechanisms.slo_batching.SLOAwareBatching`: Algorithm 1) and
+``self.tasks`` (:class:`~.mechanisms.sedf_tasks.PreemptiveTasks`: operator preemption, Algorithm 2, the
+suspension bound) — plus its own ``self.lanes`` (:class:`~.mechanisms.bimodal_lanes.BimodalLanes`), handed
 to Algorithm 1. Its options declare the same S-EDF fields and defaults as ``sedf``'s.
 """
 
@@ -39,14 +39,14 @@ from typing import Any
 from laneserve.core.request import Request
 from laneserve.policies.options import at_least, option_error
 from laneserve.policies.prefill.base import PrefillScheduler
-from laneserve.policies.prefill.bimodal_lanes import BimodalLanes
-from laneserve.policies.prefill.sedf_tasks import SEDFMechanismOptions, SEDFWiring
+from laneserve.policies.prefill.mechanisms.bimodal_lanes import BimodalLanes
+from laneserve.policies.prefill.mechanisms.sedf_tasks import SEDFMechanismOptions, SEDFWiring
 from laneserve.policies.registry import register
 
 
 @dataclass(frozen=True, slots=True)
 class AdaptivePrefillOptions(SEDFMechanismOptions):
-    """S-EDF's components' options (:class:`~.sedf_tasks.SEDFMechanismOptions`, with sedf's
+    """S-EDF's components' options (:class:`~.mechanisms.sedf_tasks.SEDFMechanismOptions`, with sedf's
     defaults), then the lanes'."""
 
     # the lanes (.bimodal_lanes)

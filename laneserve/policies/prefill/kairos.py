@@ -87,7 +87,7 @@ from laneserve.core.request import Request
 from laneserve.policies.base import StepOutcome
 from laneserve.policies.options import above, at_least, build_options, default_to, option_error
 from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
-from laneserve.policies.prefill.kairos_slots import ArrivalSlots, linear_prefill_times
+from laneserve.policies.prefill.mechanisms.kairos_slots import ArrivalSlots, linear_prefill_times
 from laneserve.policies.registry import register
 
 INF = float("inf")

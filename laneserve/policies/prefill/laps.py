@@ -3,8 +3,8 @@ buckets, long prefills in chunks — on one instance ("temporal" mode) or as one
 spatially split pool ("spatial" mode, lanes assigned by the ``laps-pools`` router).
 
 Every prefill is classified by its NEW tokens (prompt − cached prefix) against L_m
-(:mod:`laps_lanes`). The short and the long lane never share a step (mutual exclusion) — except in
-the do-no-harm merge below.
+(:mod:`.mechanisms.laps_lanes`). The short and the long lane never share a step (mutual
+exclusion) — except in the do-no-harm merge below.
 
 Temporal alternation (our rule; the paper only says the instance alternates lanes): when the
 instance is free,
@@ -70,8 +70,8 @@ are ablations of it. Each guard is a constructor option:
 The alternation and AWD below are the paper's mechanisms; with the defaults they run when the
 merge does not apply (one lane empty, or a short request too tight for a mixed step).
 
-Spatial mode: the router tags each request with its lane (:class:`~.laps_lanes.LaneTag`) and tells the
-instance its pool with :meth:`LapsPrefill.set_lane`. An instance that changes pool keeps its queued
+Spatial mode: the router tags each request with its lane
+(:class:`~.mechanisms.laps_lanes.LaneTag`) and tells the instance its pool with :meth:`LapsPrefill.set_lane`. An instance that changes pool keeps its queued
 work and drains it by the same alternation (lanes still never mix in a step); new arrivals are only
 of its new lane. Without a tag the instance classifies the request itself.
 """
@@ -88,10 +88,10 @@ from laneserve.core.shapes import ShapeGrid
 from laneserve.costmodel.base import graphed_prefill_time
 from laneserve.policies.options import at_least, within
 from laneserve.policies.prefill.base import PrefillOptions, PrefillScheduler
-from laneserve.policies.prefill.laps_awd import AdaptiveWaitDepth, AWDConfig
-from laneserve.policies.prefill.laps_lanes import (LONG, SHORT, Classifier, Lane, LaneOrder, LaneTag,
-                                                   lane_order)
-from laneserve.policies.prefill.priority import make_predictor, priority_key
+from laneserve.policies.prefill.mechanisms.laps_awd import AdaptiveWaitDepth, AWDConfig
+from laneserve.policies.prefill.mechanisms.laps_lanes import (LONG, SHORT, Classifier, Lane, LaneOrder,
+                                                              LaneTag, lane_order)
+from laneserve.policies.prefill.mechanisms.priority import make_predictor, priority_key
 from laneserve.policies.registry import register
 
 Mode = Literal["temporal", "spatial"]

@@ -35,9 +35,9 @@ the plan is listed in :attr:`dropped_plans` (an engine loop should ``executor.di
 
 Composition: the mechanisms live in components that ``adaptive`` prefill holds too, so this class
 is only their wiring under :class:`~.base.PrefillScheduler` — ``self.ordering``
-(:class:`~.sedf_ordering.SEDFOrdering`: ``Q_w``, the priorities, the predictor), ``self.batcher``
-(:class:`~.slo_batching.SLOAwareBatching`: Algorithm 1) and ``self.tasks``
-(:class:`~.sedf_tasks.PreemptiveTasks`: ``E``, ``Q_p``, Algorithm 2, the suspension bound).
+(:class:`~.mechanisms.sedf_ordering.SEDFOrdering`: ``Q_w``, the priorities, the predictor), ``self.batcher``
+(:class:`~.mechanisms.slo_batching.SLOAwareBatching`: Algorithm 1) and ``self.tasks``
+(:class:`~.mechanisms.sedf_tasks.PreemptiveTasks`: ``E``, ``Q_p``, Algorithm 2, the suspension bound).
 """
 
 from __future__ import annotations
@@ -46,15 +46,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from laneserve.policies.prefill.base import PrefillScheduler
-from laneserve.policies.prefill.sedf_tasks import (GRANULARITIES, Granularity, PreemptiveTasks,  # noqa: F401
-                                                   PrefillTask, SEDFMechanismOptions, SEDFWiring,
-                                                   check_sedf_options)
+from laneserve.policies.prefill.mechanisms.sedf_tasks import (GRANULARITIES, Granularity,  # noqa: F401
+                                                              PreemptiveTasks, PrefillTask,
+                                                              SEDFMechanismOptions, SEDFWiring,
+                                                              check_sedf_options)
 from laneserve.policies.registry import register
 
 
 @dataclass(frozen=True, slots=True)
 class SEDFOptions(SEDFMechanismOptions):
-    """FlowPrefill's options: its components' (:class:`~.sedf_tasks.SEDFMechanismOptions`)."""
+    """FlowPrefill's options: its components'
+    (:class:`~.mechanisms.sedf_tasks.SEDFMechanismOptions`)."""
 
 
 @register("prefill", "sedf", aliases={

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from laneserve.core.request import Request
-from laneserve.policies.decode.aligned_stats import Aligned
+from laneserve.policies.decode.mechanisms.aligned_stats import Aligned
 
 
 @dataclass(slots=True)

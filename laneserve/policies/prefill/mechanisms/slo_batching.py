@@ -1,6 +1,6 @@
 """SLO-aware batching under a token budget G (FlowPrefill §5, Algorithm 1): the component
-:class:`SLOAwareBatching`, held as ``self.batcher`` by both ``sedf`` (:mod:`.flowprefill`) and
-``adaptive`` (:mod:`.adaptive`).
+:class:`SLOAwareBatching`, held as ``self.batcher`` by both ``sedf`` (:mod:`..sedf`) and
+``adaptive`` (:mod:`..adaptive`).
 
 For a head ``H`` (the best waiting request, chosen by Algorithm 2 in :mod:`.sedf_tasks`), it walks
 the other waiting requests in priority order (:class:`~.sedf_ordering.SEDFOrdering`) and adds
@@ -21,12 +21,12 @@ from typing import Any
 
 from laneserve.core.plan import StepPlan
 from laneserve.core.request import Request
-from laneserve.policies.prefill.priority import INF, PriorityKey
-from laneserve.policies.prefill.sedf_ordering import SEDFOrdering
+from laneserve.policies.prefill.mechanisms.priority import INF, PriorityKey
+from laneserve.policies.prefill.mechanisms.sedf_ordering import SEDFOrdering
 
 
 class SLOAwareBatching:
-    """Algorithm 1. ``host`` is the scheduler (:class:`~.base.PrefillScheduler`): KV admission,
+    """Algorithm 1. ``host`` is the scheduler (:class:`~..base.PrefillScheduler`): KV admission,
     chunks, new tokens, ``max_batch_size`` and the plan label come from it."""
 
     def __init__(self, host: Any, ordering: SEDFOrdering, *, enabled: bool, granularity: str,

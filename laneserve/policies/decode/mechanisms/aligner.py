@@ -1,16 +1,16 @@
 """KV-length-aligned batching from a host KV pool (AlignedServe §3.2–3.5): the component
-:class:`LengthAligner`, held as ``self.aligner`` by both ``alignedserve`` (:mod:`.alignedserve`)
-and ``adaptive`` decode (:mod:`.adaptive`).
+:class:`LengthAligner`, held as ``self.aligner`` by both ``alignedserve`` (:mod:`..alignedserve`)
+and ``adaptive`` decode (:mod:`..adaptive`).
 
 It owns everything aligned mode keeps besides the scheduler's own queues: the host-pool parking
 of finished prefills indexed by KV length (:class:`~.quadtree.KVLengthQuadTree`), the candidate
 batch and the candidate-requests buffer, their staging (:class:`~.aligned_prefetch.PrefetchStager`),
 the batch-level decision at each iteration end (cases 1-3, dynamic prefetch, starvation) and its
-statistics (:mod:`.aligned_stats`); the rules are spelled out in :mod:`.alignedserve`'s docstring.
+statistics (:mod:`.aligned_stats`); the rules are spelled out in :mod:`..alignedserve`'s docstring.
 With a guard (:class:`~.aligned_guard.AlignmentGuard`) it aligns only where that pays and runs
 as continuous batching otherwise; without one (``alignedserve-literal``) it always aligns.
 
-``host`` is the :class:`~.base.DecodeScheduler` holding it: the aligner reads and moves requests
+``host`` is the :class:`~..base.DecodeScheduler` holding it: the aligner reads and moves requests
 between the host's ``running``, ``waiting``, ``swapped`` and ``recompute`` queues, uses its KV
 manager and its memory rules (``_admit``, ``_readmit_parked``, ``_prepare_step``), and calls
 ``host._continuous_step`` for a continuous-batching step (so that a host can post-process it:
@@ -26,11 +26,11 @@ from laneserve.core.kv import HostKVPool, blocks_for
 from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Phase, Request
 from laneserve.policies.base import StepOutcome
-from laneserve.policies.decode.aligned_guard import AlignmentGuard
-from laneserve.policies.decode.aligned_prefetch import PrefetchStager
-from laneserve.policies.decode.aligned_stats import Aligned, AlignedBatch, AlignedStats
+from laneserve.policies.decode.mechanisms.aligned_guard import AlignmentGuard
+from laneserve.policies.decode.mechanisms.aligned_prefetch import PrefetchStager
+from laneserve.policies.decode.mechanisms.aligned_stats import Aligned, AlignedBatch, AlignedStats
 from laneserve.policies.decode.base import DecodeOptions
-from laneserve.policies.decode.quadtree import KVLengthQuadTree, Selection
+from laneserve.policies.decode.mechanisms.quadtree import KVLengthQuadTree, Selection
 from laneserve.policies.options import at_least, option_error
 
 SwitchEvict = Literal["all", "memory", "none"]
@@ -484,7 +484,7 @@ class LengthAligner:
 
 class AlignedWiring:
     """The scheduler side of a :class:`LengthAligner`, for a decode policy that holds one as
-    ``self.aligner`` (mixed in before :class:`~.base.DecodeScheduler`: ``AlignedServeDecode`` and
+    ``self.aligner`` (mixed in before :class:`~..base.DecodeScheduler`: ``AlignedServeDecode`` and
     adaptive decode). The guard's running figures follow every request held; arrivals, queues,
     decisions and the end of each step are the aligner's. A policy adds only what is its own."""
 

@@ -1,5 +1,5 @@
 """LAPS' short/long lanes, in force only while the recent prompt lengths are bimodal: the
-component :class:`BimodalLanes`, held by ``adaptive`` prefill (:mod:`.adaptive`) as
+component :class:`BimodalLanes`, held by ``adaptive`` prefill (:mod:`..adaptive`) as
 ``self.lanes`` and handed to its Algorithm 1 (:class:`~.slo_batching.SLOAwareBatching`).
 
 It watches the new-token lengths of the last ``window`` arrivals. They are bimodal when between
@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable
 
 from laneserve.core.request import Request
 from laneserve.core.sorted_window import SortedWindow
-from laneserve.policies.prefill.priority import PriorityKey
-from laneserve.policies.prefill.sedf_queue import SignedDeadlineQueue
+from laneserve.policies.prefill.mechanisms.priority import PriorityKey
+from laneserve.policies.prefill.mechanisms.sedf_queue import SignedDeadlineQueue
 
 
 class BimodalLanes:

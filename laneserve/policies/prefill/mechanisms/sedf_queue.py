@@ -1,7 +1,7 @@
 """FlowPrefill's waiting queue in priority order, maintained per event instead of re-sorted per
 decision.
 
-A request's key (:func:`~laneserve.policies.prefill.priority.sedf_key`) is static except for the
+A request's key (:func:`~laneserve.policies.prefill.mechanisms.priority.sedf_key`) is static except for the
 sign of its slack ``x = deadline − now − p`` (``p`` = TTFT̂ of its step tokens for S-EDF, 0 for
 D-EDF). With ``p`` fixed the sign flips once, from + to −, when ``now`` passes ``deadline − p``.
 So:
@@ -73,7 +73,7 @@ import numpy as np
 
 from laneserve.core.request import Request
 from laneserve.core.sorted_keys import SortedKeys
-from laneserve.policies.prefill.priority import INF, ORDERINGS, PriorityKey
+from laneserve.policies.prefill.mechanisms.priority import INF, ORDERINGS, PriorityKey
 
 _FLIPPING = ("sedf", "dedf")
 BUCKET = 128                 # tokens per size class of :meth:`SignedDeadlineQueue.ordered_below` (long prompts)

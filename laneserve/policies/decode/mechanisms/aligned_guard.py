@@ -66,7 +66,7 @@ class AlignmentGuard:
     """AlignedServe's do-no-harm guard (docs/design.md, "Do no harm"), held by the
     :class:`~.aligner.LengthAligner` of ``alignedserve`` (with ``guard=True``) and of
     ``adaptive`` decode: align only where the predicted step-time saving is real and continuous
-    batching is in trouble (the rule is spelled out in :mod:`.alignedserve`'s docstring).
+    batching is in trouble (the rule is spelled out in :mod:`..alignedserve`'s docstring).
 
     It predicts steps from the bound cost model (:meth:`step_time`; without one, from the last
     observed pure decode step, :meth:`observe`) and reads :class:`HeldFigures` kept as requests

@@ -1,6 +1,6 @@
 """FlowPrefill's Execution Pool with operator-level preemption (§4, §5.1) and its event-driven
 scheduling (Algorithm 2): the component :class:`PreemptiveTasks`, held as ``self.tasks`` by both
-``sedf`` (:mod:`.flowprefill`) and ``adaptive`` (:mod:`.adaptive`).
+``sedf`` (:mod:`..sedf`) and ``adaptive`` (:mod:`..adaptive`).
 
 - On an *arrival* while a preemptible step runs, the instance loop asks :meth:`should_preempt`:
   rank ``waiting ∪ preempted ∪ {running}``; True when the top is not the running task. The
@@ -31,9 +31,9 @@ from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Phase, Request
 from laneserve.policies.options import above, at_least
 from laneserve.policies.prefill.base import PrefillOptions
-from laneserve.policies.prefill.priority import INF, Ordering, PriorityKey
-from laneserve.policies.prefill.sedf_ordering import SEDFOrdering
-from laneserve.policies.prefill.slo_batching import SLOAwareBatching
+from laneserve.policies.prefill.mechanisms.priority import INF, Ordering, PriorityKey
+from laneserve.policies.prefill.mechanisms.sedf_ordering import SEDFOrdering
+from laneserve.policies.prefill.mechanisms.slo_batching import SLOAwareBatching
 
 Granularity = Literal["operator", "layer", "chunk", "none"]
 GRANULARITIES = get_args(Granularity)
@@ -216,7 +216,7 @@ class PreemptiveTasks:
 
 class SEDFWiring:
     """The scheduler side of S-EDF's components, for a prefill policy composed of them (mixed in
-    before :class:`~.base.PrefillScheduler`: ``sedf`` and adaptive prefill). :meth:`compose_sedf`
+    before :class:`~..base.PrefillScheduler`: ``sedf`` and adaptive prefill). :meth:`compose_sedf`
     builds the ordering (``self.ordering``), SLO-aware batching (``self.batcher``, restricted to
     ``lanes`` when given) and the preemptible tasks (``self.tasks``); queues, Algorithm 2 and the
     step results are theirs. A policy adds only what is its own."""

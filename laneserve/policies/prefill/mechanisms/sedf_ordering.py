@@ -1,6 +1,6 @@
 """S-EDF ordering of a prefill instance's waiting requests (FlowPrefill §5.2): the component
-:class:`SEDFOrdering`, held as ``self.ordering`` by both ``sedf`` (:mod:`.flowprefill`) and
-``adaptive`` (:mod:`.adaptive`).
+:class:`SEDFOrdering`, held as ``self.ordering`` by both ``sedf`` (:mod:`..sedf`) and
+``adaptive`` (:mod:`..adaptive`).
 
 It owns the waiting set ``Q_w`` (requests in no task), the TTFT predictor and the incremental
 priority queue over them (:class:`~.sedf_queue.SignedDeadlineQueue`), and answers what the
@@ -24,15 +24,15 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from laneserve.core.request import Request
-from laneserve.policies.prefill.priority import (ORDERINGS, Ordering, PriorityKey, make_predictor,
-                                                 never_negative, nondecreasing)
-from laneserve.policies.prefill.sedf_queue import SignedDeadlineQueue
+from laneserve.policies.prefill.mechanisms.priority import (ORDERINGS, Ordering, PriorityKey, make_predictor,
+                                                            never_negative, nondecreasing)
+from laneserve.policies.prefill.mechanisms.sedf_queue import SignedDeadlineQueue
 
 
 class SEDFOrdering:
     """The waiting requests of a prefill instance in S-EDF (or ablation) priority order.
 
-    ``host`` is the scheduler holding it (:class:`~.base.PrefillScheduler`): it reads the new
+    ``host`` is the scheduler holding it (:class:`~..base.PrefillScheduler`): it reads the new
     tokens of a request from it (prefix-cache aware). ``chunk`` caps the step tokens (``None``:
     whole prompts)."""
 
