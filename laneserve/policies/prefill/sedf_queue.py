@@ -164,12 +164,11 @@ def _split(items: list, labels: list[int]) -> Iterator[tuple[int, list]]:
         yield int(grouped[lo]), [items[i] for i in order[lo:hi].tolist()]
 
 
-def _sorted_group(keys: list[tuple], field: int = 1) -> list[tuple]:
-    """``sorted(keys)`` for tuples equal before ``field`` (keys of one group: their second field;
-    checks: their first), sorted by that field (a float: compared without the tuple machinery),
-    then fully only when two share it."""
-    keys.sort(key=itemgetter(field))
-    if len(set(map(itemgetter(field), keys))) < len(keys):
+def _sorted_group(keys: list[PriorityKey]) -> list[PriorityKey]:
+    """``sorted(keys)`` for keys of one group (first fields equal): sorted by their second field
+    (a float: compared without the tuple machinery), then fully only when two share it."""
+    keys.sort(key=itemgetter(1))
+    if len(set(map(itemgetter(1), keys))) < len(keys):
         keys.sort()
     return keys
 
@@ -263,7 +262,7 @@ class _Generation:
         """Add the checks ``added`` (of members not in this generation yet) at once."""
         sets = self.flips if positive else self.unflips
         members = sets.get(band)
-        sets[band] = _joined(members.to_list() if members else [], (_sorted_group(added, 0),))
+        sets[band] = _joined(members.to_list() if members else [], (sorted(added),))
         self.size += len(added)
 
     def bound(self, current: Coefficients) -> None:
@@ -468,49 +467,52 @@ class SignedDeadlineQueue:
         is rebuilt once (cut, merged with the new entries) instead of changed one key at a
         time."""
         keys, current = self._key, self._gens[-1]
-        joining: dict[tuple[int, bool], list[list[tuple[float, int]]]] = {}
+        joining: dict[tuple[int, bool], list[tuple[float, int]]] = {}
         changed, was = self._pending, self._was
         for gen, band, positive, rids in due:
             n = len(rids)
-            p = self._predicted(rids) if self.ordering == "sedf" else np.zeros(n)
+            ps = self._predicted(map(self._tokens.__getitem__, rids)) if self.ordering == "sedf" else [0.0] * n
             old = list(map(keys.__getitem__, rids))
             d = np.fromiter(map(itemgetter(1), old), float, n)
             if not positive:
                 d = -d
+            p = np.array(ps, dtype=float)
             negative = d - now - p < 0
             tol = 1e-9 * (np.abs(d) + np.abs(p) + 1.0)                # _tol
             base = d - p
             checks = list(zip(np.where(negative, base + tol, base - tol).tolist(), rids))
-            self._p.update(zip(rids, p.tolist()))
+            self._p.update(zip(rids, ps))
             self._entry.update(zip(rids, checks))
-            self._gen_of.update(zip(rids, repeat(current)))
-            turned = np.flatnonzero(negative if positive else ~negative)
-            if len(turned):
-                at = turned.tolist()
-                trids = [rids[i] for i in at]
-                tkeys = [was.get(rid, old[i]) for i, rid in zip(at, trids)] if was else [old[i] for i in at]
-                group, sign = (2, -1.0) if positive else (0, 1.0)
-                new = list(zip(repeat(group), (sign * d[turned]).tolist(), map(itemgetter(2), tkeys), trids))
+            self._gen_of.update(dict.fromkeys(rids, current))
+            turned = np.flatnonzero(negative if positive else ~negative).tolist()
+            if turned:
+                trids = [rids[i] for i in turned]
+                tkeys = [was.get(rid, old[i]) for i, rid in zip(turned, trids)] if was else [old[i] for i in turned]
+                if positive:
+                    new = list(zip(repeat(2), (-d[turned]).tolist(), map(itemgetter(2), tkeys), trids))
+                else:
+                    new = list(zip(repeat(0), d[turned].tolist(), map(itemgetter(2), tkeys), trids))
                 keys.update(zip(trids, new))
                 changed.update(zip(trids, new))
                 was.update(zip(trids, tkeys))
             gen.cut(band, positive, n)
             for sign_now, members in ((True, ~negative), (False, negative)):
-                at = np.flatnonzero(members).tolist()
-                if at:
-                    joining.setdefault((band, sign_now), []).append(checks if len(at) == n else [checks[i] for i in at])
+                added = [checks[i] for i in np.flatnonzero(members).tolist()]
+                if added:
+                    joining.setdefault((band, sign_now), []).extend(added)
             self.rekeys += n
-        for (band, positive), parts in joining.items():
-            current.merge(band, positive, [e for part in parts for e in part] if len(parts) > 1 else parts[0])
+        for (band, positive), added in joining.items():
+            current.merge(band, positive, added)
 
-    def _predicted(self, rids: list[int]) -> np.ndarray:
-        """The current fit's ``p`` of each member of ``rids`` (by its step tokens as filed), the
-        predictor asked once per distinct count (:attr:`predictions` counts the asks)."""
-        counts = np.fromiter(map(self._tokens.__getitem__, rids), np.int64, len(rids))
-        distinct, at = np.unique(counts, return_inverse=True)
-        self.predictions += len(distinct)
-        predict = self.predict
-        return np.array([predict(c) for c in distinct.tolist()], dtype=float)[at.reshape(-1)]
+    def _predicted(self, counts: Iterable[int]) -> list[float]:
+        """The current fit's ``p`` of each step-token count of ``counts``, the predictor asked
+        once per distinct count (:attr:`predictions` counts the asks)."""
+        counts = list(counts)
+        memo = {}
+        for n in set(counts):
+            memo[n] = self.predict(n)
+        self.predictions += len(memo)
+        return list(map(memo.__getitem__, counts))
 
     def _migrate(self, rid: int, now: float) -> None:
         """Re-predict member ``rid`` of an older generation under the current fit and file it in
@@ -629,15 +631,15 @@ class SignedDeadlineQueue:
         class_of = self._class_of
         news = changed.values()
         runs = [_sorted_group([k for k in news if k[0] == group]) for group in (0, 2)]
-        olds = list(was.values())
-        self._order = _merged(self._order, changed, min(olds), max(olds), len(olds), runs)
+        olds = was.values()
+        self._order = _merged(self._order, changed, min(olds), max(olds), len(was), runs)
         by_class: dict[int, list[list[PriorityKey]]] = {}
         for run in runs:
             for c, keys in _split(run, list(map(class_of.__getitem__, map(itemgetter(3), run)))):
                 by_class.setdefault(c, []).append(keys)
-        classes = self._classes
-        for c, gone in _split(olds, list(map(class_of.__getitem__, map(itemgetter(3), olds)))):
-            classes[c] = _merged(classes[c], changed, min(gone), max(gone), len(gone), by_class[c])
+        for c, parts in by_class.items():
+            kept = [k for k in self._classes[c].to_list() if k[3] not in changed]
+            self._classes[c] = _joined(kept, parts)
 
     def rebuild(self) -> None:
         """Re-predict every member and re-sort every structure (O(n log n), one C sort each): for
