@@ -11,7 +11,7 @@ What each flag does here:
     optional, as in vLLM).
 ``--max-model-len N``
     caps the context a request may use (prompt + output); more than the checkpoint's
-    ``max_position_embeddings`` is an error.
+    ``max_position_embeddings`` (a GGUF file's ``<arch>.context_length``) is an error.
 ``--max-num-seqs N``
     the decode policy's ``max_batch_size`` (colocated instances decode with it too); a policy
     without that option logs that the flag changes nothing.
@@ -173,11 +173,9 @@ def apply_vllm_flags(args: argparse.Namespace, log) -> None:
                 "auto are refused")
     args.chat_template_text = _chat_template(args.chat_template) if args.chat_template else None
     if args.max_model_len is not None and args.model is not None:
-        config = Path(args.model) / "config.json"
-        limit = json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
+        limit, what = _context_limit(Path(args.model))
         if limit is not None and args.max_model_len > limit:
-            raise ValueError(f"--max-model-len {args.max_model_len} is more than the model's "
-                             f"max_position_embeddings ({limit})")
+            raise ValueError(f"--max-model-len {args.max_model_len} is more than the model's {what} ({limit})")
     if args.max_num_seqs is not None:
         from laneserve.policies import registry
         spec = _with_option(args.decode_policy, "max_batch_size", args.max_num_seqs)
@@ -188,6 +186,19 @@ def apply_vllm_flags(args: argparse.Namespace, log) -> None:
                 "cap (max_batch_size)")
         else:
             args.decode_policy = spec
+
+
+def _context_limit(model: Path) -> tuple[int | None, str]:
+    """The checkpoint's context length and where it comes from: a folder's config.json
+    ``max_position_embeddings``, a GGUF file's ``<arch>.context_length``; None when neither says."""
+    if model.is_file():                     # the engine's GGUF module (and torch) only for a file
+        from laneserve.engine.models.gguf import context_length, is_gguf_file
+
+        if is_gguf_file(model):
+            return context_length(model), "GGUF context_length"
+    config = model / "config.json"
+    limit = json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
+    return limit, "max_position_embeddings"
 
 
 def _tensor_parallel_sizes(args: argparse.Namespace) -> None:

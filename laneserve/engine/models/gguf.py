@@ -6,9 +6,15 @@ engine computes in float, so each tensor is dequantized at load with the ``gguf`
 tensor at a time from the memory-mapped file, and converted to the engine's dtype right away: at
 most one tensor exists in two forms at a time, never the whole model.
 
-llama.cpp's converter permutes the rows of the Llama Q and K projections (its rotary embedding
-rotates adjacent pairs of a head; Hugging Face's, and this engine's, rotate its two halves); the
-permutation is undone here, as ``transformers`` does when it reads a GGUF file.
+Architectures: ``llama``, ``qwen2`` (q/k/v biases) and ``qwen3`` (per-head RMS norms of q and k,
+``attn_q_norm`` / ``attn_k_norm``). llama.cpp's converter permutes the rows of the Llama Q and K
+projections (its rotary embedding rotates adjacent pairs of a head; Hugging Face's, and this
+engine's, rotate its two halves); the permutation is undone here for ``llama`` only, as
+``transformers`` does when it reads a GGUF file: the converter writes Qwen2/Qwen3 Q and K
+unpermuted (llama.cpp runs those with the "neox" rotary style, halves as here).
+
+The context length is ``<arch>.context_length`` (:func:`context_length`): what ``--max-model-len``
+and every request are checked against, as ``max_position_embeddings`` of a folder's config.json.
 
 The tokenizer and its chat template are built by ``transformers`` from the same file.
 """
@@ -30,7 +36,10 @@ log = logging.getLogger(__name__)
 GGUF_MAGIC = b"GGUF"
 
 #: GGUF ``general.architecture`` -> the config.json architecture it loads as
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM"}
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                      "qwen3": "Qwen3ForCausalLM"}
+#: the architectures whose Q/K rows llama.cpp's converter permutes
+_PERMUTED_QK = frozenset({"llama"})
 
 #: ``<arch>.<key>`` metadata -> config.json key
 _CONFIG_KEYS = {
@@ -65,6 +74,13 @@ def open_reader(path: str | Path):
         raise ImportError(f"{path} is a GGUF file: reading it needs the 'gguf' package "
                           "(pip install -e '.[models]')") from None
     return GGUFReader(str(path), "r")
+
+
+def context_length(path: str | Path) -> int | None:
+    """The file's ``<arch>.context_length`` (its ``max_position_embeddings``), None when absent."""
+    reader = open_reader(path)
+    value = _field(reader, f"{_field(reader, 'general.architecture')}.context_length")
+    return None if value is None else int(value)
 
 
 def _field(reader, key: str, default=None):
@@ -161,6 +177,7 @@ class _TensorSource:
     def __init__(self, reader, path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.tensors = {t.name: t for t in reader.tensors}
         self.path, self.cfg, self.dtype, self.device = path, cfg, dtype, device
+        self.permuted_qk = cfg.model_type in _PERMUTED_QK
 
     def take(self, name: str, required: bool = True) -> torch.Tensor | None:
         from gguf import dequantize
@@ -174,7 +191,7 @@ class _TensorSource:
             w = dequantize(t.data, t.tensor_type)
         except NotImplementedError as exc:     # a type check_quant_types could not see in the package
             raise UnsupportedModelError(f"{self.path}: tensor {name}: {exc}") from None
-        if name.endswith(("attn_q.weight", "attn_k.weight")):
+        if self.permuted_qk and name.endswith(("attn_q.weight", "attn_k.weight")):
             w = unpermute_rows(w, self.cfg.num_heads if "attn_q" in name else self.cfg.num_kv_heads)
         if not (w.flags.writeable and w.flags.c_contiguous):   # a view of the read-only mapped file
             w = np.array(w, order="C")
@@ -193,7 +210,8 @@ def _layer(src: _TensorSource, i: int) -> LayerWeights:
         input_norm=src.take(p + "attn_norm.weight"),
         qkv=src.cat(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
         qkv_bias=src.cat(p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias") if cfg.qkv_bias else None,
-        q_norm=None, k_norm=None,
+        q_norm=src.take(p + "attn_q_norm.weight") if cfg.qk_norm else None,
+        k_norm=src.take(p + "attn_k_norm.weight") if cfg.qk_norm else None,
         o_proj=src.take(p + "attn_output.weight"),
         o_bias=src.take(p + "attn_output.bias") if cfg.o_bias else None,
         post_norm=src.take(p + "ffn_norm.weight"),
