@@ -87,7 +87,7 @@ def _gguf_tensors(model, permute_qk: bool) -> dict[str, np.ndarray]:
 
 
 def write_gguf(path: Path, *, arch: str = "llama", quantized: tuple[str, ...] = ("ffn_up", "attn_q.weight"),
-               raw: dict[str, Q] | None = None, context: int = 256) -> Path:
+               raw: dict[str, Q] | None = None, context: int = 256, value_length: int | None = None) -> Path:
     """The tiny model of ``arch`` (the Llama one for an architecture the tests have no model of) as
     llama.cpp's converter writes it: Q/K rows permuted for ``llama`` only (its converter leaves
     Qwen2/Qwen3 unpermuted, and transformers reads them so). Tensors whose name holds one of
@@ -103,7 +103,7 @@ def write_gguf(path: Path, *, arch: str = "llama", quantized: tuple[str, ...] = 
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    w.add_value_length(value_length or head_dim)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(head_dim)
@@ -209,6 +209,11 @@ def test_a_type_the_package_cannot_dequantize_is_named_in_one_error(tmp_path):
 def test_unsupported_files_get_clear_errors(tmp_path):
     with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gpt2' is not supported"):
         load_model(write_gguf(tmp_path / "gpt2.gguf", arch="gpt2"))
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'qwen3moe' is not supported; supported: "
+                                                    "llama, qwen2, qwen3"):
+        load_model(write_gguf(tmp_path / "moe.gguf", arch="qwen3moe"))
+    with pytest.raises(UnsupportedModelError, match="value heads of 32 dimensions with key heads of 128"):
+        load_model(write_gguf(tmp_path / "v.gguf", arch="qwen3", value_length=32))
     not_gguf = tmp_path / "model.gguf"
     not_gguf.write_bytes(b"PK\x03\x04 not a gguf file")
     with pytest.raises(ValueError, match="is a file but not a GGUF file"):

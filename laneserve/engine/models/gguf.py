@@ -123,6 +123,10 @@ def _check_supported(reader, path: Path, arch: str, raw: dict, names: set[str]) 
         raise UnsupportedModelError(f"{path}: per-frequency rotary scaling (rope_freqs, Llama 3.1 style) "
                                     "is not supported in GGUF files")
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    value_dim = _field(reader, f"{arch}.attention.value_length")
+    if value_dim is not None and value_dim != head_dim:
+        raise UnsupportedModelError(f"{path}: value heads of {value_dim} dimensions with key heads of {head_dim} "
+                                    "are not supported")
     rot = _field(reader, f"{arch}.rope.dimension_count")
     if rot is not None and rot != head_dim:
         raise UnsupportedModelError(f"{path}: partial rotary embedding ({rot} of {head_dim} dimensions) "
