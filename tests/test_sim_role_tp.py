@@ -1,0 +1,73 @@
+"""``laneserve sim --prefill-tensor-parallel-size`` / ``--decode-tensor-parallel-size``: each role's
+instances are charged on their own degree's cost model and sized from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from laneserve.cli import build_parser, main
+from laneserve.commands.sim import _setup
+from laneserve.core.kv import blocks_for
+from laneserve.core.request import SLO, RequestSpec
+from laneserve.costmodel import make_cost_model
+from laneserve.sim import Simulator
+
+PROMPT, OUTPUT = 3000, 40
+
+
+def _args(*flags: str):
+    return build_parser().parse_args(["sim", "--num-requests", "10", "--policies", "fcfs+continuous",
+                                      "--no-progress", *flags])
+
+
+def _one_request_busy_times(*flags: str) -> tuple[float, float]:
+    """(prefill instance busy time, decode instance busy time) of one request."""
+    _, cost, _, policies, _ = _setup(_args(*flags))
+    config = policies["fcfs+continuous"]
+    res = Simulator(config, cost).run([RequestSpec(0, 0.0, PROMPT, OUTPUT, SLO(10.0, 1.0))])
+    assert len(res.finished) == 1
+    pre, dec = res.instances
+    assert (pre["role"], dec["role"]) == ("prefill", "decode")
+    return pre["busy_time"], dec["busy_time"]
+
+
+def _expected(tp: int) -> tuple[float, float]:
+    """(prefill time of the prompt, the sum of its decode steps) on the TP ``tp`` model."""
+    cm = make_cost_model("analytic", model="llama-3-8b", hardware="h100", tp=tp)
+    decode = sum(cm.decode_step_time([PROMPT + k]) for k in range(1, OUTPUT))
+    return cm.prefill_time([(PROMPT, 0)]), decode
+
+
+def test_each_role_is_charged_on_its_own_degree():
+    tp1, tp2 = _expected(1), _expected(2)
+    assert tp2[0] < 0.8 * tp1[0] and tp2[1] < 0.95 * tp1[1]     # the degrees are told apart
+    pre, dec = _one_request_busy_times("--prefill-tensor-parallel-size", "2")
+    assert pre == pytest.approx(tp2[0], rel=1e-9) and dec == pytest.approx(tp1[1], rel=1e-9)
+    pre, dec = _one_request_busy_times("-tp", "2", "--decode-tensor-parallel-size", "1")
+    assert pre == pytest.approx(tp2[0], rel=1e-9) and dec == pytest.approx(tp1[1], rel=1e-9)
+    pre, dec = _one_request_busy_times("--decode-tensor-parallel-size", "2")
+    assert pre == pytest.approx(tp1[0], rel=1e-9) and dec == pytest.approx(tp2[1], rel=1e-9)
+    # the prefill instances' KV: two GPUs' memory, the decode ones' one GPU's
+    _, cost, _, policies, _ = _setup(_args("--prefill-tensor-parallel-size", "2"))
+    front, back = Simulator(policies["fcfs+continuous"], cost)._make_instances()
+    assert front[0].scheduler.kv.num_blocks == blocks_for(make_cost_model(tp=2).kv_capacity_tokens(0.9), 16)
+    assert back[0].scheduler.kv.num_blocks == blocks_for(make_cost_model(tp=1).kv_capacity_tokens(0.9), 16)
+
+
+def test_one_degree_is_the_plain_model_of_that_degree():
+    _, cost, _, policies, _ = _setup(_args("-tp", "2", "--prefill-tensor-parallel-size", "2"))
+    assert cost.tp == 2 and type(cost).__name__ == "AnalyticCostModel"
+    assert policies["fcfs+continuous"].prefill_kv_tokens is None
+
+
+def test_colocated_policy_sets_refuse_the_per_role_flags(capsys):
+    rc = main(["sim", "--num-requests", "10", "--policies", "colocated", "--prefill-tensor-parallel-size", "2",
+               "--no-progress"])
+    assert rc == 2 and "colocated instances take --tensor-parallel-size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--prefill-tensor-parallel-size", "--decode-tensor-parallel-size"])
+def test_the_per_role_degrees_are_checked(flag, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["sim", flag, "0"])
+    assert flag in capsys.readouterr().err
