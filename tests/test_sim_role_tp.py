@@ -9,7 +9,7 @@ from laneserve.cli import build_parser, main
 from laneserve.commands.sim import _setup
 from laneserve.core.kv import blocks_for
 from laneserve.core.request import SLO, RequestSpec
-from laneserve.costmodel import make_cost_model
+from laneserve.costmodel import FittedCostModel, load_profile, make_cost_model, save_profile, synthesize_profile
 from laneserve.sim import Simulator
 
 PROMPT, OUTPUT = 3000, 40
@@ -71,3 +71,45 @@ def test_the_per_role_degrees_are_checked(flag, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["sim", flag, "0"])
     assert flag in capsys.readouterr().err
+
+
+# ---- one profile per degree ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory):
+    """Two tiny profiles, TP1 and TP2, synthesized from the analytic models of those degrees."""
+    folder = tmp_path_factory.mktemp("profiles")
+    paths = {}
+    for tp in (1, 2):
+        prof = synthesize_profile(make_cost_model(tp=tp), [[(2**k, 0)] for k in range(6, 13)],
+                                  [[n] * b for b in (1, 4, 16) for n in (512, 2048, 8192)], device=f"tp{tp}")
+        prof.tensor_parallel_size = tp
+        paths[tp] = save_profile(prof, folder / f"tp{tp}.json")
+    return paths
+
+
+def _fitted(path) -> tuple[float, float]:
+    cm = FittedCostModel(load_profile(path))
+    return cm.prefill_time([(PROMPT, 0)]), sum(cm.decode_step_time([PROMPT + k]) for k in range(1, OUTPUT))
+
+
+@pytest.mark.parametrize("kind", [["--cost-model", "fitted"], ["--engine", "laneserve"]])
+def test_each_role_reads_the_profile_of_its_degree(profiles, kind):
+    tp1, tp2 = _fitted(profiles[1]), _fitted(profiles[2])
+    assert tp2[0] < 0.8 * tp1[0]                                   # the profiles are told apart
+    flags = [*kind, "--profile", str(profiles[2]), "--profile", str(profiles[1])]
+    pre, dec = _one_request_busy_times(*flags, "--prefill-tensor-parallel-size", "2")
+    assert pre == pytest.approx(tp2[0], rel=1e-9) and dec == pytest.approx(tp1[1], rel=1e-9)
+    pre, dec = _one_request_busy_times(*flags, "-tp", "2")        # one degree: its own profile
+    assert pre == pytest.approx(tp2[0], rel=1e-9) and dec == pytest.approx(tp2[1], rel=1e-9)
+
+
+def test_a_degree_without_a_profile_or_with_two_is_refused(profiles, capsys):
+    base = ["sim", "--num-requests", "10", "--no-progress", "--cost-model", "fitted"]
+    assert main([*base, "--profile", str(profiles[1]), "--profile", str(profiles[2]), "-tp", "4"]) == 2
+    assert "no profile measured a tensor parallel size 4 instance (they cover 1, 2)" in capsys.readouterr().err
+    assert main([*base, "--profile", str(profiles[1]), "--profile", str(profiles[1])]) == 2
+    assert "both measured a tensor parallel size 1 instance" in capsys.readouterr().err
+    # a single profile keeps its degree check
+    assert main([*base, "--profile", str(profiles[2]), "--decode-tensor-parallel-size", "2"]) == 2
+    assert "measured a tensor parallel size 2 instance, the simulation asks for 1" in capsys.readouterr().err

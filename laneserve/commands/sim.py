@@ -99,9 +99,10 @@ def _add_cost_model_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--decode-tensor-parallel-size", dest="decode_tp", type=at_least(1, high=64), default=None,
                    metavar="N", help="tensor-parallel degree of each decode instance (default: -tp)")
     m.add_argument("--attention", default="ragged", help="decode attention kernel: ragged | padded")
-    m.add_argument("--profile", type=existing_file,
+    m.add_argument("--profile", type=existing_file, action="append", default=[], metavar="FILE",
                    help="engine profile JSON (laneserve profile) for --cost-model fitted or --engine laneserve; "
-                        "a profile of a -tp N instance needs --tensor-parallel-size N")
+                        "a profile of a -tp N instance needs --tensor-parallel-size N. Repeatable: one "
+                        "profile per degree, each role charged on the one of its own degree")
     m.add_argument("--engine", default="legacy",
                    help="whose kernels the analytic model charges: legacy (default: the original "
                         "constants) | vllm | sglang | trtllm (fitted on aiconfigurator's measured "
@@ -235,15 +236,18 @@ def _cost_model(args: argparse.Namespace):
     """(the run's cost model, the prefill instances' KV tokens or None). Every instance at one
     degree: that degree's model. Per-role degrees: a :class:`RoleCostModel` charging each role's
     steps on its own degree's model, and the prefill instances' KV sized from theirs (the decode
-    side's from the decode model)."""
+    side's from the decode model). A degree's model reads the ``--profile`` of that degree (one
+    profile: it, whatever its degree says)."""
     from laneserve.costmodel import make_cost_model
+    from laneserve.costmodel.profile import profile_for_degree
     from laneserve.costmodel.roles import RoleCostModel
     from laneserve.sim import ClusterConfig
     from laneserve.sim.config import kv_capacity_tokens
 
     def at(tp: int):
         return make_cost_model(args.cost_model, model=args.model, hardware=args.hardware, tp=tp,
-                               attention=args.attention, profile=str(args.profile) if args.profile else None,
+                               attention=args.attention,
+                               profile=profile_for_degree(args.profile, tp) if args.profile else None,
                                engine=args.engine)
 
     degrees = _role_degrees(args)
