@@ -3,6 +3,8 @@ instances are charged on their own degree's cost model and sized from it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from laneserve.cli import build_parser, main
@@ -113,3 +115,35 @@ def test_a_degree_without_a_profile_or_with_two_is_refused(profiles, capsys):
     # a single profile keeps its degree check
     assert main([*base, "--profile", str(profiles[2]), "--decode-tensor-parallel-size", "2"]) == 2
     assert "measured a tensor parallel size 2 instance, the simulation asks for 1" in capsys.readouterr().err
+
+
+# ---- laneserve plan --engine laneserve --profile ------------------------------------------------
+
+def test_plan_charges_the_profiled_degrees_on_their_profiles(profiles):
+    import pickle
+
+    from laneserve.plan.planner import ProfiledEngine, cost_model
+    engine = ProfiledEngine.of([str(profiles[2])])
+    profiled, analytic = cost_model("llama-3-8b", "h100", 2, engine), cost_model("llama-3-8b", "h100", 2, "laneserve")
+    fitted = FittedCostModel(load_profile(profiles[2]))
+    assert profiled.prefill_time([(PROMPT, 0)]) == fitted.prefill_time([(PROMPT, 0)])
+    assert profiled.prefill_time([(PROMPT, 0)]) != analytic.prefill_time([(PROMPT, 0)])
+    assert profiled.kv_capacity_tokens(0.9) == analytic.kv_capacity_tokens(0.9)     # the GPU's memory
+    uncovered = cost_model("llama-3-8b", "h100", 1, engine)                         # no TP1 profile
+    assert uncovered.prefill_time([(PROMPT, 0)]) == cost_model("llama-3-8b", "h100", 1, "laneserve").prefill_time(
+        [(PROMPT, 0)])
+    clone = pickle.loads(pickle.dumps((engine, profiled)))                            # worker processes
+    assert clone[0] == engine and clone[1].kv_capacity_tokens(0.9) == analytic.kv_capacity_tokens(0.9)
+    assert "TP2" in str(engine) and "analytic for the other degrees" in str(engine)
+
+
+def test_plan_cli_takes_profiles_for_the_laneserve_engine_only(profiles, tmp_path, capsys):
+    base = ["plan", "--model", "llama-3-8b", "--num-requests", "20", "--request-rate", "2", "--tp", "1,2",
+            "--presets", "colocated", "--max-batch", "64", "--max-sims", "1", "--jobs", "1", "--no-progress",
+            "--no-curve", "--output", str(tmp_path), "--profile", str(profiles[1])]
+    assert main([*base, "--engine", "vllm"]) == 2
+    assert "pass --engine laneserve" in capsys.readouterr().err
+    assert main([*base, "--engine", "laneserve"]) in (0, 1)
+    said = f"laneserve (profiles: TP1 {profiles[1]}; analytic for the other degrees)"
+    assert f"engine {said}" in capsys.readouterr().err
+    assert json.loads((tmp_path / "plan.json").read_text())["spec"]["engine"] == said
