@@ -11,7 +11,8 @@ degree of each role, decode batch caps, prefill chunk sizes and policy presets (
 baselines). A fast analytic bound prunes layouts that cannot reach the rate before any is
 simulated; the survivors are simulated on the workload, cheapest first, over ``--jobs`` processes
 (or Ray tasks with ``--ray-address``). Step times come from the ``--engine`` cost model (default
-vllm: fitted on aiconfigurator's measured operators).
+vllm: fitted on aiconfigurator's measured operators; ``--engine laneserve --profile FILE...``: the
+engine's own profiles for the TP degrees they cover, the analytic model for the others).
 
 Writes ``<name>.json``/``.md`` (ranked layouts, winner, its attainment curve, the ``laneserve
 serve`` command deploying it) and ``<name>.png`` (Pareto front of goodput per GPU vs attainment,
