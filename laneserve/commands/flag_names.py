@@ -18,7 +18,9 @@ prefill / decode router     ``--router-policy`` /                  ``--router`` 
                             ``--decode-router-policy`` (sim,
                             serve; ``--router-policy`` in plan)
 tensor parallelism          ``--tensor-parallel-size`` / ``-tp``   ``--tp`` (sim)
-                            (sim, serve)
+                            (sim, serve); per role
+                            ``--prefill-tensor-parallel-size``,
+                            ``--decode-tensor-parallel-size``
 goodput search (sim)        ``--goodput-search``                   ``--goodput`` (bench's
                                                                    ``--goodput`` is vLLM's SLO pairs)
 ==========================  =====================================  =================================

@@ -11,7 +11,8 @@ degree of each role, decode batch caps, prefill chunk sizes and policy presets (
 baselines). A fast analytic bound prunes layouts that cannot reach the rate before any is
 simulated; the survivors are simulated on the workload, cheapest first, over ``--jobs`` processes
 (or Ray tasks with ``--ray-address``). Step times come from the ``--engine`` cost model (default
-vllm: fitted on aiconfigurator's measured operators).
+vllm: fitted on aiconfigurator's measured operators; ``--engine laneserve --profile FILE...``: the
+engine's own profiles for the TP degrees they cover, the analytic model for the others).
 
 Writes ``<name>.json``/``.md`` (ranked layouts, winner, its attainment curve, the ``laneserve
 serve`` command deploying it) and ``<name>.png`` (Pareto front of goodput per GPU vs attainment,
@@ -25,8 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from laneserve.commands.argtypes import (MAX_COUNT, MAX_GPUS, MAX_TOKENS, at_least, fraction, number_list,
-                                         output_folder, positive)
+from laneserve.commands.argtypes import (MAX_COUNT, MAX_GPUS, MAX_TOKENS, at_least, existing_file, fraction,
+                                         number_list, output_folder, positive)
 from laneserve.commands.flag_names import add_slo_target_flags, renamed
 
 
@@ -61,6 +62,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--model", default="llama-3.1-8b", help="model spec (laneserve sim --list)")
     s.add_argument("--gpus", default="h100", help="comma-separated GPU types to consider (h100,h200,a100)")
     s.add_argument("--engine", default="vllm", help="cost model: vllm (default) | sglang | trtllm | legacy | laneserve")
+    s.add_argument("--profile", type=existing_file, action="append", default=[], metavar="FILE",
+                   help="with --engine laneserve: a laneserve profile (repeatable, one per TP degree); the "
+                        "degrees they cover are charged on them, the others on the analytic model")
     s.add_argument("--tp", type=number_list(int, low=1, high=64), default="1,2,4,8", help="tensor-parallel degrees per role (default 1,2,4,8)")
     s.add_argument("--layouts", default="colocated,disaggregated", help="colocated and/or disaggregated")
     s.add_argument("--presets", default="adaptive,fcfs,cp-edf,colocated",
@@ -120,11 +124,12 @@ def build_spec(args: argparse.Namespace):
     if not gpus:
         raise ValueError("--gpus names no GPU")
     tps = args.tp
+    engine = _engine(args)
     if args.trace is not None and not args.slo_class:
-        tp0 = next((tp for tp in sorted(tps) if fits(args.model, gpus[0], tp, args.engine)), None)
+        tp0 = next((tp for tp in sorted(tps) if fits(args.model, gpus[0], tp, engine)), None)
         if tp0 is None:
             raise ValueError(f"{args.model} fits on no TP degree of {args.tp} on {gpus[0]}")
-        wl = IdleLatencySLO().apply(wl, cost_model(args.model, gpus[0], tp0, args.engine),
+        wl = IdleLatencySLO().apply(wl, cost_model(args.model, gpus[0], tp0, engine),
                                     ttft=args.ttft_slo, tpot=args.tpot_slo)
     targets = {}
     if args.slo_class:
@@ -144,7 +149,7 @@ def build_spec(args: argparse.Namespace):
         wl = wl.with_arrivals(args.arrival, rate=rate or wl.mean_rate, cv=args.cv, seed=args.seed)
     if args.budget is None and rate is None:
         rate = round(wl.mean_rate, 3)
-    spec = PlanSpec(workload=wl, model=args.model, gpus=gpus, engine=args.engine, rate=rate,
+    spec = PlanSpec(workload=wl, model=args.model, gpus=gpus, engine=engine, rate=rate,
                     budget=args.budget, target=args.target, class_targets=targets, tps=tps,
                     presets=[x.strip() for x in args.presets.split(",") if x.strip()],
                     max_batches=args.max_batch, chunks=args.chunks,
@@ -152,6 +157,17 @@ def build_spec(args: argparse.Namespace):
                     max_gpus=args.max_gpus, max_sims=args.max_sims, router=args.router,
                     prune_slack=args.prune_slack)
     return spec
+
+
+def _engine(args: argparse.Namespace):
+    """The engine the plan charges: ``--engine``'s name, or with ``--profile``, the laneserve engine
+    on those profiles (:class:`~laneserve.plan.planner.ProfiledEngine`)."""
+    if not args.profile:
+        return args.engine
+    if args.engine.strip().lower() != "laneserve":
+        raise ValueError(f"--profile times laneserve's engine: pass --engine laneserve (not {args.engine!r})")
+    from laneserve.plan.planner import ProfiledEngine
+    return ProfiledEngine.of([str(p) for p in args.profile])
 
 
 COLUMNS = ("rank", "layout", "gpus", "bound_rate", "rate", "goodput", "meets", "attainment_both",
@@ -319,7 +335,7 @@ def _write_plan(args: argparse.Namespace, spec, result, rows: list[dict], curve,
           + (f"\n## Winner's attainment curve\n\n{markdown_table([{'rate': c['rate'], 'attainment_both': c['attainment_both'], 'p90_ttft_ms': c['p90_ttft_ms'], 'p90_tpot_ms': c['p90_tpot_ms']} for c in curve])}\n" if curve else "")
           + f"\n![plan]({png.name})\n")
     extra = {**result.to_json(), "deploy": deploy, "winner_curve": curve,
-             "spec": {"model": spec.model, "gpus": list(spec.gpus), "engine": spec.engine, "rate": spec.rate,
+             "spec": {"model": spec.model, "gpus": list(spec.gpus), "engine": str(spec.engine), "rate": spec.rate,
                       "budget": spec.budget, "target": spec.target, "class_targets": spec.class_targets,
                       "workload": wl.name, "requests": len(wl),
                       "slos": {k: {"ttft": s.ttft, "tpot": s.tpot} for k, s in slos.items()}}}

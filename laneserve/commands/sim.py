@@ -91,12 +91,18 @@ def _add_cost_model_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", default="llama-3-8b", help="model spec (see --list)")
     m.add_argument("--hardware", default="h100", help="h100 | h200 | a100")
     m.add_argument("--tensor-parallel-size", "-tp", dest="tp", type=at_least(1, high=64), default=1,
-                   help="tensor-parallel degree per instance")
+                   help="tensor-parallel degree per instance (the default of both roles below)")
     renamed(m, "--tp", canonical="--tensor-parallel-size", dest="tp", type=at_least(1, high=64))
+    m.add_argument("--prefill-tensor-parallel-size", dest="prefill_tp", type=at_least(1, high=64), default=None,
+                   metavar="N", help="tensor-parallel degree of each prefill instance (default: -tp); its "
+                                     "steps are charged on that degree's cost model")
+    m.add_argument("--decode-tensor-parallel-size", dest="decode_tp", type=at_least(1, high=64), default=None,
+                   metavar="N", help="tensor-parallel degree of each decode instance (default: -tp)")
     m.add_argument("--attention", default="ragged", help="decode attention kernel: ragged | padded")
-    m.add_argument("--profile", type=existing_file,
+    m.add_argument("--profile", type=existing_file, action="append", default=[], metavar="FILE",
                    help="engine profile JSON (laneserve profile) for --cost-model fitted or --engine laneserve; "
-                        "a profile of a -tp N instance needs --tensor-parallel-size N")
+                        "a profile of a -tp N instance needs --tensor-parallel-size N. Repeatable: one "
+                        "profile per degree, each role charged on the one of its own degree")
     m.add_argument("--engine", default="legacy",
                    help="whose kernels the analytic model charges: legacy (default: the original "
                         "constants) | vllm | sglang | trtllm (fitted on aiconfigurator's measured "
@@ -193,20 +199,16 @@ def _setup(args: argparse.Namespace):
     SLO rule or None) from the flags; ValueError on bad input."""
     from laneserve.bench.experiment import policy_config, split_policy_sets, validate
     from laneserve.commands.common import load_workload
-    from laneserve.costmodel import make_cost_model
     from laneserve.sim import ClusterConfig
     from laneserve.workloads import IdleLatencySLO
 
     wl = load_workload(args, apply_slo_scale=False)
-    cost = make_cost_model(args.cost_model, model=args.model, hardware=args.hardware, tp=args.tp,
-                           attention=args.attention,
-                           profile=str(args.profile) if args.profile else None,
-                           engine=args.engine)
+    cost, prefill_kv_tokens = _cost_model(args)
     base = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.prefill,
                          router=args.router, decode_router=args.decode_router,
                          host_kv_tokens=args.host_kv_tokens, kv_link=args.kv_link,
                          prefix_cache_tokens=args.prefix_cache_tokens, predictor=args.predictor,
-                         max_model_len=args.max_model_len)
+                         max_model_len=args.max_model_len, prefill_kv_tokens=prefill_kv_tokens)
     slo_rule = None
     if args.trace is not None:       # one rule for any trace file, on the run's cost model
         wl = IdleLatencySLO().apply(wl, cost, ttft=args.ttft_slo, tpot=args.tpot_slo)
@@ -214,9 +216,45 @@ def _setup(args: argparse.Namespace):
     policies = {spec: policy_config(spec, base) for spec in split_policy_sets(args.policies)}
     if not policies:
         raise ValueError("--policies names no policy set")
+    if _role_degrees(args) is not None and any(c.mode == "colocated" for c in policies.values()):
+        raise ValueError("colocated instances take --tensor-parallel-size, not the per-role flags: "
+                         "simulate the colocated policy sets in a run of their own")
     for config in policies.values():
         validate(config, cost)
     return wl, cost, base, policies, slo_rule
+
+
+def _role_degrees(args: argparse.Namespace) -> tuple[int, int] | None:
+    """(prefill degree, decode degree) when the per-role flags make them differ; None when every
+    instance runs at ``-tp``."""
+    pre = args.prefill_tp or args.tp
+    dec = args.decode_tp or args.tp
+    return None if pre == dec else (pre, dec)
+
+
+def _cost_model(args: argparse.Namespace):
+    """(the run's cost model, the prefill instances' KV tokens or None). Every instance at one
+    degree: that degree's model. Per-role degrees: a :class:`RoleCostModel` charging each role's
+    steps on its own degree's model, and the prefill instances' KV sized from theirs (the decode
+    side's from the decode model). A degree's model reads the ``--profile`` of that degree (one
+    profile: it, whatever its degree says)."""
+    from laneserve.costmodel import make_cost_model
+    from laneserve.costmodel.profile import profile_for_degree
+    from laneserve.costmodel.roles import RoleCostModel
+    from laneserve.sim import ClusterConfig
+    from laneserve.sim.config import kv_capacity_tokens
+
+    def at(tp: int):
+        return make_cost_model(args.cost_model, model=args.model, hardware=args.hardware, tp=tp,
+                               attention=args.attention,
+                               profile=profile_for_degree(args.profile, tp) if args.profile else None,
+                               engine=args.engine)
+
+    degrees = _role_degrees(args)
+    if degrees is None:
+        return at(args.prefill_tp or args.tp), None
+    pre = at(degrees[0])
+    return RoleCostModel(pre, at(degrees[1])), kv_capacity_tokens(pre, ClusterConfig().gpu_memory_utilization)
 
 
 def _rates(args: argparse.Namespace, wl) -> list[float]:

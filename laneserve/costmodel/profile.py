@@ -116,6 +116,33 @@ def check_profile_degree(profile: Profile, tp: int, source: str = "the profile")
     return profile
 
 
+def profiles_by_degree(paths: Sequence[str | Path]) -> dict[int, str]:
+    """``{tensor parallel size: path}`` of engine profiles; two of one degree are a ValueError
+    (which one would a run of that degree read?)."""
+    by_degree: dict[int, str] = {}
+    for path in paths:
+        degree = load_profile(path).tensor_parallel_size
+        if degree in by_degree:
+            raise ValueError(f"{by_degree[degree]} and {path} both measured a tensor parallel size {degree} "
+                             "instance: give one profile per degree")
+        by_degree[degree] = str(path)
+    return by_degree
+
+
+def profile_for_degree(paths: Sequence[str | Path], tp: int) -> str:
+    """The one of ``paths`` (engine profiles, each of its own tensor parallel size) that measured a
+    TP ``tp`` instance. A single path is returned whatever its degree (loading it checks that,
+    :func:`check_profile_degree`); of several, none of degree ``tp`` is a ValueError naming the
+    degrees they cover."""
+    if len(paths) == 1:
+        return str(paths[0])
+    by_degree = profiles_by_degree(paths)
+    if tp not in by_degree:
+        raise ValueError(f"no profile measured a tensor parallel size {tp} instance (they cover "
+                         f"{', '.join(map(str, sorted(by_degree)))}): profile one with laneserve profile -tp {tp}")
+    return by_degree[tp]
+
+
 def save_profile(profile: Profile, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

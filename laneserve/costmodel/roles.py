@@ -20,7 +20,8 @@ class RoleCostModel:
     decode work to ``decode``."""
 
     def __init__(self, prefill: CostModel, decode: CostModel) -> None:
-        if prefill.num_layers != decode.num_layers or prefill.kv_bytes_per_token != decode.kv_bytes_per_token:
+        # KV bytes per token may differ: a profile of a TP instance counts its replicated KV heads
+        if prefill.num_layers != decode.num_layers:
             raise ValueError("the prefill and decode cost models must be of the same model")
         self.prefill, self.decode = prefill, decode
         self.name = f"prefill[{prefill.name}]+decode[{decode.name}]"
@@ -32,6 +33,8 @@ class RoleCostModel:
         has_runs = hasattr(decode, "decode_step_times")
         if not has_runs:            # the simulator asks for runs only when the model has them
             self.decode_step_times = None  # type: ignore[assignment]
+        if not hasattr(decode, "kv_capacity_tokens"):     # the simulator's default size, as for decode
+            self.kv_capacity_tokens = None  # type: ignore[assignment]
 
     def prefill_time(self, batch: PrefillBatch) -> float:
         return self.prefill.prefill_time(batch)

@@ -105,7 +105,7 @@ class PlanSpec:
     workload: Workload
     model: str
     gpus: Sequence[str] = ("h100",)
-    engine: str = "vllm"
+    engine: str | ProfiledEngine = "vllm"
     rate: float | None = None          # target rate (minimise GPUs)
     budget: int | None = None          # GPU budget (maximise goodput)
     target: float = 0.9                # attainment every class must reach (fraction meeting both SLOs)
@@ -147,13 +147,44 @@ class PlanSpec:
 _COSTS: dict[tuple, Any] = {}
 
 
-def cost_model(model: str, gpu: str, tp: int, engine: str):
+@dataclass(frozen=True)
+class ProfiledEngine:
+    """The ``laneserve`` engine with measured profiles (``laneserve profile [-tp N]``): a degree a
+    profile covers is charged on that profile's fitted model, whatever the GPU type (a profile
+    times one device), its KV capacity and context still the analytic model's (a profile says
+    nothing of a GPU's memory); the other degrees on the analytic model. Passed wherever an engine
+    name goes (hashable, picklable: worker processes rebuild the models)."""
+
+    profiles: tuple[tuple[int, str], ...]          # (degree, path), by degree
+    name: str = "laneserve"
+
+    @classmethod
+    def of(cls, paths: Sequence[str]) -> ProfiledEngine:
+        from laneserve.costmodel.profile import profiles_by_degree
+        return cls(tuple(sorted(profiles_by_degree(paths).items())))
+
+    def profile(self, tp: int) -> str | None:
+        return dict(self.profiles).get(tp)
+
+    def __str__(self) -> str:
+        covered = ", ".join(f"TP{tp} {path}" for tp, path in self.profiles)
+        return f"laneserve (profiles: {covered}; analytic for the other degrees)"
+
+
+def cost_model(model: str, gpu: str, tp: int, engine: str | ProfiledEngine):
     """The (memoised) cost model of one instance."""
     key = (model, gpu, tp, engine)
     cm = _COSTS.get(key)
     if cm is None:
         from laneserve.costmodel import make_cost_model
-        cm = _COSTS[key] = make_cost_model("analytic", model=model, hardware=gpu, tp=tp, engine=engine)
+        name = engine.name if isinstance(engine, ProfiledEngine) else engine
+        cm = make_cost_model("analytic", model=model, hardware=gpu, tp=tp, engine=name)
+        path = engine.profile(tp) if isinstance(engine, ProfiledEngine) else None
+        if path is not None:
+            analytic = cm
+            cm = make_cost_model("analytic", model=model, hardware=gpu, tp=tp, engine=name, profile=path)
+            cm.kv_capacity_tokens, cm.model = analytic.kv_capacity_tokens, analytic.model
+        _COSTS[key] = cm
     return cm
 
 
