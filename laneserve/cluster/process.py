@@ -53,7 +53,7 @@ import zmq.asyncio
 from laneserve.runtime.spec import InstanceSpec, PolicySpec
 from laneserve.cluster.messages import (Abort, Add, EpochClock, Failed, Fatal, Handoff, InstanceInfo, Lane, Ready,
                                         RequestDesc, SampleStart, StartInfo, Stats, Stop, Tokens, Transfer, decode,
-                                        encode)
+                                        WireSLO, encode)
 from laneserve.cluster.transport import default_shm_dir, discard_descriptor
 from laneserve.cluster.worker import WorkerSpec
 from laneserve.core.prefix_summary import PrefixSummary
@@ -512,7 +512,8 @@ class ProcessCluster:
         self.admission(len(prompt_ids))
         rids = [next(self._ids) for _ in range(sampling.n)]
         now = self.clock.now()
-        desc = RequestDesc(rids[0], prompt_ids, sampling, now if arrival is None else arrival, slo, slo_class, priority)
+        desc = RequestDesc(rids[0], prompt_ids, sampling, now if arrival is None else arrival, WireSLO.of(slo),
+                           slo_class, priority)
         req = desc.request()                  # the router's copy, for its policies
         h = self.runtime.admit(req, now)       # the prefill (or colocated) instance
         msg = encode(Add(desc, tuple(rids[1:])))   # may raise
