@@ -69,7 +69,9 @@ def test_every_entry_point_defaults_to_one_deployment():
     assert (default.prefill_policy, default.decode_policy) == (DEFAULT_PREFILL_POLICY, DEFAULT_DECODE_POLICY) \
         == ("adaptive", "adaptive")
     assert ClusterConfig().deployment == default
-    assert ClusterSpec(model="m").deployment == default
+    spec = ClusterSpec(model="m")                     # typed specs, the same policies
+    assert spec.deployment.specs == default.specs and spec.deployment.decode_router == default.decode_router
+    assert str(spec.router) == default.router and spec.deployment.decode_router_name() == default.decode_router_name()
     local = inspect.signature(LocalCluster).parameters
     assert Deployment(**{k: local[k].default for k in ("prefill_policy", "decode_policy", "router",
                                                         "decode_router")}) == default
@@ -153,3 +155,35 @@ def test_on_lost_names_what_the_instance_held():
     held = [Track(1, 0), Track(2, back[0].instance_id), Track(3, 0)]
     assert [t.rid for t in runtime.on_lost(front[0], held)] == [1, 3]
     assert runtime.on_lost(back[1], held) == []
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_the_cli_hands_the_cluster_typed_specs_that_nothing_parses_again(monkeypatch, colocated):
+    """``serve``'s policy flags are read once (``policy_specs``); the cluster's deployment, its
+    instances and its routers are built from the typed specs without reading any text again."""
+    from laneserve.cli import build_parser
+    from laneserve.cluster.process import ClusterSpec
+    from laneserve.commands.serve import policy_specs
+    from laneserve.policies import registry
+    from laneserve.policies.spec import PolicySpec
+    words = ["serve", "--stub", "--prefill-policy", "cp-edf:chunk=512", "--decode-policy", "adaptive:max_batch_size=8",
+             "--router-policy", "least-loaded", *(["--colocated"] if colocated else [])]
+    specs = policy_specs(build_parser().parse_args(words))
+    assert all(isinstance(v, PolicySpec) for v in specs.values()) and specs["decode_router"].name == "tpot-aware"
+    spec = ClusterSpec(model="", colocated=colocated, **specs)
+    monkeypatch.setattr(registry, "_split_spec", lambda *a: pytest.fail(f"policy text parsed downstream: {a}"))
+    deployment = spec.deployment
+    roles = {s.role: s.policy for s in spec.instance_specs(deployment)}
+    router, decode_router = make_routers(deployment, lambda: (None, None))
+    assert router.name == "least-loaded" and (decode_router is None) == colocated
+    prefill, decode = (roles["colocated"].options.prefill, roles["colocated"].options.decode) if colocated else (
+        roles["prefill"], roles["decode"])
+    assert (prefill.options.chunk, decode.options.max_batch_size) == (512, 8)
+
+
+def test_a_cluster_spec_refuses_policy_text():
+    from laneserve.cluster.process import ClusterSpec
+    with pytest.raises(TypeError, match="ClusterSpec.decode_policy must be a decode PolicySpec"):
+        ClusterSpec(model="m", decode_policy="adaptive")
+    with pytest.raises(TypeError, match="ClusterSpec.router must be a router PolicySpec"):
+        ClusterSpec(model="m", router=ClusterSpec(model="m").prefill_policy)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from laneserve.cluster.messages import (Add, InvalidMessage, RequestDesc, StartInfo, Transfer, decode, encode,
-                                        sampling_from_dict)
+                                        sampling_from_dict, WireSLO)
 from laneserve.core.sampling import INT64_MAX, INT64_MIN
 from laneserve.core.slo import SLO
 from laneserve.engine.sampler import Sampler, TokenHistory
@@ -61,7 +61,7 @@ def chat(body, headers=None):
 
 def assert_usable(gi: GenerateInput) -> None:
     """What the API does after admission: pack for the wire, decode on the instance, sample."""
-    desc = RequestDesc(7, gi.prompt_ids, gi.sampling, 0.0, gi.slo, gi.slo_class, gi.priority)
+    desc = RequestDesc(7, gi.prompt_ids, gi.sampling, 0.0, WireSLO.of(gi.slo), gi.slo_class, gi.priority)
     kids = tuple(range(8, 7 + gi.sampling.n))
     req = decode(encode(Add(desc, kids)), vocab_size=VOCAB).request.request()
     assert req.sampling == gi.sampling
@@ -354,7 +354,7 @@ def _transfer_wire(**over) -> bytes:
     """A transfer as the wire holds it, its request fields (``rid``, ``prompt``, ``sp``, ...) or its
     own (``out``, ``computed``, ``t_first``, ``info``) replaced by ``over``."""
     gi = completion({**BASE, "seed": 5, "temperature": 0.5})
-    msg = Transfer(RequestDesc(3, gi.prompt_ids, gi.sampling, 1.0, gi.slo), [4], 3, 1.5,
+    msg = Transfer(RequestDesc(3, gi.prompt_ids, gi.sampling, 1.0, WireSLO.of(gi.slo)), [4], 3, 1.5,
                    info=StartInfo(0.5, 1.0))
     raw = msgpack.unpackb(encode(msg))
     own = {"out": 2, "computed": 3, "t_first": 4, "info": 6}
@@ -576,7 +576,7 @@ def test_structured_specs_need_a_tokenizer_and_are_usable(byte_tokenizer):
                     "tool_choice": "required", "parallel_tool_calls": False}):
         gi = _structured_chat(fields, byte_tokenizer)
         assert gi.sampling.structured is not None
-        sp = decode(encode(Add(RequestDesc(1, gi.prompt_ids, gi.sampling, 0.0, SLO())))).request.sampling
+        sp = decode(encode(Add(RequestDesc(1, gi.prompt_ids, gi.sampling, 0.0)))).request.sampling
         assert sp == gi.sampling                    # the spec crosses the wire unchanged
     deep = {"response_format": {"type": "json_schema", "json_schema": {"schema": _nested_schema(12)}}}
     assert _structured_chat(deep, byte_tokenizer).sampling.structured.kind == "json_schema"

@@ -167,7 +167,7 @@ def test_sampling_surface_fields_become_sampling_params():
     assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_tokens) == (0.5, -1.0, 1.3, 4)
     assert dict(sp.logit_bias) == {7: 100.0, 3: -2.5}
     from laneserve.cluster.messages import Add, RequestDesc, decode, encode
-    wire = encode(Add(RequestDesc(9, [1, 2], sp, 0.0, SLO())))
+    wire = encode(Add(RequestDesc(9, [1, 2], sp, 0.0)))
     assert decode(wire, vocab_size=50).request.sampling == sp
     with pytest.raises(ValueError, match="logit_bias"):
         decode(wire, vocab_size=5)                        # an instance never trusts the wire's ids

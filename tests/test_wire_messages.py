@@ -15,7 +15,7 @@ import zmq
 from laneserve.cluster import messages as m
 from laneserve.cluster.messages import (Abort, Add, Failed, Fatal, Handoff, Heartbeat, InstanceInfo, InvalidMessage,
                                         Lane, Ready, RequestDesc, SampleFirst, SampleStart, StartInfo, Stats, Stop,
-                                        TokenItem, Tokens, Transfer, decode, encode)
+                                        TokenItem, Tokens, Transfer, WireSLO, decode, encode)
 from laneserve.core.sampling import SamplingParams
 from laneserve.core.structured import StructuredSpec
 from laneserve.core.slo import SLO
@@ -23,7 +23,7 @@ from laneserve.policies.routing import DecodeSummary
 
 SP = SamplingParams(max_tokens=8, temperature=0.5, seed=3, stop=("x",), logit_bias=((1, 2.0),),
                     structured=StructuredSpec.regex("a+"), logprobs=2)
-DESC = RequestDesc(7, [1, 2, 3], SP, 0.25, SLO(0.5, None), "gold", -2)
+DESC = RequestDesc(7, [1, 2, 3], SP, 0.25, WireSLO(0.5, None), "gold", -2)
 DESC3 = RequestDesc(9, [4, 5], SamplingParams(max_tokens=4, n=3), 1.0)
 INFO = StartInfo(0.1, 0.2, 1, 16, [[-0.5, [[3, -0.5]]]])
 
@@ -76,6 +76,32 @@ def test_the_request_description_builds_the_request():
     assert [(r.request_id, r.sampling.seed, r.output_token_ids, r.num_computed_tokens) for r in samples] == [
         (9, DESC3.sampling.sample(0).seed, [6], 2), (11, DESC3.sampling.sample(2).seed, [7], 2)]
     assert all(r.times.first_token == 1.5 and r.times.prefill_start == 1.0 for r in samples)
+
+
+@pytest.fixture
+def slo_checks(monkeypatch):
+    """Counts the runs of ``SLO``'s own checks."""
+    calls = []
+    check = SLO.__post_init__
+    monkeypatch.setattr(SLO, "__post_init__", lambda self: (calls.append(self), check(self))[1])
+    return calls
+
+
+def test_a_good_slo_is_checked_once_and_the_receiver_trusts_the_codec(slo_checks):
+    slo = SLO(0.5, 0.05)                                  # the API edge: checked here, once
+    msg = Add(RequestDesc.describe(RequestDesc(7, [1, 2], SamplingParams(), 0.0, WireSLO.of(slo)).request()))
+    back = decode(encode(msg), vocab_size=50)
+    req = back.request.request()
+    assert slo_checks == [slo]                            # none on the way, none at the receiver
+    assert req.slo == slo and type(req.slo) is SLO and req.slo is not slo
+
+
+@pytest.mark.parametrize("targets,field", [({"ttft": 0.0, "tpot": 0.1}, "ttft"), ({"ttft": None, "tpot": -1.0}, "tpot"),
+                                           ({"ttft": float("nan")}, "ttft"), ({"tpot": "fast"}, "tpot")])
+def test_a_bad_slo_is_refused_by_the_decoder_naming_its_field(slo_checks, targets, field):
+    with pytest.raises(InvalidMessage, match=re.escape(f"'request.slo.{field}' ")) as e:
+        decode(_mutated(Add(DESC), (1, "slo"), targets))
+    assert e.value.rids == (7,) and slo_checks == []     # the codec refused it, not SLO's own checks
 
 
 def _mutated(msg, path: tuple, value) -> bytes:

@@ -36,9 +36,10 @@ Instance -> router (each a :class:`Report`, carrying ``inst`` and ``gen``):
 - :class:`Heartbeat` "alive", from a thread of its own, whatever the engine is doing
 
 A request crosses the wire as a :class:`RequestDesc` (a short-keyed map: prompt ids,
-:class:`SamplingParams` as ``sp``, arrival, :class:`SLO` as ``{"ttft", "tpot"}``, SLO class,
-priority; in its ``add`` and again in its ``transfer``), checked where it is decoded (the
-dataclasses' own checks run there) and nowhere else on the way; the router and the
+:class:`SamplingParams` as ``sp``, arrival, :class:`WireSLO` as ``{"ttft", "tpot"}``, SLO class,
+priority; in its ``add`` and again in its ``transfer``), checked where it is decoded (by the
+field types; :class:`SamplingParams` also checks itself there) and nowhere else on the way: the
+SLO, checked at the API edge, is carried into the receiver's :class:`SLO` unchecked; the router and the
 instances build their :class:`Request` from it with :meth:`RequestDesc.request`, the one place one
 is built from a description.
 
@@ -69,6 +70,7 @@ Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 TokenId = Count
 Real = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]     # finite (NaN fails both)
 Prompt = Annotated[list[TokenId], Meta(min_length=1)]
+Target = Annotated[float, Meta(gt=0)]                                            # an SLO target, seconds
 
 
 class EpochClock:
@@ -120,6 +122,23 @@ def sampling_from_dict(d: Any) -> SamplingParams:
         raise ValueError(f"sampling parameters: {exc}") from None
 
 
+# ---- SLO targets -----------------------------------------------------------------------------------
+class WireSLO(Struct, frozen=True, gc=False):
+    """A request's SLO on the wire, ``{"ttft", "tpot"}``: each target ``None`` or a number > 0
+    (seconds), checked by the decoder, so the receiver builds its :class:`SLO` with
+    :meth:`SLO.trusted` instead of checking it again."""
+
+    ttft: Target | None = None
+    tpot: Target | None = None
+
+    @classmethod
+    def of(cls, slo: SLO) -> WireSLO:
+        return cls(slo.ttft, slo.tpot)
+
+    def to_slo(self) -> SLO:
+        return SLO.trusted(self.ttft, self.tpot)
+
+
 # ---- records ---------------------------------------------------------------------------------------
 class _Record(Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
     """A Struct sent as a list of its fields in declaration order."""
@@ -143,20 +162,20 @@ class StartInfo(_Record):
 
 class RequestDesc(Struct, frozen=True, forbid_unknown_fields=False):
     """One request as it crosses the wire: what an instance needs to build its :class:`Request`.
-    Sent as a short-keyed map, the SLO as ``{"ttft", "tpot"}`` (both dataclasses check themselves
-    as they decode). ``prompt`` is shared with the requests built from it, not copied."""
+    Sent as a short-keyed map, the SLO as a :class:`WireSLO` (its field types are its checks; the
+    sampling parameters check themselves as they decode). ``prompt`` is shared with the requests built from it, not copied."""
 
     rid: Int64
     prompt: Prompt
     sampling: SamplingParams = field(name="sp")
     arrival: Real = field()
-    slo: SLO = field(default_factory=SLO)
+    slo: WireSLO = field(default_factory=WireSLO)
     slo_class: str = field(default="default", name="cls")
     priority: Int64 = field(default=0, name="prio")
 
     @classmethod
     def describe(cls, req: Request) -> RequestDesc:
-        return cls(req.request_id, req.prompt_token_ids, req.sampling, req.arrival_time, req.slo,
+        return cls(req.request_id, req.prompt_token_ids, req.sampling, req.arrival_time, WireSLO.of(req.slo),
                    req.slo_class, req.priority)
 
     def request(self, *, rid: int | None = None, sampling: SamplingParams | None = None,
@@ -168,7 +187,7 @@ class RequestDesc(Struct, frozen=True, forbid_unknown_fields=False):
         the description's (a sample of an n-sample request)."""
         sampling = self.sampling if sampling is None else sampling
         req = Request(request_id=self.rid if rid is None else rid, arrival_time=self.arrival,
-                      prompt_len=len(self.prompt), max_output_tokens=sampling.max_tokens, slo=self.slo,
+                      prompt_len=len(self.prompt), max_output_tokens=sampling.max_tokens, slo=self.slo.to_slo(),
                       slo_class=self.slo_class, priority=self.priority, prompt_token_ids=self.prompt,
                       sampling=sampling)
         if out:
@@ -437,6 +456,7 @@ def decode(data: bytes, *, vocab_size: int | None = None) -> Message:
 _AT = re.compile(r" - at `\$([^`]*)`$")
 _STEP = re.compile(r"\[(\d+)\]|\.([^.\[]+)")
 _SHORT = re.compile(r"^Expected `array` of at least length \d+, got (\d+)$")
+_NOT_POSITIVE = re.compile(r"^Expected `float` > 0\.0$")
 _NOT_FINITE = re.compile(r"^Expected `float` [<>]= -?" + re.escape(repr(sys.float_info.max)) + "$")
 _MISSING = re.compile(r"^Object missing required field `([^`]+)`$")
 
@@ -451,6 +471,8 @@ def _explain(cls: type, exc: msgspec.ValidationError) -> str:
         steps = [int(i) if i else key for i, key in _STEP.findall(m.group(1))]
     if _NOT_FINITE.match(reason):
         reason = "must be a finite number"
+    elif _NOT_POSITIVE.match(reason):
+        reason = "must be a number > 0"
     names, typ = [], cls
     for step in steps:
         name, typ = _step(typ, step)

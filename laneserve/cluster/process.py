@@ -53,7 +53,7 @@ import zmq.asyncio
 from laneserve.runtime.spec import InstanceSpec, PolicySpec
 from laneserve.cluster.messages import (Abort, Add, EpochClock, Failed, Fatal, Handoff, InstanceInfo, Lane, Ready,
                                         RequestDesc, SampleStart, StartInfo, Stats, Stop, Tokens, Transfer, decode,
-                                        encode)
+                                        WireSLO, encode)
 from laneserve.cluster.transport import default_shm_dir, discard_descriptor
 from laneserve.cluster.worker import WorkerSpec
 from laneserve.core.prefix_summary import PrefixSummary
@@ -92,10 +92,11 @@ class ClusterSpec:
     num_decode: int = 1
     colocated: bool = False
     in_process: bool = False              # instances as threads of this process (colocated mode)
-    prefill_policy: str = DEFAULT_PREFILL_POLICY
-    decode_policy: str = DEFAULT_DECODE_POLICY
-    router: str = DEFAULT_ROUTER
-    decode_router: str = DEFAULT_DECODE_ROUTER   # auto: the decode policy's own (tpot-aware for adaptive)
+    #: typed policy specs, read once where they enter (the CLI: ``commands/serve.py``)
+    prefill_policy: PolicySpec = field(default_factory=lambda: PolicySpec.parse("prefill", DEFAULT_PREFILL_POLICY))
+    decode_policy: PolicySpec = field(default_factory=lambda: PolicySpec.parse("decode", DEFAULT_DECODE_POLICY))
+    router: PolicySpec = field(default_factory=lambda: PolicySpec.parse("router", DEFAULT_ROUTER))
+    decode_router: PolicySpec | None = None      # None: the decode policy's own (tpot-aware for adaptive)
     kv_tokens: int = 65536
     engine: dict[str, Any] = field(default_factory=dict)
     devices: tuple[str, ...] = ("cpu",)
@@ -112,13 +113,25 @@ class ClusterSpec:
     decode_tensor_parallel_size: int = 1
     restart_backoff: float = 0.5          # first restart delay (doubles per restart, at most 30 s)
 
+    def __post_init__(self) -> None:
+        """The policies arrive typed: a string here would be parsed again downstream."""
+        kinds = {"prefill_policy": "prefill", "decode_policy": "decode", "router": "router", "decode_router": "router"}
+        for name, kind in kinds.items():
+            value = getattr(self, name)
+            if name == "decode_router" and value is None:
+                continue
+            if not isinstance(value, PolicySpec) or value.kind != kind:
+                raise TypeError(f"ClusterSpec.{name} must be a {kind} PolicySpec (the CLI text read once with "
+                                f"PolicySpec.parse), got {value!r}")
+
     @property
     def deployment(self) -> Deployment:
         """Topology, policies and routers, as every driver reads them (the cluster runtime's);
         a :class:`ProcessCluster` reads it once (this spec is mutable until then)."""
         return Deployment(mode="colocated" if self.colocated else "disaggregated", num_prefill=self.num_prefill,
                           num_decode=self.num_decode, prefill_policy=self.prefill_policy,
-                          decode_policy=self.decode_policy, router=self.router, decode_router=self.decode_router)
+                          decode_policy=self.decode_policy, router=self.router,
+                          decode_router=self.decode_router or DEFAULT_DECODE_ROUTER)
 
     def tensor_parallel_size(self, role: str) -> int:
         """The tensor-parallel degree of ``role``'s instances (colocated ones take the prefill degree)."""
@@ -512,7 +525,8 @@ class ProcessCluster:
         self.admission(len(prompt_ids))
         rids = [next(self._ids) for _ in range(sampling.n)]
         now = self.clock.now()
-        desc = RequestDesc(rids[0], prompt_ids, sampling, now if arrival is None else arrival, slo, slo_class, priority)
+        desc = RequestDesc(rids[0], prompt_ids, sampling, now if arrival is None else arrival, WireSLO.of(slo),
+                           slo_class, priority)
         req = desc.request()                  # the router's copy, for its policies
         h = self.runtime.admit(req, now)       # the prefill (or colocated) instance
         msg = encode(Add(desc, tuple(rids[1:])))   # may raise
@@ -764,7 +778,8 @@ class ProcessCluster:
     def state(self) -> dict[str, Any]:
         s = self.spec
         return {"mode": "colocated" if s.colocated else "disaggregated", "worker": s.worker,
-                "prefill_policy": s.prefill_policy, "decode_policy": s.decode_policy, "router": s.router,
+                "prefill_policy": str(s.prefill_policy), "decode_policy": str(s.decode_policy),
+                "router": str(s.router),
                 "decode_router": self.decode_router.name if self.decode_router is not None else None,
                 # decode steps the router's online model has learned from (None: it reads none)
                 "decode_router_steps": (self.decode_router.learner.observations

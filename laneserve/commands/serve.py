@@ -246,10 +246,11 @@ def build_server(args: argparse.Namespace, log=None):
     apply_vllm_flags(args, log)
     model = _model_folder(args, log)
     transport = _check_deployment(args)
+    policies = policy_specs(args)
     name = args.served_model_name or (Path(model).name if model is not None else "laneserve-stub")
     args.served_model_name = name              # make_defaults: the name a request without 'model' gets
     engine = _engine_options(args)
-    spec = _cluster_spec(args, model, engine, transport)
+    spec = _cluster_spec(args, model, engine, transport, policies)
     if args.ray_address:
         from laneserve.cluster.ray_cluster import RayCluster
         cluster = RayCluster(spec, args.ray_address, log=log)
@@ -279,8 +280,8 @@ def _model_folder(args: argparse.Namespace, log):
 
 
 def _check_deployment(args: argparse.Namespace) -> str:
-    """Check the deployment flags (process model, KV transport, instance counts, policy names);
-    the KV transport to use. ValueError naming the flag at fault."""
+    """Check the deployment flags (process model, KV transport, instance counts; the policies:
+    :func:`policy_specs`); the KV transport to use. ValueError naming the flag at fault."""
     from laneserve.cluster.transport import available_transports
     if args.in_process and not args.colocated:
         raise ValueError("--in-process needs --colocated")
@@ -297,11 +298,21 @@ def _check_deployment(args: argparse.Namespace) -> str:
         raise ValueError("--max-request-bytes must be at least 1024")
     if args.prefill < 1 or (not args.colocated and args.decode < 1):
         raise ValueError("need at least one prefill and one decode instance (or --colocated)")
-    from laneserve.policies import registry
-    for kind, spec in (("prefill", args.prefill_policy), ("decode", args.decode_policy), ("router", args.router),
-                       ("router", registry.decode_router_for(args.decode_policy, args.decode_router))):
-        registry.resolve(kind, spec)        # unknown names fail here, listing the valid ones
     return transport
+
+
+def policy_specs(args: argparse.Namespace) -> dict:
+    """The typed specs of the policy flags (their text is the CLI's syntax only: read here, once,
+    and carried typed from here on); ValueError naming the bad option or listing the valid names.
+    ``--decode-router-policy auto`` is resolved here to the decode policy's own router."""
+    from laneserve.policies import registry
+    from laneserve.policies.spec import PolicySpec
+    specs = {"prefill_policy": PolicySpec.parse("prefill", args.prefill_policy),
+             "decode_policy": PolicySpec.parse("decode", args.decode_policy),
+             "router": PolicySpec.parse("router", args.router)}
+    specs["decode_router"] = PolicySpec.parse("router", registry.decode_router_for(specs["decode_policy"],
+                                                                                   args.decode_router))
+    return specs
 
 
 def host_kv_blocks(args: argparse.Namespace) -> int:
@@ -328,13 +339,12 @@ def _engine_options(args: argparse.Namespace) -> dict:
     return engine
 
 
-def _cluster_spec(args: argparse.Namespace, model, engine: dict, transport: str):
+def _cluster_spec(args: argparse.Namespace, model, engine: dict, transport: str, policies: dict):
     from laneserve.cluster.process import ClusterSpec
     return ClusterSpec(model=str(model) if model is not None else "", num_prefill=args.prefill,
                        num_decode=args.decode, colocated=args.colocated,
                        in_process=args.colocated and args.in_process,
-                       prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, router=args.router,
-                       decode_router=args.decode_router, kv_tokens=args.kv_tokens, engine=engine,
+                       **policies, kv_tokens=args.kv_tokens, engine=engine,
                        devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
                        transport=transport, worker="stub" if args.stub else "engine",
                        stub_token_delay=args.stub_token_delay, max_inflight=args.max_inflight,

@@ -1,4 +1,6 @@
-"""Service-level objectives: per-request TTFT and TPOT targets, and named SLO classes."""
+"""Service-level objectives: per-request TTFT and TPOT targets, and named SLO classes. An SLO is
+checked once, where it enters (the API edge, a workload, the CLI); a value already checked
+elsewhere (the wire codec's typed fields) is carried in with :meth:`SLO.trusted`, not checked again."""
 
 from __future__ import annotations
 
@@ -17,6 +19,15 @@ class SLO:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"SLO {name} must be > 0 seconds, got {v!r}")
+
+    @classmethod
+    def trusted(cls, ttft: float | None, tpot: float | None) -> SLO:
+        """The SLO of targets already checked (each None or > 0, e.g. by the wire codec's field
+        types), built without running the checks again."""
+        slo = object.__new__(cls)
+        object.__setattr__(slo, "ttft", ttft)
+        object.__setattr__(slo, "tpot", tpot)
+        return slo
 
     def scaled(self, factor: float) -> SLO:
         """The same SLO with both targets multiplied by ``factor`` (SLO-scale sweeps)."""

@@ -106,8 +106,11 @@ def _checked(cls: type[PolicyOptions], opts: dict[str, Any], what: str) -> Polic
 
 
 def factory(kind: str, name: str) -> Callable[..., Any]:
-    """The factory registered as ``name`` (an alias resolved) of ``kind``."""
-    return _REGISTRIES[kind][canonical_name(kind, name)]
+    """The factory registered as ``name`` (an alias resolved) of ``kind``; a registered name (a
+    typed spec's) is looked up as it is, not read as spec text."""
+    _ensure_loaded()
+    found = _REGISTRIES[kind].get(name)
+    return found if found is not None else _REGISTRIES[kind][canonical_name(kind, name)]
 
 
 def canonical_name(kind: str, spec: str) -> str:

@@ -59,8 +59,8 @@ class Deployment:
     prefill_policy: str | PolicySpec = DEFAULT_PREFILL_POLICY
     decode_policy: str | PolicySpec = DEFAULT_DECODE_POLICY
     colocated_policy: str | PolicySpec | None = None
-    router: str = DEFAULT_ROUTER
-    decode_router: str = DEFAULT_DECODE_ROUTER
+    router: str | PolicySpec = DEFAULT_ROUTER
+    decode_router: str | PolicySpec = DEFAULT_DECODE_ROUTER
     #: (front policy, decode policy) as typed specs, resolved once in ``__post_init__``
     specs: tuple[PolicySpec, PolicySpec | None] = field(init=False, repr=False, compare=False)
 
