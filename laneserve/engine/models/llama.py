@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from laneserve.engine.attention import AttentionBackend
 from laneserve.engine.kv_cache import PagedKVCache
 from laneserve.engine.models.config import ModelConfig
+from laneserve.engine.models.decoder import DecoderModel
 from laneserve.engine.models.moe import MoEWeights, moe_down, moe_gate_up
 from laneserve.engine.models.rope import Rotary, apply_rotary
 
@@ -66,39 +67,17 @@ class StepTensors:
     attn_meta: object
 
 
-class LlamaModel:
+class LlamaModel(DecoderModel):
     """Weights plus the operator-by-operator forward. Not an ``nn.Module``: plain tensors and
     ``torch.nn.functional`` calls, run under ``torch.inference_mode``."""
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, tokenizer: object | None = None,
                  path: str | None = None) -> None:
-        self.config = config
-        self.embed = embed
+        super().__init__(config, embed, lm_head, tokenizer, path)
         self.layers = layers
         self.final_norm = final_norm
-        self.lm_head = lm_head
-        self.tokenizer = tokenizer
-        self.path = path
         self.rotary = Rotary(config, embed.device)
-        #: tensor-parallel communicator (``engine/tp/comm.py``); None on a single rank
-        self.comm = None
-        #: first vocabulary id of this rank's embedding / LM-head rows (vocab-parallel)
-        self.vocab_start = 0
-        #: the whole vocabulary (the rows of ``lm_head`` are a part of it on a sharded model)
-        self.vocab_size = config.vocab_size
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
-
-    @property
-    def num_operators(self) -> int:
-        return self.config.num_layers * 5
 
     def steps(self, batch: StepTensors, kv: PagedKVCache,
               attention: AttentionBackend) -> Generator[str, None, torch.Tensor]:
@@ -107,7 +86,7 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         hidden_size, head_dim = cfg.hidden_size, cfg.head_dim
         n = batch.num_tokens
-        h = self._embed(batch.input_ids)
+        h = self._embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
         for index, w in enumerate(self.layers):
             # qkv_proj
@@ -153,20 +132,6 @@ class LlamaModel:
                 break
             yield "down"
         last = h.index_select(0, batch.logit_rows)
-        logits = F.linear(F.rms_norm(last, (hidden_size,), self.final_norm, eps), self.lm_head)
-        if self.comm is not None:
-            logits = self.comm.gather_logits(logits, self.vocab_size)
+        logits = self._logits(F.rms_norm(last, (hidden_size,), self.final_norm, eps))
         yield "down"
-        return logits.float()
-
-    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """A row-parallel projection's output summed over the ranks (identity on one rank)."""
-        return partial if self.comm is None else self.comm.all_reduce(partial)
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.comm is None:
-            return F.embedding(input_ids, self.embed)
-        local = input_ids - self.vocab_start        # vocab-parallel: ids outside this part give 0
-        outside = (local < 0) | (local >= self.embed.shape[0])
-        h = F.embedding(local.masked_fill(outside, 0), self.embed)
-        return self.comm.all_reduce(h.masked_fill(outside[:, None], 0.0))
+        return logits

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from laneserve.engine.attention import AttentionBackend
 from laneserve.engine.kv_cache import PagedKVCache
 from laneserve.engine.models.config import ModelConfig
+from laneserve.engine.models.decoder import DecoderModel
 from laneserve.engine.models.llama import StepTensors
 
 
@@ -65,7 +66,7 @@ class OPTEmbeddings:
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu}
 
 
-class OPTModel:
+class OPTModel(DecoderModel):
     """Weights plus the operator-by-operator forward; the same attributes the runner, the bucket
     runner and the executor use on :class:`~laneserve.engine.models.llama.LlamaModel`."""
 
@@ -73,50 +74,16 @@ class OPTModel:
                  tokenizer: object | None = None, path: str | None = None) -> None:
         if config.opt is None:
             raise ValueError(f"{config.architecture}: not an OPT config")
-        self.config = config
+        super().__init__(config, emb.tokens, emb.lm_head, tokenizer, path)
         self.emb = emb
-        self.embed = emb.tokens
         self.layers = layers
-        self.lm_head = emb.lm_head
-        self.tokenizer = tokenizer
-        self.path = path
-        #: tensor-parallel communicator (``engine/tp/comm.py``); None on a single rank
-        self.comm = None
-        #: first vocabulary id of this rank's embedding / LM-head rows (vocab-parallel)
-        self.vocab_start = 0
-        #: the whole vocabulary (the rows of ``lm_head`` are a part of it on a sharded model)
-        self.vocab_size = config.vocab_size
         self._act = _ACTIVATIONS[config.opt.activation]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
-
-    @property
-    def num_operators(self) -> int:
-        return self.config.num_layers * 5
 
     def _norm(self, x: torch.Tensor, wb: tuple[torch.Tensor | None, torch.Tensor | None]) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), wb[0], wb[1], self.config.rms_norm_eps)
 
-    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """A row-parallel projection's output summed over the ranks (identity on one rank)."""
-        return partial if self.comm is None else self.comm.all_reduce(partial)
-
-    def _token_embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.comm is None:
-            return F.embedding(input_ids, self.emb.tokens)
-        local = input_ids - self.vocab_start        # vocab-parallel: ids outside this part give 0
-        outside = (local < 0) | (local >= self.emb.tokens.shape[0])
-        h = F.embedding(local.masked_fill(outside, 0), self.emb.tokens)
-        return self.comm.all_reduce(h.masked_fill(outside[:, None], 0.0))
-
     def _embed(self, batch: StepTensors) -> torch.Tensor:
-        h = self._token_embedding(batch.input_ids)
+        h = self._embed_tokens(batch.input_ids)
         if self.emb.project_in is not None:
             h = F.linear(h, self.emb.project_in)
         return h + F.embedding(batch.positions + self.config.opt.position_offset, self.emb.positions)
@@ -164,11 +131,9 @@ class OPTModel:
             last = self._norm(last, self.emb.final_norm)
         if self.emb.project_out is not None:
             last = F.linear(last, self.emb.project_out)
-        logits = F.linear(last, self.lm_head)
-        if self.comm is not None:
-            logits = self.comm.gather_logits(logits, self.vocab_size)
+        logits = self._logits(last)
         yield "down"
-        return logits.float()
+        return logits
 
 
 def opt_from_checkpoint(take: Callable[..., torch.Tensor | None], names: set[str], cfg: ModelConfig,
