@@ -175,8 +175,9 @@ def live() -> dict:
                    json=chat_body(MODEL, {"response_format": {"type": "json_object"}}, max_tokens=8))
         rss0 = {k: rss_mb(p) for k, p in pids.items()}
         stop = threading.Event()
-        health_stop, (health_out, health_in) = mp.get_context("spawn").Event(), mp.get_context("spawn").Pipe(False)
-        poller = mp.get_context("spawn").Process(target=poll_health, args=(server.url, health_stop, health_in))
+        spawn = mp.get_context("spawn")
+        health_stop, (health_out, health_in) = spawn.Event(), spawn.Pipe(False)
+        poller = spawn.Process(target=poll_health, args=(server.url, health_stop, health_in), daemon=True)
         poller.start()
         ordinary_s: list[float] = []
         client = httpx.Client(timeout=60)     # one client (one TLS context) for every sender thread
