@@ -18,9 +18,10 @@ more requests of the same mix keep arriving at ``LIVE_RATE``. Each policy event 
   stops the step at the next operator boundary, as the simulator does).
 
 Per policy and event: count, mean, p99 and max (wall and CPU time); the prefill rows also give the
-refits seen, the slowest decision right after one (``max_after_refit_ms``) and the most requests a
-single decision re-predicted one at a time (``max_rekeys``: S-EDF's queue re-keys, Kairos'
-durations read one by one; 0 where the policy keeps none).
+refits seen, the slowest decision right after one (``max_after_refit_ms``) and the most a single
+decision re-predicted one at a time (``max_rekeys``: S-EDF's queue counts groups of requests that
+share a size class and step-token count, Kairos durations read one by one; 0 where the policy
+keeps none).
 
 A decode policy gets ``N`` prefilled requests of the ``short_long_mix`` workload (80% 32-256
 tokens, 20% 4-8K; KV transferred, first token out) arriving over ``FILL_SECONDS`` and runs
@@ -147,7 +148,8 @@ def distinct_specs(kind: str) -> list[str]:
 
 # ---- prefill ---------------------------------------------------------------------------------
 def _rekeys(sched) -> int:
-    """Requests the policy re-predicted one at a time so far (0 where it keeps no such count)."""
+    """What the policy re-predicted one at a time so far (S-EDF: groups; Kairos: requests; 0 where
+    it keeps no such count)."""
     queue = getattr(getattr(sched, "ordering", None), "queue", None)   # S-EDF's ordering (sedf, adaptive)
     return getattr(queue, "rekeys", 0) + getattr(sched, "recomputed", 0)
 

@@ -1,6 +1,6 @@
 """Predictor refits re-key the prefill queues incrementally: the order after any sequence of
 refits, time steps and membership changes equals a full re-prediction, and no single decision
-re-predicts a number of requests that grows with the queue (counted, not timed)."""
+re-predicts or re-files a number of requests that grows with the queue (counted, not timed)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from laneserve.policies.predictors import LearnedCostModel
 from laneserve.policies.prefill.mechanisms.kairos_slots import linear_prefill_times
 from laneserve.policies.prefill.mechanisms.priority import ORDERINGS, sedf_key
 from laneserve.policies.prefill.mechanisms import sedf_queue
-from laneserve.policies.prefill.mechanisms.sedf_queue import (BULK_FLIP, MIGRATE_BATCH, SignedDeadlineQueue,
-                                                              class_range, refit_bounds, size_class)
+from laneserve.policies.prefill.mechanisms.sedf_queue import (MIGRATE_BATCH, SignedDeadlineQueue, class_range,
+                                                              refit_bounds, size_class)
 from laneserve.sim.executor import SimExecutor
 
 COST = make_cost_model(model="llama-3-8b", hardware="h100")
@@ -51,13 +51,43 @@ def reference_order(queue: SignedDeadlineQueue, predictor: Quadratic, tokens: di
     return sorted(sedf_key(r, now, predictor(tokens[r.request_id])) for r in queue._reqs.values())
 
 
-@pytest.mark.parametrize("bulk_flip,vector", [(BULK_FLIP, sedf_queue._VECTOR), (0, sedf_queue._VECTOR), (0, 0)])
+def check_walks(queue: SignedDeadlineQueue, reference: list, rng: random.Random) -> None:
+    """``top`` is the reference's first key; a walk after any key (started or not) is the
+    reference's rest, less only members of size classes wholly at or above the walk's bound."""
+    top = queue.top()
+    assert (top[0] if top else None) == (reference[0] if reference else None)
+    if not reference:
+        return
+    after = rng.choice(reference) if rng.random() < 0.8 else (rng.choice((0, 1, 2)), rng.uniform(-5, 50), 0.0, -1)
+    bound = rng.choice((10**9, 5000, 300, 64, 9))
+    got = [r.request_id for r in queue.ordered_below(after, lambda: bound)]
+    rest = [k[3] for k in reference if k > after]
+    kept = set(got)
+    assert [rid for rid in rest if rid in kept] == got                 # the reference's order
+    lengths = {rid: queue._reqs[rid].remaining_prefill for rid in rest}
+    assert all(rid in kept for rid in rest if class_range(size_class(lengths[rid]))[0] < bound)
+
+
+def check_groups(queue: SignedDeadlineQueue) -> None:
+    """Every member is in exactly one group or static class, and each group's class is its members'."""
+    seen = 0
+    for (c, tokens), group in queue._groups.items():
+        assert group.cls == c and len(group.members) > 0
+        for member in group.members:
+            req = queue._reqs[member[2]]
+            assert size_class(req.remaining_prefill) == (c if c >= 0 else -1 - c)
+        seen += len(group.members)
+    seen += sum(len(members) for members in queue._static_classes.values())
+    assert seen == len(queue)
+
+
+@pytest.mark.parametrize("migrate", [MIGRATE_BATCH, 0, 1])
 @pytest.mark.parametrize("seed", range(6))
-def test_refits_keep_the_order_of_a_full_reprediction(seed, bulk_flip, vector, monkeypatch):
-    """With ``bulk_flip`` 0 nearly every flip and due migration goes through the bulk passes, with
-    ``vector`` 0 every flip scan too runs on arrays."""
-    monkeypatch.setattr(sedf_queue, "BULK_FLIP", bulk_flip)
-    monkeypatch.setattr(sedf_queue, "_VECTOR", vector)
+def test_refits_keep_the_order_of_a_full_reprediction(seed, migrate, monkeypatch):
+    """Arrivals, departures, refits, steps forward and back; deadlines shared by several requests
+    (arrivals on a 0.1 s grid) and step tokens shared by many (capped as in chunked prefill).
+    With ``migrate`` 0 the older generations drain only through their due groups."""
+    monkeypatch.setattr(sedf_queue, "MIGRATE_BATCH", migrate)
     rng = random.Random(seed)
     predictor = Quadratic(random_coefficients(rng))
     tokens: dict[int, int] = {}
@@ -66,10 +96,12 @@ def test_refits_keep_the_order_of_a_full_reprediction(seed, bulk_flip, vector, m
     for _ in range(300):
         for _ in range(rng.randint(0, 12)):                     # arrivals
             arrival = now + rng.uniform(-0.5, 0.0)
+            if rng.random() < 0.2:
+                arrival = round(arrival, 1)
             prompt = rng.randint(2000, 12000) if rng.random() < 0.2 else rng.randint(8, 300)
             ttft = rng.choice((0.1, 0.3, 1.0, 4.0, None))
             req = Request(next_id, arrival, prompt, 1, SLO(ttft=ttft, tpot=None))
-            tokens[next_id] = prompt
+            tokens[next_id] = prompt if rng.random() < 0.5 else min(prompt, 64)
             queue.add(req)
             live.append(next_id)
             next_id += 1
@@ -80,10 +112,38 @@ def test_refits_keep_the_order_of_a_full_reprediction(seed, bulk_flip, vector, m
             predictor.refit(random_coefficients(rng))
         now += rng.choice((0.0, 0.01, 0.05, 0.3, 1.0)) if rng.random() > 0.05 else -0.2   # a step back too
         queue.advance(now)
-        assert [k for k, _ in queue.ordered()] == reference_order(queue, predictor, tokens, now)
-        for c, members in queue._classes.items():               # the size classes agree with the order
-            assert all(size_class(queue._reqs[k[3]].remaining_prefill) == (c if c >= 0 else -1 - c) for k in members)
-        assert sum(len(m) for m in queue._classes.values()) == len(queue)
+        reference = reference_order(queue, predictor, tokens, now)
+        assert [k for k, _ in queue.ordered()] == reference
+        check_walks(queue, reference, rng)
+        check_groups(queue)
+
+
+def test_removals_during_a_walk_leave_the_rest_in_order():
+    """Members removed while a walk is under way (those yielded and those ahead of it) are not
+    yielded; every other member is, in the reference order."""
+    rng = random.Random(7)
+    predictor = Quadratic((0.01, 1e-4, 1e-9))
+    queue = SignedDeadlineQueue("sedf", predictor, lambda r: min(r.prompt_len, 128))
+    for i in range(3_000):
+        queue.add(Request(i, round(rng.uniform(0.0, 2.0), 1), rng.randint(1, 4000), 1,
+                          SLO(ttft=rng.choice((0.3, 1.0, 4.0, None)), tpot=None)))
+    now = 1.5
+    queue.advance(now)
+    reference = [k for k, _ in queue.ordered()]
+    assert reference == reference_order(queue, predictor, {r.request_id: min(r.prompt_len, 128)
+                                                           for r in queue._reqs.values()}, now)
+    assert {k[0] for k in reference} == {0, 1, 2}
+    removed, got = set(), []
+    for key, req in queue.ordered():
+        got.append(key)
+        if rng.random() < 0.3:
+            queue.discard(req.request_id)                       # the one yielded
+        if rng.random() < 0.3:
+            ahead = rng.choice(reference)
+            if ahead > key and ahead[3] in queue:
+                queue.discard(ahead[3])                         # one not reached yet
+                removed.add(ahead)
+    assert got == [k for k in reference if k not in removed]
 
 
 def test_size_classes_partition_the_token_counts_in_order():
@@ -198,27 +258,43 @@ def flip_burst(spec: str, n: int, seed: int) -> tuple:
     return sched, learner
 
 
-@pytest.mark.parametrize("spec", ["sedf", "adaptive"])
-def test_flip_bursts_move_a_bounded_number_of_keys_one_by_one(spec):
+def negatives(queue: SignedDeadlineQueue) -> set[int]:
+    return {k[3] for k, _ in queue.ordered() if k[0] == 2}
+
+
+@pytest.mark.parametrize("spec", ["sedf", "sedf-chunk"])
+def test_flip_bursts_search_groups_not_members(spec):
     """A burst whose TTFT classes turn negative together, with the predictor refitting early:
-    decisions re-predict thousands of requests at once, but the keys moved one at a time per
-    decision stay within the one-by-one thresholds (the rest go through the bulk passes)."""
+    single decisions turn thousands of requests negative, but the queue searches one split per
+    group (a size class and step-token count) whose boundary may have moved and re-predicts one
+    group at a time: the work of a decision is bounded by the groups, not by the members that
+    flip."""
     padded = make_cost_model(model="llama-3-8b", hardware="h100", attention="padded")
-    for n in (2_000, 8_000):
-        sched, learner = flip_burst(spec, n, seed=2)
-        queue = sched.ordering.queue
-        now, executor, most_moves, most_rekeys = 0.01, SimExecutor(padded), 0, 0
-        sched.schedule(now)
-        for _ in range(120):
-            moves, rekeys = queue.moves, queue.rekeys
-            plan = sched.schedule(now)
-            most_moves = max(most_moves, queue.moves - moves)
-            most_rekeys = max(most_rekeys, queue.rekeys - rekeys)
-            if plan is None:
-                break
-            now = run_step(sched, learner, executor, plan, now)
-        assert most_rekeys > n // 8, (n, most_rekeys)              # the burst re-keys in bulk
-        assert most_moves <= 2 * (BULK_FLIP + n // 64) + MIGRATE_BATCH, (n, most_moves)
+    n = 4_000
+    sched, learner = flip_burst(spec, n, seed=2)
+    queue = sched.ordering.queue
+    now, executor = 0.01, SimExecutor(padded)
+    sched.schedule(now)
+    most_flipped, work_then, most_work = 0, 0, 0
+    before = negatives(queue)
+    for _ in range(80):
+        searches, rekeys, groups = queue.searches, queue.rekeys, len(queue._groups)
+        plan = sched.schedule(now)
+        after = negatives(queue)
+        flipped = len(after - before)
+        work = (queue.searches - searches, queue.rekeys - rekeys)
+        assert work[0] <= groups + 1 and work[1] <= groups + 1, (work, groups)     # each group at most once
+        most_work = max(most_work, work[0])
+        if flipped > most_flipped:
+            most_flipped, work_then = flipped, work[0]
+        if plan is None:
+            break
+        now = run_step(sched, learner, executor, plan, now)
+        before = negatives(queue)
+    assert learner.prefill_version >= 5
+    assert most_flipped > n // 5, most_flipped                 # a whole TTFT class in one decision
+    if spec == "sedf-chunk":                                     # step tokens capped: few groups
+        assert work_then < most_flipped // 2 and most_work < n // 8, (work_then, most_flipped, most_work)
 
 
 class CountedPredictor:
@@ -239,10 +315,10 @@ class CountedPredictor:
         return self.predict(n)
 
 
-def test_flip_burst_refits_ask_the_predictor_once_per_step_token_count():
-    """sedf-chunk in the flip burst: after the early refits single decisions re-predict thousands
-    of queued requests (a whole TTFT class near its flip point), but ask the predictor at most once
-    per distinct step-token count of the queue, beyond the members handled one at a time."""
+def test_flip_burst_refits_ask_the_predictor_once_per_group():
+    """sedf-chunk in the flip burst: after the early refits single decisions re-predict whole
+    TTFT classes near their flip point, asking the predictor once per group (size class and
+    step-token count) they hold, not once per request."""
     padded = make_cost_model(model="llama-3-8b", hardware="h100", attention="padded")
     n = 8_000
     sched, learner = flip_burst("sedf-chunk", n, seed=2)
@@ -251,15 +327,15 @@ def test_flip_burst_refits_ask_the_predictor_once_per_step_token_count():
     now, executor, decisions = 0.01, SimExecutor(padded), []
     sched.schedule(now)
     for _ in range(60):
-        calls, rekeys, distinct, size = counted.calls, queue.rekeys, len(set(queue._tokens.values())), len(queue)
+        calls, rekeys, groups = counted.calls, queue.rekeys, len(queue._groups)
         plan = sched.schedule(now)
-        decisions.append((queue.rekeys - rekeys, counted.calls - calls, distinct, size))
+        decisions.append((queue.rekeys - rekeys, counted.calls - calls, groups))
         now = run_step(sched, learner, executor, plan, now)
     assert learner.prefill_version >= 5
-    rekeys, calls, distinct, _ = max(decisions)
-    assert rekeys > n // 4 and distinct < n // 16, (rekeys, distinct)          # whole classes re-predicted
-    for rekeys, calls, distinct, size in decisions:
-        assert calls <= distinct + BULK_FLIP + size // 64 + MIGRATE_BATCH, (rekeys, calls, distinct)
+    rekeys, calls, groups = max(decisions)
+    assert rekeys > groups // 4 and groups < n // 8, (rekeys, groups)      # whole classes re-predicted
+    for rekeys, calls, groups in decisions:
+        assert calls == rekeys <= groups, (rekeys, calls, groups)
 
 
 @pytest.mark.parametrize("attention", ["ragged", "padded"])
@@ -303,20 +379,22 @@ def test_kairos_refit_recomputes_no_duration_one_by_one(spec):
     assert learner.prefill_version >= 7
 
 
-def test_dedf_class_flips_go_in_bulk_in_the_reference_order():
+def test_dedf_class_flips_search_each_group_once_in_the_reference_order():
     """D-EDF with 20K queued in three TTFT classes: when a class's deadlines pass together (one
-    decision flipping thousands), no key moves one at a time and the order is the reference's."""
+    decision flipping thousands), the decision searches at most one split per group (size class)
+    and the order is the reference's."""
     queue = SignedDeadlineQueue("dedf", lambda n: 0.0, lambda r: r.prompt_len)
     rng = random.Random(4)
     for i in range(20_000):
         queue.add(Request(i, 0.01 * rng.random(), rng.randint(1, 400), 1,
                           SLO(ttft=rng.choice((0.3, 1.0, 4.0)), tpot=None)))
     queue.advance(0.1)
+    assert len(queue._groups) < 50
     for now in (0.305, 0.32, 1.02, 4.1):
-        moves, negative = queue.moves, sum(k[0] == 2 for k, _ in queue.ordered())
+        searches, negative = queue.searches, sum(k[0] == 2 for k, _ in queue.ordered())
         queue.advance(now)
         flipped = sum(k[0] == 2 for k, _ in queue.ordered()) - negative
-        assert flipped > 1_000 and queue.moves == moves, (now, flipped)
+        assert flipped > 1_000 and queue.searches - searches <= len(queue._groups), (now, flipped)
         assert [k for k, _ in queue.ordered()] == sorted(
             ORDERINGS["dedf"](r, now, 0.0) for r in queue._reqs.values())
 

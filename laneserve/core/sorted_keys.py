@@ -109,6 +109,47 @@ class SortedKeys:
             return i, 0
         return i, bisect_right(self._blocks[i], key)
 
+    def after(self, key: Any) -> Any | None:
+        """The least key greater than ``key`` (which need not be present), or None."""
+        i = bisect_right(self._maxes, key)
+        if i == len(self._maxes):
+            return None
+        block = self._blocks[i]
+        return block[bisect_right(block, key)]
+
+    def before(self, key: Any) -> Any | None:
+        """The greatest key less than ``key`` (which need not be present), or None."""
+        i = bisect_left(self._maxes, key)
+        if i < len(self._maxes):
+            block = self._blocks[i]
+            j = bisect_left(block, key)
+            if j:
+                return block[j - 1]
+        return self._blocks[i - 1][-1] if i else None
+
+    def partition(self, pred: Any) -> Any | None:
+        """The least key for which ``pred`` is false, or None when it holds for every key;
+        ``pred`` must hold on a prefix of the keys (true, then false). O(log n) calls of it."""
+        maxes = self._maxes
+        lo, hi = 0, len(maxes)
+        while lo < hi:                        # the first block whose greatest key fails
+            mid = (lo + hi) // 2
+            if pred(maxes[mid]):
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == len(maxes):
+            return None
+        block = self._blocks[lo]
+        a, b = 0, len(block) - 1              # block[b] fails
+        while a < b:
+            mid = (a + b) // 2
+            if pred(block[mid]):
+                a = mid + 1
+            else:
+                b = mid
+        return block[a]
+
     def walk(self, after: Any = None) -> Iterator[Any]:
         """Keys in order, greater than ``after`` when it is given, lazily. Keys deleted during
         the walk are not yielded once deleted; keys added during it may be."""

@@ -1,75 +1,66 @@
 """FlowPrefill's waiting queue in priority order, maintained per event instead of re-sorted per
 decision.
 
-A request's key (:func:`~laneserve.policies.prefill.mechanisms.priority.sedf_key`) is static except for the
-sign of its slack ``x = deadline − now − p`` (``p`` = TTFT̂ of its step tokens for S-EDF, 0 for
-D-EDF). With ``p`` fixed the sign flips once, from + to −, when ``now`` passes ``deadline − p``.
-So:
+A request's key (:func:`~laneserve.policies.prefill.mechanisms.priority.sedf_key`) is static except
+for the sign of its slack ``x = deadline − now − p`` (``p`` = TTFT̂ of its step tokens for S-EDF, 0
+for D-EDF): ``(0, d, arrival, id)`` while ``x ≥ 0``, ``(2, −d, arrival, id)`` once it is negative,
+``(1, 0, arrival, id)`` without a deadline. No key is stored per member; the sign is read off a
+*group*'s split point:
 
-- one sorted set (:class:`~laneserve.core.sorted_keys.SortedKeys`) of keys ``(0, d, arrival, id)``
-  (slack ≥ 0), ``(1, 0, arrival, id)`` (no deadline) and ``(2, −d, arrival, id)`` (slack < 0): the
-  group number leads, so its order is the full priority order;
-- per member with a deadline, one *entry* in a sorted set: a flip check ``(d − p − tol, id)`` while
-  its key is positive, an unflip check ``(d − p + tol, id)`` while it is negative (``tol`` covers
-  the rounding difference between ``d − p`` and ``(d − now) − p``). :meth:`advance` walks the
-  flip checks that are due and re-evaluates the sign with the exact float expression of the
-  reference key (a request still non-negative stays and is checked again next time); a flip
-  moves one key;
-- ``p`` of a request is computed from its step tokens as filed when it enters (they do not change
-  while it waits).
+- **Groups.** The members with a deadline are grouped by (size class, step-token count): one
+  group shares one prediction ``p`` (the step tokens are filed when a request enters and do not
+  change while it waits). A group keeps its members sorted by ``(d, arrival, id)``. For fixed
+  ``now`` and ``p`` the reference's sign test ``d − now − p < 0`` is monotone in ``d`` (a float
+  subtraction never decreases when its first operand grows), so the negative members are a prefix:
+  the group stores only the first positive member (``split``), found by bisection with the
+  reference's own float expression. A whole TTFT class going late together moves each group's
+  split once — O(groups · log members), whatever the number of members that flip.
+- **The order** is a lazy merge of the groups' two *parts* — the positive part walked forward
+  (``d`` ascending), the negative part backward (``d`` descending; members sharing ``d`` by
+  ``(arrival, id)``) — and the members without a deadline (one sorted set, as every member of the
+  orderings whose keys never change: EDF, FCFS). A sorted set holds each part's first key
+  (``heads``), so :meth:`top` is one lookup and a walk starts from that list (already a heap).
+- **Flip checks.** Per group one flip check ``(d_split − p − tol, group)`` (its first positive
+  member's flip point) and one unflip check ``(d_last − p + tol, group)`` (its last negative
+  member's); ``tol`` covers the rounding difference between ``d − p`` and ``(d − now) − p``.
+  :meth:`advance` re-bisects the groups whose flip check is due (and, after a step back in time,
+  those whose unflip check is); a group still non-negative stays and is checked again next time.
 
 **Refits without a rebuild.** An online predictor refits now and then (its ``version`` changes):
-every ``p`` changes, so every sign may. Re-predicting the whole queue at once is O(n) work in
-one decision, so it is not done. The members are grouped in *generations*, one per fit their
-``p`` was computed under; each generation files its entries by the bit length of the step tokens
-(a *band*: ``[2^(b−1), 2^b)`` tokens). When the predictor refits, a new generation starts (new
-members join it) and, for every older generation and band, the largest rise ``up`` and fall
-``down`` of the prediction between the two fits over the band's token range bound how far any
-member's flip point ``d − p`` moved. A positive member can only have turned negative if its stored
-flip check is within ``up`` of ``now``, a negative member only positive again if its unflip check
-is within ``down`` of it: at every :meth:`advance` exactly those are re-predicted (moved to the
-current generation, key fixed if its sign changed), and besides them at most
-:data:`MIGRATE_BATCH` more, so the old generations drain over the following decisions. The keys
-are then exactly those of a full re-prediction at ``now`` — the decisions are unchanged — while
-the work of one decision is proportional to the members whose sign can have changed (those the
-refit truly moves, plus those of the same band within its bound), not to the queue. Predictors
-that change without telling their polynomial (a ``version`` but no ``coefficients()``) still get
-the full rebuild. A step back in time (``now`` below the last ``advance``) re-checks the negative
-members whose unflip check is at or after ``now`` the same way.
+every group's ``p`` changes, so every split may. The groups are filed in *generations*, one per
+fit their ``p`` was computed under; each generation files its groups' checks by the bit length of
+the step tokens (a *band*: ``[2^(b−1), 2^b)`` tokens). When the predictor refits, a new generation
+starts and, for every older generation and band, the largest rise ``up`` and fall ``down`` of the
+prediction between the two fits over the band's token range bound how far any flip point ``d − p``
+moved. A group's split can only have moved if its flip check is within ``up`` of ``now`` or its
+unflip check within ``down`` of it (the split members are the ones nearest to changing sign): at
+every :meth:`advance` exactly those groups are re-predicted and re-bisected (moved to the current
+generation) and besides them at most :data:`MIGRATE_BATCH` more, so the old generations drain over
+the following decisions. The signs are then exactly those of a full re-prediction at ``now`` —
+the decisions are unchanged — while one decision's work is proportional to the groups whose split
+can have moved. Predictors that change without telling their polynomial (a ``version`` but no
+``coefficients()``) get a full rebuild. A member added to a group of an older generation
+re-predicts that group first.
 
-Work proportional to the queue happens only in bulk, in C: when many keys flip at once (more than
-``BULK_FLIP`` + 1/64 of the queue, e.g. after a long step, where moving them one by one would
-cost more) the sets they are in are filtered and merged with their new keys in one linear pass
-each; the same when a refit makes many members of older generations due at once (a whole TTFT
-class of a burst near its flip point: they are re-predicted, and every set they leave or join is
-rebuilt once); and :meth:`rebuild` (:meth:`set_predictor`, a new predictor) sorts everything
-afresh. In the bulk passes the sign tests and checks are evaluated on arrays (numpy float64:
-element-wise the same IEEE operations, in the same order, as the reference's float expression,
-so the same signs), the predictor is asked once per distinct step-token count (a burst's members
-share few), the due checks are found by bisection, and the new keys are sorted by their float
-field (the tuple order only where two share it). :attr:`rekeys` counts the members re-predicted,
-:attr:`predictions` the predictor's answers the bulk passes asked for, :attr:`moves` the members
-moved one key at a time (for tests and benchmarks: at most a bounded number per decision,
-whatever the queue).
+Counters (for tests and benchmarks): :attr:`rekeys` the groups re-predicted, :attr:`searches`
+the split searches, :attr:`predictions` the predictor's answers. None grows with the members
+that change sign.
 
-``ordered`` walks the keys best first; requests may be removed during the walk. EDF and FCFS keys
-never change. Every key is also filed in the sorted set of its *size class* (remaining prompt
-tokens: 4 tokens wide below 128, 32 below 512, ``BUCKET`` above): :meth:`ordered_below` merges
-only the classes that can hold a request shorter than a bound that shrinks as Algorithm 1's batch
-grows, so the long prompts ahead of the short ones are not walked one by one when none of them
-can fit any more; the narrow short classes keep the boundary class small when the bound gets
-down to a few tokens with thousands of short prompts queued.
+``ordered`` walks the keys best first; requests may be removed during the walk. Every group and
+every member without a deadline also belongs to a *size class* (remaining prompt tokens: 4 tokens
+wide below 128, 32 below 512, ``BUCKET`` above; the started apart, as they hold their KV):
+:meth:`ordered_below` merges only the parts of the classes that can hold a request shorter than a
+bound that shrinks as Algorithm 1's batch grows, so the long prompts ahead of the short ones are
+not walked one by one when none of them can fit any more.
 """
 
 from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterable, Iterator
-from itertools import repeat
+from collections.abc import Callable, Iterator
+from itertools import count
 from operator import itemgetter
-
-import numpy as np
 
 from laneserve.core.request import Request
 from laneserve.core.sorted_keys import SortedKeys
@@ -77,12 +68,12 @@ from laneserve.policies.prefill.mechanisms.priority import INF, ORDERINGS, Prior
 
 _FLIPPING = ("sedf", "dedf")
 BUCKET = 128                 # tokens per size class of :meth:`SignedDeadlineQueue.ordered_below` (long prompts)
-MIGRATE_BATCH = 32           # members of older generations re-predicted per advance beyond the due ones
-BULK_FLIP = 64               # flips beyond this + 1/64 of the queue go in by one merge per set
-_VECTOR = 32                 # members from which a pass over them is done on arrays
+MIGRATE_BATCH = 32           # groups of older generations re-predicted per advance beyond the due ones
 _MARGIN = 1e-9               # relative slack of the refit bounds (float evaluation of p and of d - now)
 
 Coefficients = tuple[float, float, float]
+Member = tuple[float, float, int]                  # (deadline, arrival, id)
+_first = itemgetter(0)
 
 
 def _tol(d: float, p: float) -> float:
@@ -118,60 +109,6 @@ def refit_bounds(old: Coefficients, new: Coefficients, band: int) -> tuple[float
     return max(top, 0.0) + margin, max(-bottom, 0.0) + margin
 
 
-def _merged(keys: SortedKeys, changed: dict[int, PriorityKey], first: PriorityKey, last: PriorityKey,
-            count: int, runs: Iterable[list[PriorityKey]]) -> SortedKeys:
-    """``keys`` without the ``count`` old keys of the members of ``changed`` (all in ``keys``,
-    ``first`` the least, ``last`` the greatest; id last in each key), plus the sorted ``runs``.
-    When the old keys are one contiguous run of ``keys`` (a deadline class flipping together)
-    it is cut out by slicing, else the members of ``changed`` are filtered out."""
-    ordered = keys.to_list()
-    at = bisect_left(ordered, first)
-    end = at + count
-    if end <= len(ordered) and ordered[end - 1] == last:         # every old key lies in [at, end)
-        kept = ordered[:at] + ordered[end:]
-    else:
-        kept = [k for k in ordered if k[3] not in changed]
-    return _joined(kept, runs)
-
-
-def _joined(kept: list, runs: Iterable[list]) -> SortedKeys:
-    """The sorted set of the sorted list ``kept`` and the sorted ``runs`` (none sharing a key):
-    a run is spliced in one piece when it falls between two neighbours of ``kept`` (a deadline
-    class flipping together: no comparison but two), else the rest are merged by one sort (a
-    linear merge of sorted runs, in C)."""
-    rest = []
-    for added in runs:
-        if not added:
-            continue
-        at = bisect_left(kept, added[0])
-        if at == len(kept) or added[-1] < kept[at]:
-            kept = kept[:at] + added + kept[at:]
-        else:
-            rest.extend(added)
-    return SortedKeys(kept + rest) if rest else SortedKeys.from_sorted(kept)
-
-
-def _split(items: list, labels: list[int]) -> Iterator[tuple[int, list]]:
-    """``(label, items with that label)`` per distinct label, each part in the order of
-    ``items`` (a stable partition, grouped by one stable sort of the labels)."""
-    if not items:
-        return
-    labels_ = np.array(labels)
-    order = np.argsort(labels_, kind="stable")
-    grouped = labels_[order]
-    cuts = np.flatnonzero(grouped[1:] != grouped[:-1]) + 1
-    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(items)]):
-        yield int(grouped[lo]), [items[i] for i in order[lo:hi].tolist()]
-
-
-def _sorted_group(keys: list[PriorityKey]) -> list[PriorityKey]:
-    """``sorted(keys)`` for keys of one group (first fields equal): sorted by their second field
-    (a float: compared without the tuple machinery), then fully only when two share it."""
-    keys.sort(key=itemgetter(1))
-    if len(set(map(itemgetter(1), keys))) < len(keys):
-        keys.sort()
-    return keys
-
 
 def size_class(tokens: int) -> int:
     """The size class of ``tokens`` remaining prompt tokens (classes are ordered like sizes)."""
@@ -200,7 +137,7 @@ def _class_of(req: Request) -> int:
 
 
 class _Generation:
-    """The members whose ``p`` was predicted under one fit: their flip and unflip checks, per band
+    """The groups whose ``p`` was predicted under one fit: their flip and unflip checks, per band
     of step tokens, and (once a newer fit exists) per band the bounds of the change of ``p``."""
 
     __slots__ = ("coefficients", "flips", "unflips", "up", "down", "size")
@@ -213,57 +150,22 @@ class _Generation:
         self.down: dict[int, float] = {}
         self.size = 0
 
-    def add(self, entry: tuple[float, int], band: int, positive: bool) -> None:
-        sets = self.flips if positive else self.unflips
-        members = sets.get(band)
-        if members is None:
+    def add(self, entry: tuple[float, int], band: int, flip: bool) -> None:
+        sets = self.flips if flip else self.unflips
+        checks = sets.get(band)
+        if checks is None:
             sets[band] = SortedKeys((entry,))
         else:
-            members.add(entry)
+            checks.add(entry)
         self.size += 1
 
-    def remove(self, entry: tuple[float, int], band: int, positive: bool) -> None:
-        sets = self.flips if positive else self.unflips
-        members = sets[band]
-        members.remove(entry)
-        if not members:
+    def remove(self, entry: tuple[float, int], band: int, flip: bool) -> None:
+        sets = self.flips if flip else self.unflips
+        checks = sets[band]
+        checks.remove(entry)
+        if not checks:
             del sets[band]
         self.size -= 1
-
-    def drop(self, band: int, positive: bool, gone: set[int]) -> None:
-        """Remove the checks of the members ``gone`` (all in this band and sign) at once."""
-        sets = self.flips if positive else self.unflips
-        checks, k = sets[band].to_list(), len(gone)
-        if all(e[1] in gone for e in checks[:k]):            # the first ones (due flips)
-            kept = checks[k:]
-        elif all(e[1] in gone for e in checks[len(checks) - k:]):     # the last ones (due unflips)
-            kept = checks[:len(checks) - k]
-        else:
-            kept = [e for e in checks if e[1] not in gone]
-        if kept:
-            sets[band] = SortedKeys.from_sorted(kept)
-        else:
-            del sets[band]
-        self.size -= len(gone)
-
-    def cut(self, band: int, positive: bool, count: int) -> None:
-        """Remove the first ``count`` flip checks (``positive``) or the last ``count`` unflip
-        checks of ``band`` at once (the due ones of :meth:`SignedDeadlineQueue._due`)."""
-        sets = self.flips if positive else self.unflips
-        checks = sets[band].to_list()
-        kept = checks[count:] if positive else checks[:len(checks) - count]
-        if kept:
-            sets[band] = SortedKeys.from_sorted(kept)
-        else:
-            del sets[band]
-        self.size -= count
-
-    def merge(self, band: int, positive: bool, added: list[tuple[float, int]]) -> None:
-        """Add the checks ``added`` (of members not in this generation yet) at once."""
-        sets = self.flips if positive else self.unflips
-        members = sets.get(band)
-        sets[band] = _joined(members.to_list() if members else [], (sorted(added),))
-        self.size += len(added)
 
     def bound(self, current: Coefficients) -> None:
         """Bounds of the change of ``p`` from this fit to ``current``, per band."""
@@ -274,6 +176,71 @@ class _Generation:
             self.up[band], self.down[band] = refit_bounds(old, current, band)
 
 
+class _Group:
+    """The members with a deadline of one size class and one step-token count (one prediction
+    ``p``), sorted by ``(d, arrival, id)``; those before ``split`` (the first member whose slack is
+    non-negative; None: none is) are negative."""
+
+    __slots__ = ("gid", "cls", "lo", "hi", "tokens", "band", "members", "split", "p", "gen", "flip", "unflip",
+                 "heads")
+
+    def __init__(self, gid: int, cls: int, tokens: int, p: float, gen: _Generation) -> None:
+        self.gid, self.cls, self.tokens, self.p, self.gen = gid, cls, tokens, p, gen
+        self.lo, self.hi = class_range(cls if cls >= 0 else -1 - cls)
+        self.band = int(tokens).bit_length()
+        self.members = SortedKeys()
+        self.split: Member | None = None
+        self.flip: tuple[float, int] | None = None          # filed checks (in ``gen``)
+        self.unflip: tuple[float, int] | None = None
+        self.heads: tuple[PriorityKey | None, PriorityKey | None] = (None, None)   # as filed in the heads
+
+    def last_negative(self) -> Member | None:
+        split = self.split
+        return self.members.last() if split is None else self.members.before(split)
+
+    def negative_head(self) -> Member | None:
+        """The first member of the negative part in walking order (the latest deadline; of those
+        sharing it, the least ``(arrival, id)``)."""
+        last = self.last_negative()
+        return None if last is None else self.members.after((last[0], -INF, -INF))
+
+    def _negative_after(self, d: float, rest: tuple[float, int]) -> Member | None:
+        """The first negative member ranked after the (possibly absent) negative member
+        ``(d, *rest)``: the next of its deadline, else the first of the next lower deadline."""
+        members, split = self.members, self.split
+        nxt = members.after((d, *rest))
+        if nxt is not None and nxt[0] == d and (split is None or nxt < split):
+            return nxt
+        limit = (d, -INF, -INF)
+        if split is not None and split < limit:
+            limit = split
+        prev = members.before(limit)
+        return None if prev is None else members.after((prev[0], -INF, -INF))
+
+    def next_after(self, key: PriorityKey) -> PriorityKey | None:
+        """The key after ``key`` (one of this group's, maybe removed since) in its part."""
+        if key[0] == 0:
+            nxt = self.members.after(key[1:])
+            return None if nxt is None else (0, *nxt)
+        nxt = self._negative_after(-key[1], key[2:])
+        return None if nxt is None else (2, -nxt[0], nxt[1], nxt[2])
+
+    def first_after(self, positive: bool, key: PriorityKey) -> PriorityKey | None:
+        """The first key greater than ``key`` (any key) of this group's positive or negative part."""
+        if positive:
+            split = self.split
+            if split is None or key[0] > 0:
+                return None
+            if key[0] < 0 or split > key[1:]:
+                return (0, *split)
+            nxt = self.members.after(key[1:])
+            return None if nxt is None else (0, *nxt)
+        if key[0] > 2:
+            return None
+        nxt = self.negative_head() if key[0] < 2 else self._negative_after(-key[1], key[2:])
+        return None if nxt is None else (2, -nxt[0], nxt[1], nxt[2])
+
+
 class SignedDeadlineQueue:
     def __init__(self, ordering: str, predict: Callable[[float], float],
                  step_tokens: Callable[[Request], int]) -> None:
@@ -282,26 +249,29 @@ class SignedDeadlineQueue:
         self.ordering = ordering
         self.predict = predict
         self.step_tokens = step_tokens
+        self._version = getattr(predict, "version", None)
+        self.rekeys = 0             # groups re-predicted
+        self.searches = 0           # split searches (bisections of a group)
+        self.predictions = 0        # predictor calls
+        self._reset()
+
+    def _reset(self) -> None:
         self._reqs: dict[int, Request] = {}
-        self._key: dict[int, PriorityKey] = {}         # key of every member
-        self._p: dict[int, float] = {}                 # predicted seconds (flipping, with a deadline)
-        self._band: dict[int, int] = {}                # band of the step tokens as filed
-        self._tokens: dict[int, int] = {}              # step tokens as filed (S-EDF)
-        self._entry: dict[int, tuple[float, int]] = {}  # flip or unflip check (flipping, with a deadline)
-        self._gen_of: dict[int, _Generation] = {}
+        self._owner: dict[int, _Group] = {}            # group of each member with a flipping deadline
+        self._member: dict[int, Member] = {}           # its (d, arrival, id)
+        self._static_key: dict[int, PriorityKey] = {}  # key of every other member (never changes)
+        self._static = SortedKeys()
+        self._static_classes: dict[int, SortedKeys] = {}
+        self._groups: dict[tuple[int, int], _Group] = {}
+        self._by_gid: dict[int, _Group] = {}
+        self._gid = count()
+        self._heads = SortedKeys()                     # (first key of a group's part, group)
+        self._dirty: dict[_Group, None] = {}           # groups with members added since their split was found
         self._class_of: dict[int, int] = {}            # size class of each member
         self._rem: dict[int, tuple[int, int]] = {}     # (remaining prefill, id) as filed
-        self._order = SortedKeys()
-        self._classes: dict[int, SortedKeys] = {}      # size class -> its members' keys
         self._by_rem = SortedKeys()
         self._now = -INF
-        self._version = getattr(predict, "version", None)
         self._gens: list[_Generation] = [_Generation(self._coefficients())]   # oldest first
-        self.rekeys = 0
-        self.moves = 0              # members moved one at a time (outside the bulk passes)
-        self.predictions = 0        # predictor calls of the bulk re-predictions
-        self._pending: dict[int, PriorityKey] = {}     # new keys not in the sorted sets yet (bulk)
-        self._was: dict[int, PriorityKey] = {}         # their keys in the sorted sets
 
     # ---- membership ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -316,61 +286,152 @@ class SignedDeadlineQueue:
             self.discard(rid)
         if self.ordering in _FLIPPING:
             self._sync()
+        self._file(req)
+        self._by_rem.add(self._rem[rid])
+
+    def _file(self, req: Request) -> None:
+        """Record ``req``: a member with a flipping deadline joins its group (its split found at
+        the next :meth:`advance`), any other gets its key."""
+        rid = req.request_id
         self._reqs[rid] = req
         self._class_of[rid] = c = _class_of(req)
-        self._rem[rid] = rem = (req.remaining_prefill, rid)
-        key = self._file(req)
-        self._order.add(key)
-        if c in self._classes:
-            self._classes[c].add(key)
-        else:
-            self._classes[c] = SortedKeys((key,))
-        self._by_rem.add(rem)
-
-    def _file(self, req: Request) -> PriorityKey:
-        """Record ``req``'s key (positive, checked at the next :meth:`advance`) and its flip check
-        in the current generation; not the sorted sets of keys."""
-        rid = req.request_id
+        self._rem[rid] = (req.remaining_prefill, rid)
         if self.ordering not in _FLIPPING:
-            key = self._key[rid] = ORDERINGS[self.ordering](req, 0.0, 0.0)
-            return key
+            self._add_static(rid, ORDERINGS[self.ordering](req, 0.0, 0.0), c)
+            return
         d = req.ttft_deadline
         if d == INF:
-            key = self._key[rid] = (1, 0.0, req.arrival_time, rid)
-            return key
-        if self.ordering == "sedf":
-            tokens = self._tokens[rid] = self.step_tokens(req)
-            p = self.predict(tokens)
-            band = int(tokens).bit_length()
+            self._add_static(rid, (1, 0.0, req.arrival_time, rid), c)
+            return
+        tokens = self.step_tokens(req) if self.ordering == "sedf" else 0
+        group = self._groups.get((c, tokens))
+        member = self._member[rid] = (d, req.arrival_time, rid)
+        if group is None:
+            group = self._new_group(c, tokens)
+            group.split = member                          # positive until the next advance
+        elif group.gen is not self._gens[-1]:
+            self._reprice(group)
+        self._owner[rid] = group
+        group.members.add(member)
+        self._dirty[group] = None
+        self._set_heads(group)
+
+    def _add_static(self, rid: int, key: PriorityKey, c: int) -> None:
+        self._static_key[rid] = key
+        self._static.add(key)
+        members = self._static_classes.get(c)
+        if members is None:
+            self._static_classes[c] = SortedKeys((key,))
         else:
-            p, band = 0.0, 0
-        self._p[rid] = p
-        self._band[rid] = band
-        key = self._key[rid] = (0, d, req.arrival_time, rid)
-        entry = self._entry[rid] = (d - p - _tol(d, p), rid)
-        gen = self._gen_of[rid] = self._gens[-1]
-        gen.add(entry, band, True)
-        return key
+            members.add(key)
 
     def discard(self, request_id: int) -> None:
         if self._reqs.pop(request_id, None) is None:
             return
-        key = self._key.pop(request_id)
-        self._order.remove(key)
         c = self._class_of.pop(request_id)
-        members = self._classes[c]
-        members.remove(key)
-        if not members:
-            del self._classes[c]
         self._by_rem.remove(self._rem.pop(request_id))
-        entry = self._entry.pop(request_id, None)
-        if entry is not None:
-            gen = self._gen_of.pop(request_id)
-            gen.remove(entry, self._band.pop(request_id), key[0] == 0)
-            self._p.pop(request_id)
-            self._tokens.pop(request_id, None)
-            if gen.size == 0 and gen is not self._gens[-1]:
-                self._gens.remove(gen)
+        group = self._owner.pop(request_id, None)
+        if group is None:
+            key = self._static_key.pop(request_id)
+            self._static.remove(key)
+            members = self._static_classes[c]
+            members.remove(key)
+            if not members:
+                del self._static_classes[c]
+            return
+        member = self._member.pop(request_id)
+        group.members.remove(member)
+        if not group.members:
+            self._drop(group)
+            return
+        if group.split == member:                        # the next one is the first positive now
+            group.split = group.members.after(member)
+        # the checks may now be early (a boundary member left): searched again when due, as usual
+        positive, negative = group.heads
+        if (positive is not None and positive[3] == request_id) or (negative is not None and negative[3] == request_id):
+            self._set_heads(group)
+
+    def _new_group(self, c: int, tokens: int) -> _Group:
+        p = self.predict(tokens) if self.ordering == "sedf" else 0.0
+        self.predictions += self.ordering == "sedf"
+        group = _Group(next(self._gid), c, tokens, p, self._gens[-1])
+        self._groups[(c, tokens)] = group
+        self._by_gid[group.gid] = group
+        return group
+
+    def _drop(self, group: _Group) -> None:
+        """Remove an empty group."""
+        for key in group.heads:
+            if key is not None:
+                self._heads.remove((key, group))
+        self._unfile(group)
+        del self._groups[(group.cls, group.tokens)], self._by_gid[group.gid]
+        self._dirty.pop(group, None)
+        gen = group.gen
+        if gen.size == 0 and gen is not self._gens[-1]:
+            self._gens.remove(gen)
+
+    def _unfile(self, group: _Group) -> None:
+        """Remove the group's checks from its generation."""
+        if group.flip is not None:
+            group.gen.remove(group.flip, group.band, True)
+            group.flip = None
+        if group.unflip is not None:
+            group.gen.remove(group.unflip, group.band, False)
+            group.unflip = None
+
+    def _reprice(self, group: _Group) -> None:
+        """Re-predict ``group`` under the current fit (its split is then found again)."""
+        self._unfile(group)
+        group.p = self.predict(group.tokens) if self.ordering == "sedf" else 0.0
+        self.predictions += self.ordering == "sedf"
+        group.gen = self._gens[-1]
+        self.rekeys += 1
+        self._dirty[group] = None
+
+    def _set_heads(self, group: _Group) -> None:
+        """File the first keys of the group's parts in the heads."""
+        split = group.split
+        positive = None if split is None else (0, *split)
+        head = group.negative_head()
+        negative = None if head is None else (2, -head[0], head[1], head[2])
+        old_positive, old_negative = group.heads
+        heads = self._heads
+        if positive != old_positive:
+            if old_positive is not None:
+                heads.remove((old_positive, group))
+            if positive is not None:
+                heads.add((positive, group))
+        if negative != old_negative:
+            if old_negative is not None:
+                heads.remove((old_negative, group))
+            if negative is not None:
+                heads.add((negative, group))
+        group.heads = (positive, negative)
+
+    def _search(self, group: _Group, now: float) -> None:
+        """Find the group's split at ``now`` (the reference's sign expression, by bisection) and
+        file its heads and checks."""
+        p = group.p
+        split = group.split = group.members.partition(lambda m: m[0] - now - p < 0)
+        self.searches += 1
+        self._set_heads(group)
+        gen, band, gid = group.gen, group.band, group.gid
+        flip = None if split is None else (split[0] - p - _tol(split[0], p), gid)
+        if flip != group.flip:
+            if group.flip is not None:
+                gen.remove(group.flip, band, True)
+            if flip is not None:
+                gen.add(flip, band, True)
+            group.flip = flip
+        last = group.last_negative()
+        unflip = None if last is None else (last[0] - p + _tol(last[0], p), gid)
+        if unflip != group.unflip:
+            if group.unflip is not None:
+                gen.remove(group.unflip, band, False)
+            if unflip is not None:
+                gen.add(unflip, band, False)
+            group.unflip = unflip
 
     # ---- the predictor's fits --------------------------------------------------------------
     def _coefficients(self) -> Coefficients | None:
@@ -393,7 +454,7 @@ class SignedDeadlineQueue:
         if current is None or any(g.coefficients is None for g in self._gens if g.size):
             self.rebuild()
             return
-        if self._gens[-1].size == 0:
+        if self._gens[-1].size == 0 and not any(g.gen is self._gens[-1] for g in self._dirty):
             self._gens.pop()
         for gen in self._gens:
             gen.bound(current)
@@ -401,10 +462,9 @@ class SignedDeadlineQueue:
 
     # ---- time ------------------------------------------------------------------------------
     def advance(self, now: float) -> None:
-        """Bring every key to ``now``: re-predict the members a refit may have moved (see the
-        module docstring) and some more of the older generations, then move the requests whose
-        slack turned negative (or, after a step back in time, non-negative again). The bulk
-        passes defer the sets of keys to one rebuild at the end."""
+        """Bring every sign to ``now``: re-predict the groups a refit may have moved (see the
+        module docstring) and some more of the older generations, then find the splits of the
+        groups whose flip check is due (or, after a step back in time, whose unflip check is)."""
         if self.ordering not in _FLIPPING:
             return
         self._sync()
@@ -413,274 +473,110 @@ class SignedDeadlineQueue:
         if len(self._gens) > 1:
             self._migrate_due(now)
         self._settle(now, back)
-        if self._pending:
-            self._rekey_bulk(self._pending, self._was)
-            self._pending, self._was = {}, {}
 
     def _migrate_due(self, now: float) -> None:
-        """Re-predict every member of an older generation whose sign may have changed (in one
-        bulk pass when they are many), then up to :data:`MIGRATE_BATCH` more (oldest generation
-        first)."""
-        due = self._due(now)
-        if sum(len(group[3]) for group in due) > BULK_FLIP + len(self._reqs) // 64:
-            self._migrate_bulk(due, now)
-        else:
-            for group in due:
-                for rid in group[3]:
-                    self._migrate(rid, now)
-        budget = MIGRATE_BATCH
-        for gen in self._gens[:-1]:
-            for sets, pick in ((gen.flips, SortedKeys.first), (gen.unflips, SortedKeys.last)):
-                for members in list(sets.values()):
-                    while budget > 0 and members:
-                        self._migrate(pick(members)[1], now)
-                        budget -= 1
-            if budget <= 0:
-                break
-        self._gens = [g for g in self._gens[:-1] if g.size] + [self._gens[-1]]
-
-    def _due(self, now: float) -> list[tuple[_Generation, int, bool, list[int]]]:
-        """The members of older generations whose sign the refits since their fit may have
-        changed by ``now`` (flip checks within ``up`` of it, unflip checks within ``down``), per
-        generation, band and sign: ``(generation, band, positive, ids)``, the ids those of the
-        first checks of the band's flip checks, or of the last of its unflip checks (found by
-        bisection)."""
+        """Re-predict and search every group of an older generation whose split may have moved,
+        then up to :data:`MIGRATE_BATCH` more (oldest generation first)."""
         margin = _MARGIN * (abs(now) + 1.0)
-        due = []
+        by_gid, due = self._by_gid, {}
         for gen in self._gens[:-1]:
             for band, flips in gen.flips.items():
                 limit = now + gen.up[band] + margin
                 if flips.first()[0] <= limit:
                     checks = flips.to_list()
-                    due.append((gen, band, True, list(map(itemgetter(1), checks[:bisect_right(checks, (limit, INF))]))))
+                    for check in checks[:bisect_right(checks, (limit, INF))]:
+                        due[by_gid[check[1]]] = None
             for band, unflips in gen.unflips.items():
                 limit = now - gen.down[band] - margin
                 if unflips.last()[0] >= limit:
                     checks = unflips.to_list()
-                    due.append((gen, band, False, list(map(itemgetter(1), checks[bisect_left(checks, (limit, -INF)):]))))
-        return due
-
-    def _migrate_bulk(self, due: list[tuple[_Generation, int, bool, list[int]]], now: float) -> None:
-        """:meth:`_migrate` for every member of ``due`` at once: the same predictions, keys and
-        checks (the same float expressions, evaluated element-wise on arrays), but the
-        predictor is asked once per step-token count, and each sorted set they leave or join
-        is rebuilt once (cut, merged with the new entries) instead of changed one key at a
-        time."""
-        keys, current = self._key, self._gens[-1]
-        joining: dict[tuple[int, bool], list[tuple[float, int]]] = {}
-        changed, was = self._pending, self._was
-        for gen, band, positive, rids in due:
-            n = len(rids)
-            ps = self._predicted(map(self._tokens.__getitem__, rids)) if self.ordering == "sedf" else [0.0] * n
-            old = list(map(keys.__getitem__, rids))
-            d = np.fromiter(map(itemgetter(1), old), float, n)
-            if not positive:
-                d = -d
-            p = np.array(ps, dtype=float)
-            negative = d - now - p < 0
-            tol = 1e-9 * (np.abs(d) + np.abs(p) + 1.0)                # _tol
-            base = d - p
-            checks = list(zip(np.where(negative, base + tol, base - tol).tolist(), rids))
-            self._p.update(zip(rids, ps))
-            self._entry.update(zip(rids, checks))
-            self._gen_of.update(dict.fromkeys(rids, current))
-            turned = np.flatnonzero(negative if positive else ~negative).tolist()
-            if turned:
-                trids = [rids[i] for i in turned]
-                tkeys = [was.get(rid, old[i]) for i, rid in zip(turned, trids)] if was else [old[i] for i in turned]
-                if positive:
-                    new = list(zip(repeat(2), (-d[turned]).tolist(), map(itemgetter(2), tkeys), trids))
-                else:
-                    new = list(zip(repeat(0), d[turned].tolist(), map(itemgetter(2), tkeys), trids))
-                keys.update(zip(trids, new))
-                changed.update(zip(trids, new))
-                was.update(zip(trids, tkeys))
-            gen.cut(band, positive, n)
-            for sign_now, members in ((True, ~negative), (False, negative)):
-                added = [checks[i] for i in np.flatnonzero(members).tolist()]
-                if added:
-                    joining.setdefault((band, sign_now), []).extend(added)
-            self.rekeys += n
-        for (band, positive), added in joining.items():
-            current.merge(band, positive, added)
-
-    def _predicted(self, counts: Iterable[int]) -> list[float]:
-        """The current fit's ``p`` of each step-token count of ``counts``, the predictor asked
-        once per distinct count (:attr:`predictions` counts the asks)."""
-        counts = list(counts)
-        memo = {}
-        for n in set(counts):
-            memo[n] = self.predict(n)
-        self.predictions += len(memo)
-        return list(map(memo.__getitem__, counts))
-
-    def _migrate(self, rid: int, now: float) -> None:
-        """Re-predict member ``rid`` of an older generation under the current fit and file it in
-        the current generation, its key fixed if the sign changed."""
-        key, band, entry = self._key[rid], self._band[rid], self._entry[rid]
-        positive = key[0] == 0
-        self._gen_of[rid].remove(entry, band, positive)
-        d = key[1] if positive else -key[1]
-        p = self._p[rid] = self.predict(self._tokens[rid]) if self.ordering == "sedf" else 0.0
-        self.rekeys += 1
-        self.moves += 1
-        negative = d - now - p < 0
-        if negative == positive:                          # the sign changed
-            new = (2, -d, key[2], rid) if negative else (0, d, key[2], rid)
-            self._move(rid, key, new)
-        self._file_entry(rid, d, p, band, not negative)
-
-    def _file_entry(self, rid: int, d: float, p: float, band: int, positive: bool) -> None:
-        entry = self._entry[rid] = (d - p - _tol(d, p), rid) if positive else (d - p + _tol(d, p), rid)
-        gen = self._gen_of[rid] = self._gens[-1]
-        gen.add(entry, band, positive)
-
-    def _move(self, rid: int, old: PriorityKey, new: PriorityKey) -> None:
-        """Replace ``rid``'s key in the sorted sets of keys."""
-        self._key[rid] = new
-        if self._pending:                # a bulk pass is under way: its rebuild takes this one too
-            self._pending[rid] = new
-            self._was.setdefault(rid, old)
-            return
-        self._order.remove(old)
-        self._order.add(new)
-        members = self._classes[self._class_of[rid]]
-        members.remove(old)
-        members.add(new)
+                    for check in checks[bisect_left(checks, (limit, -INF)):]:
+                        due[by_gid[check[1]]] = None
+        for group in due:
+            self._reprice(group)
+        budget = MIGRATE_BATCH
+        for gen in self._gens[:-1]:
+            while budget > 0 and gen.size:
+                sets = gen.flips or gen.unflips
+                checks = next(iter(sets.values()))
+                entry = checks.first() if sets is gen.flips else checks.last()
+                self._reprice(by_gid[entry[1]])
+                budget -= 1
+            if budget <= 0:
+                break
+        self._gens = [g for g in self._gens[:-1] if g.size] + [self._gens[-1]]
 
     def _settle(self, now: float, back: bool) -> None:
-        keys, ps = self._key, self._p
-        gen = self._gens[-1]
-        by_band: dict[int, list[int]] = {}
-        for band, flips in gen.flips.items():
+        gen, by_gid = self._gens[-1], self._by_gid
+        todo, self._dirty = self._dirty, {}
+        for flips in gen.flips.values():
             if flips.first()[0] > now:
                 continue
             checks = flips.to_list()
-            rids = list(map(itemgetter(1), checks[:bisect_right(checks, (now, INF))]))
-            if len(rids) < _VECTOR:
-                flipping = [rid for rid in rids if keys[rid][1] - now - ps[rid] < 0]   # the reference's expression
-            else:                                         # the same, element-wise on arrays
-                d = np.fromiter(map(itemgetter(1), map(keys.__getitem__, rids)), float, len(rids))
-                p = np.fromiter(map(ps.__getitem__, rids), float, len(rids))
-                flipping = [rids[i] for i in np.flatnonzero(d - now - p < 0).tolist()]
-            if flipping:
-                by_band[band] = flipping
+            for check in checks[:bisect_right(checks, (now, INF))]:
+                todo[by_gid[check[1]]] = None
         if back:
-            self._unflip_back(now)
-        if not by_band:
-            return
-        count = sum(map(len, by_band.values()))
-        if count > BULK_FLIP + len(self._reqs) // 64:        # a burst: merge them in at once
-            self._flip_bulk(by_band)
-            return
-        bands = self._band
-        self.moves += count
-        for rid in (rid for flipping in by_band.values() for rid in flipping):
-            old = keys[rid]
-            gen.remove(self._entry[rid], bands[rid], True)
-            d = old[1]
-            self._move(rid, old, (2, -d, old[2], rid))
-            self._file_entry(rid, d, ps[rid], bands[rid], False)
-
-    def _unflip_back(self, now: float) -> None:
-        """After a step back in time: the current generation's negative members whose slack is
-        non-negative again at ``now`` turn positive."""
-        gen, keys, ps = self._gens[-1], self._key, self._p
-        limit = now - _MARGIN * (abs(now) + 1.0)
-        turning = []
-        for unflips in gen.unflips.values():
-            for check in reversed(unflips):
-                if check[0] < limit:
-                    break
-                rid = check[1]
-                if not -keys[rid][1] - now - ps[rid] < 0:
-                    turning.append(rid)
-        self.moves += len(turning)
-        for rid in turning:
-            old, band = keys[rid], self._band[rid]
-            gen.remove(self._entry[rid], band, False)
-            d = -old[1]
-            self._move(rid, old, (0, d, old[2], rid))
-            self._file_entry(rid, d, ps[rid], band, True)
-
-    def _flip_bulk(self, by_band: dict[int, list[int]]) -> None:
-        """Turn the keys of the members ``by_band`` (current generation, positive, per band)
-        negative and rebuild the sets they are in: each is the set without them merged with
-        their new keys (at the end of :meth:`advance` for the sets of keys), not changed one key
-        at a time. Their unflip checks are computed on arrays (the same float expression)."""
-        gen, keys, ps, was = self._gens[-1], self._key, self._p, self._was
-        for band, flipping in by_band.items():
-            n = len(flipping)
-            old = list(map(keys.__getitem__, flipping))
-            d = np.fromiter(map(itemgetter(1), old), float, n)
-            p = np.fromiter(map(ps.__getitem__, flipping), float, n)
-            new = list(zip(repeat(2), (-d).tolist(), map(itemgetter(2), old), flipping))
-            keys.update(zip(flipping, new))
-            self._pending.update(zip(flipping, new))
-            was.update(zip(flipping, [was.get(rid, key) for rid, key in zip(flipping, old)] if was else old))
-            checks = list(zip((d - p + 1e-9 * (np.abs(d) + np.abs(p) + 1.0)).tolist(), flipping))   # _tol
-            self._entry.update(zip(flipping, checks))
-            gen.drop(band, True, set(flipping))
-            gen.merge(band, False, checks)
-
-    def _rekey_bulk(self, changed: dict[int, PriorityKey], was: dict[int, PriorityKey]) -> None:
-        """Give each member of ``changed`` its new key in the sets of keys (``was``: its key
-        there now): every set holding one of them is rebuilt once, the others kept in order
-        plus the new keys sorted (a linear merge in C). The new keys are sorted once per group
-        (:func:`_sorted_group`); split by size class they stay sorted."""
-        class_of = self._class_of
-        news = changed.values()
-        runs = [_sorted_group([k for k in news if k[0] == group]) for group in (0, 2)]
-        olds = was.values()
-        self._order = _merged(self._order, changed, min(olds), max(olds), len(was), runs)
-        by_class: dict[int, list[list[PriorityKey]]] = {}
-        for run in runs:
-            for c, keys in _split(run, list(map(class_of.__getitem__, map(itemgetter(3), run)))):
-                by_class.setdefault(c, []).append(keys)
-        for c, parts in by_class.items():
-            kept = [k for k in self._classes[c].to_list() if k[3] not in changed]
-            self._classes[c] = _joined(kept, parts)
+            limit = now - _MARGIN * (abs(now) + 1.0)
+            for unflips in gen.unflips.values():
+                for check in reversed(unflips):
+                    if check[0] < limit:
+                        break
+                    todo[by_gid[check[1]]] = None
+        for group in todo:
+            if group.gen is not gen:                     # filled before a refit: re-predict it first
+                self._reprice(group)
+                self._dirty.pop(group, None)
+            self._search(group, now)
 
     def rebuild(self) -> None:
-        """Re-predict every member and re-sort every structure (O(n log n), one C sort each): for
-        a new predictor; keys are positive again until the next :meth:`advance`."""
+        """Re-predict every group and find every split afresh (for a new predictor): signs are
+        positive again until the next :meth:`advance`."""
         members = list(self._reqs.values())
-        self._reqs, self._key, self._p, self._class_of, self._rem = {}, {}, {}, {}, {}
-        self._band, self._tokens, self._entry, self._gen_of = {}, {}, {}, {}
-        self._gens = [_Generation(self._coefficients())]
-        self._now = -INF
-        self._pending, self._was = {}, {}
+        self._reset()
         for req in members:
-            rid = req.request_id
-            self._reqs[rid] = req
-            self._class_of[rid] = _class_of(req)
-            self._rem[rid] = (req.remaining_prefill, rid)
             self._file(req)
+        for group in self._groups.values():
             self.rekeys += 1
-        self._index()
+            group.split = group.members.first()
+            self._set_heads(group)
         self._by_rem = SortedKeys(self._rem.values())
-
-    def _index(self) -> None:
-        """Sort the sets of keys afresh from the per-member records."""
-        self._order = SortedKeys(self._key.values())
-        by_class: dict[int, list[PriorityKey]] = {}
-        class_of = self._class_of
-        for rid, key in self._key.items():
-            by_class.setdefault(class_of[rid], []).append(key)
-        self._classes = {c: SortedKeys(ks) for c, ks in by_class.items()}
 
     # ---- queries ---------------------------------------------------------------------------
     def top(self) -> tuple[PriorityKey, Request] | None:
         """The best member (call :meth:`advance` first)."""
-        key = self._order.first()
+        head, key = self._heads.first(), self._static.first()
+        if head is not None and (key is None or head[0] < key):
+            key = head[0]
         return None if key is None else (key, self._reqs[key[3]])
 
     def ordered(self) -> Iterator[tuple[PriorityKey, Request]]:
         """Members best first, lazily (call :meth:`advance` first; removals during the walk are
         fine)."""
-        reqs = self._reqs
-        for key in self._order.walk():
-            yield key, reqs[key[3]]
+        reqs, static = self._reqs, self._static
+        if not self._heads:
+            for key in static.walk():
+                yield key, reqs[key[3]]
+            return
+        owner, static_key = self._owner, self._static_key
+        heap = self._heads.to_list()                     # sorted: a heap already
+        first = static.first()
+        if first is not None:
+            heapq.heappush(heap, (first, None))
+        while heap:
+            key, group = heap[0]
+            rid = key[3]
+            if group is None:
+                if rid in static_key:
+                    yield key, reqs[rid]
+                nxt = static.after(key)
+            else:
+                if owner.get(rid) is group:
+                    yield key, reqs[rid]
+                nxt = group.next_after(key)
+            if nxt is None:
+                heapq.heappop(heap)
+            else:
+                heapq.heapreplace(heap, (nxt, group))
 
     def ordered_below(self, after: PriorityKey, bound: Callable[[], int], floor: int = 0,
                       fresh_bound: Callable[[], float] | None = None) -> Iterator[Request]:
@@ -706,34 +602,46 @@ class SignedDeadlineQueue:
 
     def _merge_classes(self, after: PriorityKey | None, bound: Callable[[], float], floor: int,
                        fresh_bound: Callable[[], float] | None) -> Iterator[PriorityKey]:
-        """The keys after ``after`` of the classes that may hold a member under the bounds, in
-        order (a heap merge of the classes' walks)."""
+        """The keys after ``after`` of the parts of the classes that may hold a member under the
+        bounds, in order (a heap merge of the parts; each entry ``(key, group or None, the
+        static class's set or None, class floor, started)``)."""
         limit = bound()
         fresh = limit if fresh_bound is None else min(limit, fresh_bound())
-        walks = {}
-        for c, members in self._classes.items():
+        frontier = []
+        for c, members in self._static_classes.items():
             lo, hi = class_range(c if c >= 0 else -1 - c)
             if lo < (fresh if c >= 0 else limit) and hi > floor:
-                walks[c] = lo, members.walk(after)
-        frontier = []
-        for c, (lo, walk) in walks.items():
-            key = next(walk, None)
-            if key is not None:
-                frontier.append((key, c, lo))
-        heapq.heapify(frontier)
-        while frontier:
-            key, c, lo = frontier[0]
-            if lo >= (fresh if c >= 0 else limit):
-                heapq.heappop(frontier)          # the class cannot fit any more: drop it
+                key = members.first() if after is None else members.after(after)
+                if key is not None:
+                    frontier.append((key, None, members, lo, c < 0))
+        heads = self._heads.to_list()
+        cut = 0 if after is None else bisect_right(heads, after, key=_first)
+        for i, (key, group) in enumerate(heads):
+            c, lo = group.cls, group.lo
+            if not (lo < (fresh if c >= 0 else limit) and group.hi > floor):
                 continue
-            yield key
-            limit = bound()
-            fresh = limit if fresh_bound is None else min(limit, fresh_bound())
-            key = next(walks[c][1], None)
-            if key is None:
+            if i < cut:                                  # at or before ``after``: its part's next
+                key = group.first_after(key[0] == 0, after)
+                if key is None:
+                    continue
+            frontier.append((key, group, None, lo, c < 0))
+        heapq.heapify(frontier)
+        owner, static_key = self._owner, self._static_key
+        while frontier:
+            key, group, members, lo, started = frontier[0]
+            if lo >= (limit if started else fresh):
+                heapq.heappop(frontier)          # the class cannot fit any more: drop the part
+                continue
+            rid = key[3]
+            if (owner.get(rid) is group) if group is not None else (rid in static_key):
+                yield key
+                limit = bound()
+                fresh = limit if fresh_bound is None else min(limit, fresh_bound())
+            nxt = members.after(key) if group is None else group.next_after(key)
+            if nxt is None:
                 heapq.heappop(frontier)
             else:
-                heapq.heapreplace(frontier, (key, c, lo))
+                heapq.heapreplace(frontier, (nxt, group, members, lo, started))
 
     def min_remaining(self) -> int | None:
         """The fewest remaining prompt tokens of any member."""
@@ -750,7 +658,7 @@ class SignedDeadlineQueue:
         return None
 
     def set_predictor(self, predict: Callable[[float], float]) -> None:
-        """A new TTFT predictor (bound cost model): every key is rebuilt."""
+        """A new TTFT predictor (bound cost model): every group is re-predicted."""
         self.predict = predict
         self._version = getattr(predict, "version", None)
         self.rebuild()
