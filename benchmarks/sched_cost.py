@@ -47,7 +47,10 @@ measured steps allocate.
 
 ``--case flip-burst`` replaces the prefill set-up by a burst within 10 ms (short prompts 1-400
 tokens, TPOT 0.1 s, padded attention): each TTFT class's slack turns negative together while the
-predictor's early refits re-key the queue. ``cpu_max_call`` is the 1-based index of the slowest
+predictor's early refits re-key the queue. ``--case kv-full`` is the flip burst on an instance with
+``KV_FULL_TOKENS`` of KV memory (a few long prompts started in chunks fill it), so that most
+decisions walk the queue with KV memory full; its prefill rows give the most admissions a single
+decision refused (``max_refusals``). ``cpu_max_call`` is the 1-based index of the slowest
 call (CPU time) among its event's calls (a ``schedule`` index ``k`` is decision ``k + 1``).
 
     python benchmarks/sched_cost.py [--case refits|flip-burst] [--sizes 1000,10000,100000] [--steps 200] [--prefill-steps 1300]
@@ -90,6 +93,10 @@ ATTENTION = "ragged"
 #: ``--case flip-burst``: the prefill burst arrives within 10 ms, short prompts 1-400 tokens, TPOT
 #: 0.1 s, padded attention: whole TTFT classes reach their flip points together
 FLIP_BURST = {"BURST_SECONDS": 0.01, "SHORT_TOKENS": (1, 400), "TPOT": 0.1, "ATTENTION": "padded"}
+KV_TOKENS: int | None = None    # the prefill instance's KV memory (None: the model's on the GPU)
+KV_FULL_TOKENS = 40_000
+#: ``--case kv-full``: the flip burst with KV memory for three or four long prompts
+KV_FULL = {**FLIP_BURST, "KV_TOKENS": KV_FULL_TOKENS}
 DECODE_BLOCK = 256
 NUM_ROUTED_INSTANCES = 4
 
@@ -155,8 +162,18 @@ def _rekeys(sched) -> int:
 
 
 def run_prefill(spec: str, n: int, steps: int, cost) -> Clock:
-    kv = KVCacheManager(blocks_for(kv_capacity_tokens(cost, 0.9), 16), 16)
+    kv = KVCacheManager(blocks_for(KV_TOKENS or kv_capacity_tokens(cost, 0.9), 16), 16)
     sched = registry.make("prefill", spec, kv)
+    refusals = [0]
+    if KV_TOKENS is not None and hasattr(sched, "admit"):
+        admit = sched.admit
+
+        def counted(req: Request, now: float) -> bool:
+            ok = admit(req, now)
+            refusals[0] += not ok
+            return ok
+
+        sched.admit = counted
     learner = LearnedCostModel(attention=getattr(cost, "attention", "ragged"))
     if hasattr(sched, "bind_cost_model"):
         sched.bind_cost_model(learner)
@@ -167,16 +184,20 @@ def run_prefill(spec: str, n: int, steps: int, cost) -> Clock:
     nxt = next(live)
     clock = Clock()
     clock.extra = {"refits": 0, "max_after_refit_ms": 0.0, "max_rekeys": 0}
+    if KV_TOKENS is not None:
+        clock.extra["max_refusals"] = 0
     gc.collect()
     gc.freeze()
     now, first = BURST_SECONDS, True
     update_wall = update_cpu = 0.0
     refitted = False
     for _ in range(steps):
-        rekeys = _rekeys(sched)
+        rekeys, refused = _rekeys(sched), refusals[0]
         c0, w0 = time.process_time(), time.perf_counter()
         plan = sched.schedule(now)
         w1, c1 = time.perf_counter(), time.process_time()
+        if "max_refusals" in clock.extra:
+            clock.extra["max_refusals"] = max(clock.extra["max_refusals"], refusals[0] - refused)
         clock.add("first" if first else "schedule", w1 - w0, c1 - c0)
         if not first:
             clock.add("completion", update_wall + w1 - w0, update_cpu + c1 - c0)
@@ -348,11 +369,12 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated policy names to run (default: all)")
     ap.add_argument("--name", default="sched_cost", help="result file name")
     ap.add_argument("--list", action="store_true", help="print the policies measured and exit")
-    ap.add_argument("--case", choices=("refits", "flip-burst"), default="refits",
-                    help="prefill set-up: the 1 s burst (default) or the 10 ms flip burst")
+    ap.add_argument("--case", choices=("refits", "flip-burst", "kv-full"), default="refits",
+                    help="prefill set-up: the 1 s burst (default), the 10 ms flip burst, or the flip burst "
+                         "with KV memory full")
     args = ap.parse_args()
-    if args.case == "flip-burst":
-        globals().update(FLIP_BURST)
+    if args.case != "refits":
+        globals().update(FLIP_BURST if args.case == "flip-burst" else KV_FULL)
     cost = make_cost_model(model="llama-3-8b", hardware="h100", attention=ATTENTION)
     only = {s for s in args.only.split(",") if s}
     cases = [(kind, spec) for kind in ("prefill", "decode", "router") for spec in distinct_specs(kind)
@@ -395,7 +417,7 @@ def main() -> None:
     write_result(args.name, metrics, extra={"load_average": load, "note": note, "rows": rows},
                  markdown=f"{note}.\n\n" + markdown_table(rows, ["kind", "policy", "queued", "event", "count", "mean_ms",
                                                 "p99_ms", "max_ms", "cpu_mean_ms", "cpu_p99_ms", "cpu_max_ms", "cpu_max_call",
-                                                "refits", "max_after_refit_ms", "max_rekeys"]))
+                                                "refits", "max_after_refit_ms", "max_rekeys", "max_refusals"]))
 
 
 if __name__ == "__main__":

@@ -317,8 +317,9 @@ class CountedPredictor:
 
 def test_flip_burst_refits_ask_the_predictor_once_per_group():
     """sedf-chunk in the flip burst: after the early refits single decisions re-predict whole
-    TTFT classes near their flip point, asking the predictor once per group (size class and
-    step-token count) they hold, not once per request."""
+    TTFT classes near their flip point, asking the predictor at most once per group (size class
+    and step-token count) they hold — once per step-token count when many go at once — not once
+    per request."""
     padded = make_cost_model(model="llama-3-8b", hardware="h100", attention="padded")
     n = 8_000
     sched, learner = flip_burst("sedf-chunk", n, seed=2)
@@ -334,8 +335,9 @@ def test_flip_burst_refits_ask_the_predictor_once_per_group():
     assert learner.prefill_version >= 5
     rekeys, calls, groups = max(decisions)
     assert rekeys > groups // 4 and groups < n // 8, (rekeys, groups)      # whole classes re-predicted
+    assert calls < rekeys, (calls, rekeys)       # in bulk: once per step-token count (the classes share 2048)
     for rekeys, calls, groups in decisions:
-        assert calls == rekeys <= groups, (rekeys, calls, groups)
+        assert calls <= rekeys <= groups, (rekeys, calls, groups)
 
 
 @pytest.mark.parametrize("attention", ["ragged", "padded"])

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import count
 from operator import itemgetter
 
@@ -69,6 +69,7 @@ from laneserve.policies.prefill.mechanisms.priority import INF, ORDERINGS, Prior
 _FLIPPING = ("sedf", "dedf")
 BUCKET = 128                 # tokens per size class of :meth:`SignedDeadlineQueue.ordered_below` (long prompts)
 MIGRATE_BATCH = 32           # groups of older generations re-predicted per advance beyond the due ones
+BULK_SEARCH = 64             # searches in one advance from which their heads and checks are filed at once
 _MARGIN = 1e-9               # relative slack of the refit bounds (float evaluation of p and of d - now)
 
 Coefficients = tuple[float, float, float]
@@ -129,6 +130,17 @@ def class_range(c: int) -> tuple[int, int]:
     return lo, lo + BUCKET
 
 
+_RANGES: dict[int, tuple[int, int]] = {}
+
+
+def _filed_range(c: int) -> tuple[int, int]:
+    """:func:`class_range` of a filed class (``-1 - class`` once started), memoised."""
+    bounds = _RANGES.get(c)
+    if bounds is None:
+        bounds = _RANGES[c] = class_range(c if c >= 0 else -1 - c)
+    return bounds
+
+
 def _class_of(req: Request) -> int:
     """The class a member is filed in: its size class, as ``-1 - class`` once its prefill started
     (it holds its KV: admitting it again needs none, so the started are walked apart)."""
@@ -182,17 +194,18 @@ class _Group:
     non-negative; None: none is) are negative."""
 
     __slots__ = ("gid", "cls", "lo", "hi", "tokens", "band", "members", "split", "p", "gen", "flip", "unflip",
-                 "heads")
+                 "heads", "touched")
 
     def __init__(self, gid: int, cls: int, tokens: int, p: float, gen: _Generation) -> None:
         self.gid, self.cls, self.tokens, self.p, self.gen = gid, cls, tokens, p, gen
-        self.lo, self.hi = class_range(cls if cls >= 0 else -1 - cls)
+        self.lo, self.hi = _filed_range(cls)
         self.band = int(tokens).bit_length()
         self.members = SortedKeys()
         self.split: Member | None = None
         self.flip: tuple[float, int] | None = None          # filed checks (in ``gen``)
         self.unflip: tuple[float, int] | None = None
         self.heads: tuple[PriorityKey | None, PriorityKey | None] = (None, None)   # as filed in the heads
+        self.touched = True         # members or p changed since the last search (heads and checks to re-file)
 
     def last_negative(self) -> Member | None:
         split = self.split
@@ -224,6 +237,8 @@ class _Group:
             return None if nxt is None else (0, *nxt)
         nxt = self._negative_after(-key[1], key[2:])
         return None if nxt is None else (2, -nxt[0], nxt[1], nxt[2])
+
+    after = next_after             # a part's next key, as :meth:`SortedKeys.after` for the other parts
 
     def first_after(self, positive: bool, key: PriorityKey) -> PriorityKey | None:
         """The first key greater than ``key`` (any key) of this group's positive or negative part."""
@@ -257,7 +272,7 @@ class SignedDeadlineQueue:
 
     def _reset(self) -> None:
         self._reqs: dict[int, Request] = {}
-        self._owner: dict[int, _Group] = {}            # group of each member with a flipping deadline
+        self._owner: dict[int, _Group | SortedKeys] = {}   # the part holding each member: its group or static class
         self._member: dict[int, Member] = {}           # its (d, arrival, id)
         self._static_key: dict[int, PriorityKey] = {}  # key of every other member (never changes)
         self._static = SortedKeys()
@@ -265,7 +280,9 @@ class SignedDeadlineQueue:
         self._groups: dict[tuple[int, int], _Group] = {}
         self._by_gid: dict[int, _Group] = {}
         self._gid = count()
-        self._heads = SortedKeys()                     # (first key of a group's part, group)
+        self._class_heads: dict[int, SortedKeys] = {}  # class -> (first key of a group's part, group)
+        self._class_min: dict[int, PriorityKey] = {}   # class -> its least key
+        self._class_top = SortedKeys()                 # (least key of a class, class)
         self._dirty: dict[_Group, None] = {}           # groups with members added since their split was found
         self._class_of: dict[int, int] = {}            # size class of each member
         self._rem: dict[int, tuple[int, int]] = {}     # (remaining prefill, id) as filed
@@ -313,34 +330,41 @@ class SignedDeadlineQueue:
             self._reprice(group)
         self._owner[rid] = group
         group.members.add(member)
-        self._dirty[group] = None
-        self._set_heads(group)
+        group.touched = True
+        self._dirty[group] = None                        # its split, heads and checks at the next advance
 
     def _add_static(self, rid: int, key: PriorityKey, c: int) -> None:
         self._static_key[rid] = key
         self._static.add(key)
         members = self._static_classes.get(c)
         if members is None:
-            self._static_classes[c] = SortedKeys((key,))
+            members = self._static_classes[c] = SortedKeys((key,))
         else:
             members.add(key)
+        self._owner[rid] = members
+        least = self._class_min.get(c)
+        if least is None or key < least:
+            self._set_class_min(c)
 
     def discard(self, request_id: int) -> None:
         if self._reqs.pop(request_id, None) is None:
             return
         c = self._class_of.pop(request_id)
         self._by_rem.remove(self._rem.pop(request_id))
-        group = self._owner.pop(request_id, None)
-        if group is None:
-            key = self._static_key.pop(request_id)
+        group = self._owner.pop(request_id)
+        key = self._static_key.pop(request_id, None)
+        if key is not None:
             self._static.remove(key)
             members = self._static_classes[c]
             members.remove(key)
             if not members:
                 del self._static_classes[c]
+            if key == self._class_min[c]:
+                self._set_class_min(c)
             return
         member = self._member.pop(request_id)
         group.members.remove(member)
+        group.touched = True
         if not group.members:
             self._drop(group)
             return
@@ -361,9 +385,15 @@ class SignedDeadlineQueue:
 
     def _drop(self, group: _Group) -> None:
         """Remove an empty group."""
-        for key in group.heads:
-            if key is not None:
-                self._heads.remove((key, group))
+        c = group.cls
+        if group.heads != (None, None):
+            heads = self._class_heads[c]
+            for key in group.heads:
+                if key is not None:
+                    heads.remove((key, group))
+            if not heads:
+                del self._class_heads[c]
+            self._set_class_min(c)
         self._unfile(group)
         del self._groups[(group.cls, group.tokens)], self._by_gid[group.gid]
         self._dirty.pop(group, None)
@@ -380,14 +410,49 @@ class SignedDeadlineQueue:
             group.gen.remove(group.unflip, group.band, False)
             group.unflip = None
 
-    def _reprice(self, group: _Group) -> None:
-        """Re-predict ``group`` under the current fit (its split is then found again)."""
+    def _reprice(self, group: _Group, search: bool = True) -> None:
+        """Re-predict ``group`` under the current fit and file it in the current generation: its
+        split is found again at the next search (``search``), or is known not to have moved (a
+        group of an older generation whose checks were not due: only its checks are re-filed)."""
         self._unfile(group)
         group.p = self.predict(group.tokens) if self.ordering == "sedf" else 0.0
         self.predictions += self.ordering == "sedf"
         group.gen = self._gens[-1]
         self.rekeys += 1
-        self._dirty[group] = None
+        if search:
+            group.touched = True
+            self._dirty[group] = None
+        else:
+            self._refile(group)
+
+    def _reprice_bulk(self, groups: Iterable[_Group]) -> None:
+        """:meth:`_reprice` for many groups at once: each sorted set of checks they leave is
+        rebuilt once (filtered), and the predictor is asked once per step-token count."""
+        gone: dict[tuple[_Generation, int, bool], set] = {}
+        memo: dict[int, float] = {}
+        current, sedf = self._gens[-1], self.ordering == "sedf"
+        for group in groups:
+            for entry, flip in ((group.flip, True), (group.unflip, False)):
+                if entry is not None:
+                    gone.setdefault((group.gen, group.band, flip), set()).add(entry)
+            group.flip = group.unflip = None
+            if sedf:
+                p = memo.get(group.tokens)
+                if p is None:
+                    p = memo[group.tokens] = self.predict(group.tokens)
+                group.p = p
+            group.gen, group.touched = current, True
+            self._dirty[group] = None
+            self.rekeys += 1
+        self.predictions += len(memo)
+        for (gen, band, flip), entries in gone.items():
+            sets = gen.flips if flip else gen.unflips
+            kept = [e for e in sets[band].to_list() if e not in entries]
+            if kept:
+                sets[band] = SortedKeys.from_sorted(kept)
+            else:
+                del sets[band]
+            gen.size -= len(entries)
 
     def _set_heads(self, group: _Group) -> None:
         """File the first keys of the group's parts in the heads."""
@@ -396,7 +461,12 @@ class SignedDeadlineQueue:
         head = group.negative_head()
         negative = None if head is None else (2, -head[0], head[1], head[2])
         old_positive, old_negative = group.heads
-        heads = self._heads
+        if positive == old_positive and negative == old_negative:
+            return
+        c = group.cls
+        heads = self._class_heads.get(c)
+        if heads is None:
+            heads = self._class_heads[c] = SortedKeys()
         if positive != old_positive:
             if old_positive is not None:
                 heads.remove((old_positive, group))
@@ -408,14 +478,41 @@ class SignedDeadlineQueue:
             if negative is not None:
                 heads.add((negative, group))
         group.heads = (positive, negative)
+        least = self._class_min.get(c)
+        if least is None or least in (old_positive, old_negative) or heads.first()[0] < least:
+            self._set_class_min(c)
+
+    def _set_class_min(self, c: int) -> None:
+        """File class ``c``'s least key (of its parts' first keys) in the class order."""
+        heads, members = self._class_heads.get(c), self._static_classes.get(c)
+        least = None if not heads else heads.first()[0]
+        if members and (least is None or members.first() < least):
+            least = members.first()
+        old = self._class_min.get(c)
+        if least == old:
+            return
+        if old is not None:
+            self._class_top.remove((old, c))
+            del self._class_min[c]
+        if least is not None:
+            self._class_top.add((least, c))
+            self._class_min[c] = least
 
     def _search(self, group: _Group, now: float) -> None:
         """Find the group's split at ``now`` (the reference's sign expression, by bisection) and
         file its heads and checks."""
         p = group.p
-        split = group.split = group.members.partition(lambda m: m[0] - now - p < 0)
+        split = group.members.partition(lambda m: m[0] - now - p < 0)
         self.searches += 1
+        if split == group.split and not group.touched:
+            return                                       # nothing moved (a due check within its tolerance)
+        group.split, group.touched = split, False
         self._set_heads(group)
+        self._refile(group)
+
+    def _refile(self, group: _Group) -> None:
+        """File the group's flip and unflip checks (of its split and last negative member)."""
+        p, split = group.p, group.split
         gen, band, gid = group.gen, group.band, group.gid
         flip = None if split is None else (split[0] - p - _tol(split[0], p), gid)
         if flip != group.flip:
@@ -492,15 +589,18 @@ class SignedDeadlineQueue:
                     checks = unflips.to_list()
                     for check in checks[bisect_left(checks, (limit, -INF)):]:
                         due[by_gid[check[1]]] = None
-        for group in due:
-            self._reprice(group)
+        if len(due) > BULK_SEARCH:
+            self._reprice_bulk(due)
+        else:
+            for group in due:
+                self._reprice(group)
         budget = MIGRATE_BATCH
         for gen in self._gens[:-1]:
             while budget > 0 and gen.size:
                 sets = gen.flips or gen.unflips
                 checks = next(iter(sets.values()))
                 entry = checks.first() if sets is gen.flips else checks.last()
-                self._reprice(by_gid[entry[1]])
+                self._reprice(by_gid[entry[1]], search=False)
                 budget -= 1
             if budget <= 0:
                 break
@@ -526,7 +626,88 @@ class SignedDeadlineQueue:
             if group.gen is not gen:                     # filled before a refit: re-predict it first
                 self._reprice(group)
                 self._dirty.pop(group, None)
+        if len(todo) > BULK_SEARCH:
+            self._search_bulk(todo, now)
+            return
+        for group in todo:
             self._search(group, now)
+
+    def _search_bulk(self, groups: Iterable[_Group], now: float) -> None:
+        """:meth:`_search` for many groups (of the current generation) at once: the same splits,
+        heads and checks, but each sorted set of heads or checks they change is rebuilt once (the
+        kept entries merged with the new ones, a linear merge in C) instead of changed one entry
+        at a time; a group of one member is searched without the bisection machinery."""
+        gen = self._gens[-1]
+        heads_of: dict[int, tuple[set, list]] = {}       # class -> (first keys gone, entries added)
+        checks_of: dict[tuple[int, bool], tuple[set, list]] = {}    # (band, flip) -> (gone, added)
+        searched = 0
+        for group in groups:
+            p, members = group.p, group.members
+            searched += 1
+            if len(members) == 1:
+                only = members.first()
+                negative = only[0] - now - p < 0                  # the reference's expression
+                split, last, head = (None, only, only) if negative else (only, None, None)
+            else:
+                split = members.partition(lambda m, p=p: m[0] - now - p < 0)
+                last = head = None
+            if split == group.split and not group.touched:
+                continue
+            group.split, group.touched = split, False
+            if len(members) > 1:
+                last = members.last() if split is None else members.before(split)
+                head = None if last is None else members.after((last[0], -INF, -INF))
+            positive = None if split is None else (0, *split)
+            negative_key = None if head is None else (2, -head[0], head[1], head[2])
+            old_positive, old_negative = group.heads
+            if positive != old_positive or negative_key != old_negative:
+                gone, added = heads_of.setdefault(group.cls, (set(), []))
+                for old, new in ((old_positive, positive), (old_negative, negative_key)):
+                    if old != new:
+                        if old is not None:
+                            gone.add(old)
+                        if new is not None:
+                            added.append((new, group))
+                group.heads = (positive, negative_key)
+            gid, band = group.gid, group.band
+            flip = None if split is None else (split[0] - p - _tol(split[0], p), gid)
+            unflip = None if last is None else (last[0] - p + _tol(last[0], p), gid)
+            if flip != group.flip:
+                gone, added = checks_of.setdefault((band, True), (set(), []))
+                if group.flip is not None:
+                    gone.add(group.flip)
+                if flip is not None:
+                    added.append(flip)
+                group.flip = flip
+            if unflip != group.unflip:
+                gone, added = checks_of.setdefault((band, False), (set(), []))
+                if group.unflip is not None:
+                    gone.add(group.unflip)
+                if unflip is not None:
+                    added.append(unflip)
+                group.unflip = unflip
+        self.searches += searched
+        for c, (gone, added) in heads_of.items():
+            heads = self._class_heads.get(c)
+            kept = [e for e in heads.to_list() if e[0] not in gone] if heads else []
+            added.sort(key=_first)
+            merged = sorted(kept + added, key=_first)      # two sorted runs: one merge
+            if merged:
+                self._class_heads[c] = SortedKeys.from_sorted(merged)
+            elif heads is not None:
+                del self._class_heads[c]
+            self._set_class_min(c)
+        for (band, flip), (gone, added) in checks_of.items():
+            sets = gen.flips if flip else gen.unflips
+            checks = sets.get(band)
+            kept = [e for e in checks.to_list() if e not in gone] if checks else []
+            added.sort()
+            merged = sorted(kept + added)
+            if merged:
+                sets[band] = SortedKeys.from_sorted(merged)
+            elif checks is not None:
+                del sets[band]
+            gen.size += len(added) - len(gone)
 
     def rebuild(self) -> None:
         """Re-predict every group and find every split afresh (for a new predictor): signs are
@@ -544,39 +725,43 @@ class SignedDeadlineQueue:
     # ---- queries ---------------------------------------------------------------------------
     def top(self) -> tuple[PriorityKey, Request] | None:
         """The best member (call :meth:`advance` first)."""
-        head, key = self._heads.first(), self._static.first()
-        if head is not None and (key is None or head[0] < key):
-            key = head[0]
-        return None if key is None else (key, self._reqs[key[3]])
+        first = self._class_top.first()
+        return None if first is None else (first[0], self._reqs[first[0][3]])
 
     def ordered(self) -> Iterator[tuple[PriorityKey, Request]]:
         """Members best first, lazily (call :meth:`advance` first; removals during the walk are
         fine)."""
-        reqs, static = self._reqs, self._static
-        if not self._heads:
-            for key in static.walk():
+        reqs = self._reqs
+        if not self._groups:
+            for key in self._static.walk():
                 yield key, reqs[key[3]]
             return
-        owner, static_key = self._owner, self._static_key
-        heap = self._heads.to_list()                     # sorted: a heap already
-        first = static.first()
-        if first is not None:
-            heapq.heappush(heap, (first, None))
-        while heap:
-            key, group = heap[0]
-            rid = key[3]
-            if group is None:
-                if rid in static_key:
-                    yield key, reqs[rid]
-                nxt = static.after(key)
-            else:
-                if owner.get(rid) is group:
-                    yield key, reqs[rid]
-                nxt = group.next_after(key)
+        outer = self._class_top.to_list()               # (least key, class), sorted: a heap already
+        inner: dict[int, list] = {}
+        owner = self._owner
+        while outer:
+            key, c = outer[0]
+            parts = inner.get(c)
+            if parts is None:
+                parts = inner[c] = self._parts(c, None)
+                if not parts:
+                    heapq.heappop(outer)
+                    continue
+                if parts[0][0] != key:                    # its least key changed since the walk began
+                    heapq.heapreplace(outer, (parts[0][0], c))
+                    continue
+            key, part = parts[0]
+            if owner.get(key[3]) is part:                 # not removed during the walk
+                yield key, reqs[key[3]]
+            nxt = part.after(key)
             if nxt is None:
-                heapq.heappop(heap)
+                heapq.heappop(parts)
             else:
-                heapq.heapreplace(heap, (nxt, group))
+                heapq.heapreplace(parts, (nxt, part))
+            if parts:
+                heapq.heapreplace(outer, (parts[0][0], c))
+            else:
+                heapq.heappop(outer)
 
     def ordered_below(self, after: PriorityKey, bound: Callable[[], int], floor: int = 0,
                       fresh_bound: Callable[[], float] | None = None) -> Iterator[Request]:
@@ -587,7 +772,7 @@ class SignedDeadlineQueue:
         (or below ``floor``) is not walked (members of the boundary classes may still be
         yielded: the caller checks each). Removals during the walk are fine."""
         reqs = self._reqs
-        for key in self._merge_classes(after, bound, floor, fresh_bound):
+        for key in self._walk(after, bound, floor, fresh_bound):
             yield reqs[key[3]]
 
     def ordered_admissible(self, after: PriorityKey, fresh_bound: Callable[[], float]
@@ -597,51 +782,71 @@ class SignedDeadlineQueue:
         may only shrink): after a prompt of that many tokens found no KV memory, none of them
         can be admitted, while the started hold theirs. Removals during the walk are fine."""
         reqs = self._reqs
-        for key in self._merge_classes(after, lambda: INF, 0, fresh_bound):
+        for key in self._walk(after, lambda: INF, 0, fresh_bound):
             yield key, reqs[key[3]]
 
-    def _merge_classes(self, after: PriorityKey | None, bound: Callable[[], float], floor: int,
-                       fresh_bound: Callable[[], float] | None) -> Iterator[PriorityKey]:
-        """The keys after ``after`` of the parts of the classes that may hold a member under the
-        bounds, in order (a heap merge of the parts; each entry ``(key, group or None, the
-        static class's set or None, class floor, started)``)."""
+    def _walk(self, after: PriorityKey, bound: Callable[[], float], floor: int,
+              fresh_bound: Callable[[], float] | None) -> Iterator[PriorityKey]:
+        """The keys after ``after`` of the classes that may hold a member under the bounds, in
+        order: a merge over those classes (entries ``(least key, class, class floor, started)``;
+        a class is dropped when the bounds pass it), each a merge over its parts (its groups'
+        positive and negative parts, its members without a deadline) built when the class is
+        first reached (as in :meth:`ordered`)."""
         limit = bound()
         fresh = limit if fresh_bound is None else min(limit, fresh_bound())
-        frontier = []
-        for c, members in self._static_classes.items():
-            lo, hi = class_range(c if c >= 0 else -1 - c)
+        outer = []
+        for key, c in self._class_top.to_list():        # sorted: a heap already
+            lo, hi = _filed_range(c)
             if lo < (fresh if c >= 0 else limit) and hi > floor:
-                key = members.first() if after is None else members.after(after)
-                if key is not None:
-                    frontier.append((key, None, members, lo, c < 0))
-        heads = self._heads.to_list()
-        cut = 0 if after is None else bisect_right(heads, after, key=_first)
-        for i, (key, group) in enumerate(heads):
-            c, lo = group.cls, group.lo
-            if not (lo < (fresh if c >= 0 else limit) and group.hi > floor):
-                continue
-            if i < cut:                                  # at or before ``after``: its part's next
-                key = group.first_after(key[0] == 0, after)
-                if key is None:
-                    continue
-            frontier.append((key, group, None, lo, c < 0))
-        heapq.heapify(frontier)
-        owner, static_key = self._owner, self._static_key
-        while frontier:
-            key, group, members, lo, started = frontier[0]
+                outer.append((key, c, lo, c < 0))
+        inner: dict[int, list] = {}
+        owner = self._owner
+        while outer:
+            key, c, lo, started = outer[0]
             if lo >= (limit if started else fresh):
-                heapq.heappop(frontier)          # the class cannot fit any more: drop the part
+                heapq.heappop(outer)                      # the class cannot fit any more: drop it
                 continue
-            rid = key[3]
-            if (owner.get(rid) is group) if group is not None else (rid in static_key):
+            parts = inner.get(c)
+            if parts is None:
+                parts = inner[c] = self._parts(c, after)
+                if not parts:
+                    heapq.heappop(outer)
+                    continue
+                if parts[0][0] != key:                    # its first key after ``after``
+                    heapq.heapreplace(outer, (parts[0][0], c, lo, started))
+                    continue
+            key, part = parts[0]
+            if owner.get(key[3]) is part:                 # not removed during the walk
                 yield key
                 limit = bound()
                 fresh = limit if fresh_bound is None else min(limit, fresh_bound())
-            nxt = members.after(key) if group is None else group.next_after(key)
+            nxt = part.after(key)
             if nxt is None:
-                heapq.heappop(frontier)
+                heapq.heappop(parts)
             else:
-                heapq.heapreplace(frontier, (nxt, group, members, lo, started))
+                heapq.heapreplace(parts, (nxt, part))
+            if parts:
+                heapq.heapreplace(outer, (parts[0][0], c, lo, started))
+            else:
+                heapq.heappop(outer)
+
+    def _parts(self, c: int, after: PriorityKey | None) -> list:
+        """A heap of ``(first key after after, part)`` over class ``c``'s parts."""
+        heads = self._class_heads.get(c)
+        parts = heads.to_list() if heads else []         # sorted: a heap already
+        if after is not None and parts:
+            cut = bisect_right(parts, after, key=_first)
+            if cut:                                       # parts starting at or before ``after``
+                moved = [(k, g) for key, g in parts[:cut] if (k := g.first_after(key[0] == 0, after)) is not None]
+                parts = parts[cut:]
+                for entry in moved:
+                    heapq.heappush(parts, entry)
+        members = self._static_classes.get(c)
+        if members:
+            first = members.first() if after is None else members.after(after)
+            if first is not None:
+                heapq.heappush(parts, (first, members))
+        return parts
 
     def min_remaining(self) -> int | None:
         """The fewest remaining prompt tokens of any member."""
