@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 from laneserve.core.plan import StepPlan
 from laneserve.core.request import Request
+from laneserve.policies.prefill.adaptive import AdaptivePrefill
 from laneserve.policies.prefill.sedf import SEDFPrefill
 from laneserve.policies.prefill.base import PrefillScheduler
 from laneserve.policies.prefill.fcfs import FCFSPrefill
@@ -50,6 +51,15 @@ class SEDFPrefillReference(SEDFPrefill):
 
     def compose_sedf(self, o, ordering_class=SEDFOrdering, **parts) -> None:
         super().compose_sedf(o, ScanSEDFOrdering, **parts)
+
+
+class AdaptivePrefillReference(AdaptivePrefill):
+    """Adaptive prefill holding the scanning ordering; its Algorithm 1 walks every candidate, the
+    lanes refusing the other lane's requests one by one (``may_join``)."""
+
+    def compose_sedf(self, o, ordering_class=SEDFOrdering, **parts) -> None:
+        super().compose_sedf(o, ScanSEDFOrdering, **parts)
+        self.batcher._candidates = lambda head, walk, head_key, bound, fresh_bound: (r for _, r in walk)
 
 
 class KairosPrefillReference(KairosPrefill):

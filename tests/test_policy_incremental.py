@@ -25,11 +25,12 @@ from laneserve.core.request import Phase
 from laneserve.policies.decode.mechanisms.quadtree import KVLengthQuadTree
 from laneserve.policies.routing_laps import LapsPoolRouter, _Stats
 from laneserve.policies import registry
+from laneserve.policies.prefill.adaptive import AdaptivePrefill
 from laneserve.policies.prefill.sedf import SEDFPrefill
 from laneserve.policies.prefill.kairos import KairosPrefill
 from laneserve.policies.prefill.laps import LapsPrefill
 from laneserve.policies.prefill.fcfs import FCFSPrefill
-from policy_references import (FCFSPrefillReference, SEDFPrefillReference, KairosPrefillReference,
+from policy_references import (AdaptivePrefillReference, FCFSPrefillReference, SEDFPrefillReference, KairosPrefillReference,
                                                 LapsPrefillReference)
 from laneserve.sim.executor import SimExecutor
 
@@ -200,6 +201,24 @@ def test_flowprefill_refits_are_exercised():
         return s
     lockstep(make, 11, n=300, bind=False)
     assert made[0].predict.version >= 3 and made[0].predict.version == made[1].predict.version
+
+
+@pytest.mark.parametrize("opts", [{}, {"preemption": "chunk", "chunk": 1024}, {"lanes": False}],
+                         ids=["adaptive", "chunk", "no-lanes"])
+def test_adaptive_matches_reference(opts):
+    """Adaptive prefill (S-EDF with LAPS' lanes while the lengths are bimodal) against the scanning
+    reference, with KV memory too small for everyone: its Algorithm 1 leaves out the other lane
+    and the prompts that cannot find memory without changing a decision."""
+    def make(reference: bool):
+        return (AdaptivePrefillReference if reference else AdaptivePrefill)(KVCacheManager(1, 16), **opts)
+    made = []
+
+    def tracked(reference: bool):
+        made.append(make(reference))
+        return made[-1]
+    for seed in range(4):
+        assert lockstep(tracked, seed, kv_tokens=20_000) > 20
+    assert opts.get("lanes") is False or any(s.bimodal for s in made)
 
 
 @pytest.mark.parametrize("opts", [{}, {"order": "ascending"}, {"estimate": "cost"}, {"chunk": 2048},

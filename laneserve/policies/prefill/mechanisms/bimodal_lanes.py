@@ -46,15 +46,17 @@ class BimodalLanes:
         return lengths.median(short) >= self.long_factor * self.boundary    # the long lengths' median
 
     def candidates(self, queue: SignedDeadlineQueue, head: Request, head_key: PriorityKey,
-                   bound: Callable[[], int]) -> Iterable[Request]:
+                   bound: Callable[[], int], fresh_bound: Callable[[], float] | None = None) -> Iterable[Request]:
         """Algorithm 1's candidates while the lanes are in force, only from the head's lane: the
         other lane's requests would all be refused by :meth:`may_join`, and refusing them changes
         nothing Algorithm 1 decides (its batch and its stopping test move only when a request
-        joins), so they are not walked one by one (a long head behind thousands of short prompts)."""
+        joins), so they are not walked one by one (a long head behind thousands of short prompts).
+        Those not started at or above ``fresh_bound()`` tokens (which find no KV memory) may be
+        left out too."""
         boundary = self.boundary
         if head.remaining_prefill < boundary:
-            return queue.ordered_below(head_key, lambda: min(bound(), boundary))
-        return queue.ordered_below(head_key, bound, floor=boundary)
+            return queue.ordered_below(head_key, lambda: min(bound(), boundary), fresh_bound=fresh_bound)
+        return queue.ordered_below(head_key, bound, floor=boundary, fresh_bound=fresh_bound)
 
     def may_join(self, head: Request, req: Request) -> bool:
         if not self.bimodal:

@@ -43,7 +43,7 @@ class SLOAwareBatching:
                     fresh_bound: Callable[[], float]) -> Iterable[Request]:
         lanes = self.lanes
         if lanes is not None and lanes.bimodal:
-            return lanes.candidates(self.ordering.queue, head, head_key, bound)
+            return lanes.candidates(self.ordering.queue, head, head_key, bound, fresh_bound)
         return self.ordering.candidates(walk, head_key, bound, fresh_bound)
 
     def submit(self, head: Request, head_key: PriorityKey, walk: Iterator[tuple[PriorityKey, Request]],
