@@ -134,6 +134,21 @@ class PrefillScheduler(InstanceScheduler):
             done = self.cached_prefix(req)
         return max(req.prompt_len - done, 0)
 
+    def refusal_bound(self, req: Request) -> float | None:
+        """After :meth:`admit` refused ``req``: a prompt length at or above which no waiting
+        request that has not started can be admitted either until memory is freed (its own, when
+        it needs the blocks of its whole prompt), else None (it had started, holds blocks, or
+        prefix caching makes the need depend on more than the length)."""
+        kv = self.kv
+        if req.times.prefill_start is not None or kv.prefix_caching or req.request_id in kv.tables:
+            return None
+        return req.prompt_len
+
+    def refused_by_bound(self, req: Request, bound: float) -> bool:
+        """Whether :meth:`admit` would refuse ``req`` after a refusal gave ``bound``
+        (:meth:`refusal_bound`): it has not started, holds no blocks and is at least as long."""
+        return req.times.prefill_start is None and req.prompt_len >= bound and req.request_id not in self.kv.tables
+
     def admit(self, req: Request, now: float) -> bool:
         """Reserve KV for the whole prompt the first time ``req`` is scheduled; False if it does
         not fit now (the caller decides whether to wait or skip)."""

@@ -333,10 +333,16 @@ class KairosPrefill(PrefillScheduler):
         budget = self.chunk_size if token_budget is None else min(token_budget, self.chunk_size)
         plan = StepPlan(label=self.name)
         used = 0
+        refused = INF          # a prompt this long found no KV: the not started as long are not asked
         for req in ranked:
             if used >= budget or len(plan.prefills) >= self.max_batch_size:
                 break
+            if refused != INF and self.refused_by_bound(req, refused):
+                continue
             if not self.admit(req, now):
+                bound = self.refusal_bound(req)
+                if bound is not None:
+                    refused = min(refused, bound)
                 continue
             self._touch(req)
             n = req.remaining_prefill

@@ -105,10 +105,7 @@ class SEDFOrdering:
         waiting request that has not started can be admitted either until memory is freed (its
         own, when it needs the blocks of its whole prompt), else None (it had started, holds
         blocks, or prefix caching makes the need depend on more than the length)."""
-        kv = host.kv
-        if req.times.prefill_start is not None or kv.prefix_caching or req.request_id in kv.tables:
-            return None
-        return req.prompt_len
+        return host.refusal_bound(req)
 
     def batch_closed(self, tokens: int, limit: int, t_remain: float) -> bool:
         """No waiting request can join a batch of ``tokens`` any more (Algorithm 1 would reject
