@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 
+from laneserve.core import sorted_keys
 from laneserve.core.kv import KVCacheManager, blocks_for
 from laneserve.core.request import Request
 from laneserve.core.slo import SLO
@@ -88,6 +89,19 @@ def test_refits_keep_the_order_of_a_full_reprediction(seed, migrate, monkeypatch
     (arrivals on a 0.1 s grid) and step tokens shared by many (capped as in chunked prefill).
     With ``migrate`` 0 the older generations drain only through their due groups."""
     monkeypatch.setattr(sedf_queue, "MIGRATE_BATCH", migrate)
+    check_random_run(seed)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_order_holds_with_tiny_sorted_blocks_and_every_search_in_bulk(seed, monkeypatch):
+    """The same run with blocks of at most 4 keys (the groups', heads' and checks' sorted sets
+    split and merge all the time) and every decision's searches filed in bulk."""
+    monkeypatch.setattr(sorted_keys, "LOAD", 2)
+    monkeypatch.setattr(sedf_queue, "BULK_SEARCH", 0)
+    check_random_run(seed)
+
+
+def check_random_run(seed: int) -> None:
     rng = random.Random(seed)
     predictor = Quadratic(random_coefficients(rng))
     tokens: dict[int, int] = {}
