@@ -100,13 +100,6 @@ class SEDFOrdering:
         ``fresh_bound()`` tokens (which find no KV memory) may be left out."""
         return self.queue.ordered_admissible(after, fresh_bound)
 
-    def refusal_bound(self, host: Any, req: Request) -> float | None:
-        """After ``host`` found no KV memory for ``req``: a prompt length at or above which no
-        waiting request that has not started can be admitted either until memory is freed (its
-        own, when it needs the blocks of its whole prompt), else None (it had started, holds
-        blocks, or prefix caching makes the need depend on more than the length)."""
-        return host.refusal_bound(req)
-
     def batch_closed(self, tokens: int, limit: int, t_remain: float) -> bool:
         """No waiting request can join a batch of ``tokens`` any more (Algorithm 1 would reject
         every one): none is short enough for the budget, or the head has no time left."""

@@ -17,9 +17,11 @@ for D-EDF): ``(0, d, arrival, id)`` while ``x ≥ 0``, ``(2, −d, arrival, id)`
   split once — O(groups · log members), whatever the number of members that flip.
 - **The order** is a lazy merge of the groups' two *parts* — the positive part walked forward
   (``d`` ascending), the negative part backward (``d`` descending; members sharing ``d`` by
-  ``(arrival, id)``) — and the members without a deadline (one sorted set, as every member of the
-  orderings whose keys never change: EDF, FCFS). A sorted set holds each part's first key
-  (``heads``), so :meth:`top` is one lookup and a walk starts from that list (already a heap).
+  ``(arrival, id)``) — and the members without a deadline (a sorted set per size class, as every
+  member of the orderings whose keys never change: EDF, FCFS). Per size class a sorted set holds
+  its parts' first keys (``heads``), and one sorted set the least key of every class, so
+  :meth:`top` is one lookup and a walk merges the classes, building a class's merge of its parts
+  only when it reaches the class.
 - **Flip checks.** Per group one flip check ``(d_split − p − tol, group)`` (its first positive
   member's flip point) and one unflip check ``(d_last − p + tol, group)`` (its last negative
   member's); ``tol`` covers the rounding difference between ``d − p`` and ``(d − now) − p``.
@@ -59,6 +61,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 from itertools import count
 from operator import itemgetter
 
@@ -148,6 +151,21 @@ def _class_of(req: Request) -> int:
     return c if req.times.prefill_start is None else -1 - c
 
 
+def _replace(sets: dict, name: Any, gone: set, added: list, key: Callable | None = None) -> None:
+    """Rebuild the sorted set ``sets[name]`` (possibly absent) at once: its entries whose sort key
+    (``key`` of the entry, or the entry) is not in ``gone``, merged with ``added`` (sorted here;
+    a merge of two sorted runs, in C); the set is dropped when nothing is left."""
+    old = sets.get(name)
+    entries = old.to_list() if old else []
+    kept = [e for e, k in zip(entries, entries if key is None else map(key, entries)) if k not in gone]
+    added.sort(key=key)
+    merged = sorted(kept + added, key=key) if added else kept
+    if merged:
+        sets[name] = SortedKeys.from_sorted(merged)
+    elif old is not None:
+        del sets[name]
+
+
 class _Generation:
     """The groups whose ``p`` was predicted under one fit: their flip and unflip checks, per band
     of step tokens, and (once a newer fit exists) per band the bounds of the change of ``p``."""
@@ -207,15 +225,27 @@ class _Group:
         self.heads: tuple[PriorityKey | None, PriorityKey | None] = (None, None)   # as filed in the heads
         self.touched = True         # members or p changed since the last search (heads and checks to re-file)
 
-    def last_negative(self) -> Member | None:
-        split = self.split
-        return self.members.last() if split is None else self.members.before(split)
+    def find_split(self, now: float) -> Member | None:
+        """The first member whose slack at ``now`` is non-negative (the reference's expression),
+        by bisection (a group of one member is tested directly)."""
+        p, members = self.p, self.members
+        if len(members) == 1:
+            only = members.first()
+            return None if only[0] - now - p < 0 else only
+        return members.partition(lambda m: m[0] - now - p < 0)
 
-    def negative_head(self) -> Member | None:
-        """The first member of the negative part in walking order (the latest deadline; of those
-        sharing it, the least ``(arrival, id)``)."""
-        last = self.last_negative()
-        return None if last is None else self.members.after((last[0], -INF, -INF))
+    def boundaries(self) -> tuple[tuple[PriorityKey | None, PriorityKey | None],
+                                  tuple[tuple[float, int] | None, tuple[float, int] | None]]:
+        """For the current split: the first keys of the two parts (positive, negative: the
+        latest negative deadline, of those sharing it the least ``(arrival, id)``) and the flip
+        and unflip checks (of the split member and of the last negative member)."""
+        members, split, p, gid = self.members, self.split, self.p, self.gid
+        last = members.last() if split is None else members.before(split)
+        head = None if last is None else members.after((last[0], -INF, -INF))
+        heads = (None if split is None else (0, *split), None if head is None else (2, -head[0], head[1], head[2]))
+        checks = (None if split is None else (split[0] - p - _tol(split[0], p), gid),
+                  None if last is None else (last[0] - p + _tol(last[0], p), gid))
+        return heads, checks
 
     def _negative_after(self, d: float, rest: tuple[float, int]) -> Member | None:
         """The first negative member ranked after the (possibly absent) negative member
@@ -252,7 +282,9 @@ class _Group:
             return None if nxt is None else (0, *nxt)
         if key[0] > 2:
             return None
-        nxt = self.negative_head() if key[0] < 2 else self._negative_after(-key[1], key[2:])
+        if key[0] < 2:
+            return self.heads[1]
+        nxt = self._negative_after(-key[1], key[2:])
         return None if nxt is None else (2, -nxt[0], nxt[1], nxt[2])
 
 
@@ -275,7 +307,6 @@ class SignedDeadlineQueue:
         self._owner: dict[int, _Group | SortedKeys] = {}   # the part holding each member: its group or static class
         self._member: dict[int, Member] = {}           # its (d, arrival, id)
         self._static_key: dict[int, PriorityKey] = {}  # key of every other member (never changes)
-        self._static = SortedKeys()
         self._static_classes: dict[int, SortedKeys] = {}
         self._groups: dict[tuple[int, int], _Group] = {}
         self._by_gid: dict[int, _Group] = {}
@@ -335,7 +366,6 @@ class SignedDeadlineQueue:
 
     def _add_static(self, rid: int, key: PriorityKey, c: int) -> None:
         self._static_key[rid] = key
-        self._static.add(key)
         members = self._static_classes.get(c)
         if members is None:
             members = self._static_classes[c] = SortedKeys((key,))
@@ -354,7 +384,6 @@ class SignedDeadlineQueue:
         group = self._owner.pop(request_id)
         key = self._static_key.pop(request_id, None)
         if key is not None:
-            self._static.remove(key)
             members = self._static_classes[c]
             members.remove(key)
             if not members:
@@ -373,7 +402,7 @@ class SignedDeadlineQueue:
         # the checks may now be early (a boundary member left): searched again when due, as usual
         positive, negative = group.heads
         if (positive is not None and positive[3] == request_id) or (negative is not None and negative[3] == request_id):
-            self._set_heads(group)
+            self._set_heads(group, group.boundaries()[0])
 
     def _new_group(self, c: int, tokens: int) -> _Group:
         p = self.predict(tokens) if self.ordering == "sedf" else 0.0
@@ -423,7 +452,7 @@ class SignedDeadlineQueue:
             group.touched = True
             self._dirty[group] = None
         else:
-            self._refile(group)
+            self._set_checks(group, group.boundaries()[1])
 
     def _reprice_bulk(self, groups: Iterable[_Group]) -> None:
         """:meth:`_reprice` for many groups at once: each sorted set of checks they leave is
@@ -446,40 +475,28 @@ class SignedDeadlineQueue:
             self.rekeys += 1
         self.predictions += len(memo)
         for (gen, band, flip), entries in gone.items():
-            sets = gen.flips if flip else gen.unflips
-            kept = [e for e in sets[band].to_list() if e not in entries]
-            if kept:
-                sets[band] = SortedKeys.from_sorted(kept)
-            else:
-                del sets[band]
+            _replace(gen.flips if flip else gen.unflips, band, entries, [])
             gen.size -= len(entries)
 
-    def _set_heads(self, group: _Group) -> None:
-        """File the first keys of the group's parts in the heads."""
-        split = group.split
-        positive = None if split is None else (0, *split)
-        head = group.negative_head()
-        negative = None if head is None else (2, -head[0], head[1], head[2])
-        old_positive, old_negative = group.heads
-        if positive == old_positive and negative == old_negative:
+    def _set_heads(self, group: _Group, heads: tuple[PriorityKey | None, PriorityKey | None]) -> None:
+        """File the first keys of the group's parts (``heads``: positive, negative) in its
+        class's heads."""
+        old = group.heads
+        if heads == old:
             return
         c = group.cls
-        heads = self._class_heads.get(c)
-        if heads is None:
-            heads = self._class_heads[c] = SortedKeys()
-        if positive != old_positive:
-            if old_positive is not None:
-                heads.remove((old_positive, group))
-            if positive is not None:
-                heads.add((positive, group))
-        if negative != old_negative:
-            if old_negative is not None:
-                heads.remove((old_negative, group))
-            if negative is not None:
-                heads.add((negative, group))
-        group.heads = (positive, negative)
+        filed = self._class_heads.get(c)
+        if filed is None:
+            filed = self._class_heads[c] = SortedKeys()
+        for was, now in zip(old, heads):
+            if was != now:
+                if was is not None:
+                    filed.remove((was, group))
+                if now is not None:
+                    filed.add((now, group))
+        group.heads = heads
         least = self._class_min.get(c)
-        if least is None or least in (old_positive, old_negative) or heads.first()[0] < least:
+        if least is None or least in old or filed.first()[0] < least:
             self._set_class_min(c)
 
     def _set_class_min(self, c: int) -> None:
@@ -499,36 +516,26 @@ class SignedDeadlineQueue:
             self._class_min[c] = least
 
     def _search(self, group: _Group, now: float) -> None:
-        """Find the group's split at ``now`` (the reference's sign expression, by bisection) and
-        file its heads and checks."""
-        p = group.p
-        split = group.members.partition(lambda m: m[0] - now - p < 0)
+        """Find the group's split at ``now`` and file its heads and checks."""
+        split = group.find_split(now)
         self.searches += 1
         if split == group.split and not group.touched:
             return                                       # nothing moved (a due check within its tolerance)
         group.split, group.touched = split, False
-        self._set_heads(group)
-        self._refile(group)
+        heads, checks = group.boundaries()
+        self._set_heads(group, heads)
+        self._set_checks(group, checks)
 
-    def _refile(self, group: _Group) -> None:
-        """File the group's flip and unflip checks (of its split and last negative member)."""
-        p, split = group.p, group.split
-        gen, band, gid = group.gen, group.band, group.gid
-        flip = None if split is None else (split[0] - p - _tol(split[0], p), gid)
-        if flip != group.flip:
-            if group.flip is not None:
-                gen.remove(group.flip, band, True)
-            if flip is not None:
-                gen.add(flip, band, True)
-            group.flip = flip
-        last = group.last_negative()
-        unflip = None if last is None else (last[0] - p + _tol(last[0], p), gid)
-        if unflip != group.unflip:
-            if group.unflip is not None:
-                gen.remove(group.unflip, band, False)
-            if unflip is not None:
-                gen.add(unflip, band, False)
-            group.unflip = unflip
+    def _set_checks(self, group: _Group, checks: tuple[tuple[float, int] | None, tuple[float, int] | None]) -> None:
+        """File the group's flip and unflip checks (``checks``) in its generation."""
+        gen, band = group.gen, group.band
+        for flip, was, now in ((True, group.flip, checks[0]), (False, group.unflip, checks[1])):
+            if was != now:
+                if was is not None:
+                    gen.remove(was, band, flip)
+                if now is not None:
+                    gen.add(now, band, flip)
+        group.flip, group.unflip = checks
 
     # ---- the predictor's fits --------------------------------------------------------------
     def _coefficients(self) -> Coefficients | None:
@@ -642,71 +649,35 @@ class SignedDeadlineQueue:
         checks_of: dict[tuple[int, bool], tuple[set, list]] = {}    # (band, flip) -> (gone, added)
         searched = 0
         for group in groups:
-            p, members = group.p, group.members
+            split = group.find_split(now)
             searched += 1
-            if len(members) == 1:
-                only = members.first()
-                negative = only[0] - now - p < 0                  # the reference's expression
-                split, last, head = (None, only, only) if negative else (only, None, None)
-            else:
-                split = members.partition(lambda m, p=p: m[0] - now - p < 0)
-                last = head = None
             if split == group.split and not group.touched:
                 continue
             group.split, group.touched = split, False
-            if len(members) > 1:
-                last = members.last() if split is None else members.before(split)
-                head = None if last is None else members.after((last[0], -INF, -INF))
-            positive = None if split is None else (0, *split)
-            negative_key = None if head is None else (2, -head[0], head[1], head[2])
-            old_positive, old_negative = group.heads
-            if positive != old_positive or negative_key != old_negative:
+            heads, checks = group.boundaries()
+            if heads != group.heads:
                 gone, added = heads_of.setdefault(group.cls, (set(), []))
-                for old, new in ((old_positive, positive), (old_negative, negative_key)):
-                    if old != new:
-                        if old is not None:
-                            gone.add(old)
-                        if new is not None:
-                            added.append((new, group))
-                group.heads = (positive, negative_key)
-            gid, band = group.gid, group.band
-            flip = None if split is None else (split[0] - p - _tol(split[0], p), gid)
-            unflip = None if last is None else (last[0] - p + _tol(last[0], p), gid)
-            if flip != group.flip:
-                gone, added = checks_of.setdefault((band, True), (set(), []))
-                if group.flip is not None:
-                    gone.add(group.flip)
-                if flip is not None:
-                    added.append(flip)
-                group.flip = flip
-            if unflip != group.unflip:
-                gone, added = checks_of.setdefault((band, False), (set(), []))
-                if group.unflip is not None:
-                    gone.add(group.unflip)
-                if unflip is not None:
-                    added.append(unflip)
-                group.unflip = unflip
+                for was, key in zip(group.heads, heads):
+                    if was != key:
+                        if was is not None:
+                            gone.add(was)
+                        if key is not None:
+                            added.append((key, group))
+                group.heads = heads
+            for flip, was, check in ((True, group.flip, checks[0]), (False, group.unflip, checks[1])):
+                if was != check:
+                    gone, added = checks_of.setdefault((group.band, flip), (set(), []))
+                    if was is not None:
+                        gone.add(was)
+                    if check is not None:
+                        added.append(check)
+            group.flip, group.unflip = checks
         self.searches += searched
         for c, (gone, added) in heads_of.items():
-            heads = self._class_heads.get(c)
-            kept = [e for e in heads.to_list() if e[0] not in gone] if heads else []
-            added.sort(key=_first)
-            merged = sorted(kept + added, key=_first)      # two sorted runs: one merge
-            if merged:
-                self._class_heads[c] = SortedKeys.from_sorted(merged)
-            elif heads is not None:
-                del self._class_heads[c]
+            _replace(self._class_heads, c, gone, added, _first)
             self._set_class_min(c)
         for (band, flip), (gone, added) in checks_of.items():
-            sets = gen.flips if flip else gen.unflips
-            checks = sets.get(band)
-            kept = [e for e in checks.to_list() if e not in gone] if checks else []
-            added.sort()
-            merged = sorted(kept + added)
-            if merged:
-                sets[band] = SortedKeys.from_sorted(merged)
-            elif checks is not None:
-                del sets[band]
+            _replace(gen.flips if flip else gen.unflips, band, gone, added)
             gen.size += len(added) - len(gone)
 
     def rebuild(self) -> None:
@@ -719,7 +690,7 @@ class SignedDeadlineQueue:
         for group in self._groups.values():
             self.rekeys += 1
             group.split = group.members.first()
-            self._set_heads(group)
+            self._set_heads(group, group.boundaries()[0])
         self._by_rem = SortedKeys(self._rem.values())
 
     # ---- queries ---------------------------------------------------------------------------
@@ -732,36 +703,8 @@ class SignedDeadlineQueue:
         """Members best first, lazily (call :meth:`advance` first; removals during the walk are
         fine)."""
         reqs = self._reqs
-        if not self._groups:
-            for key in self._static.walk():
-                yield key, reqs[key[3]]
-            return
-        outer = self._class_top.to_list()               # (least key, class), sorted: a heap already
-        inner: dict[int, list] = {}
-        owner = self._owner
-        while outer:
-            key, c = outer[0]
-            parts = inner.get(c)
-            if parts is None:
-                parts = inner[c] = self._parts(c, None)
-                if not parts:
-                    heapq.heappop(outer)
-                    continue
-                if parts[0][0] != key:                    # its least key changed since the walk began
-                    heapq.heapreplace(outer, (parts[0][0], c))
-                    continue
-            key, part = parts[0]
-            if owner.get(key[3]) is part:                 # not removed during the walk
-                yield key, reqs[key[3]]
-            nxt = part.after(key)
-            if nxt is None:
-                heapq.heappop(parts)
-            else:
-                heapq.heapreplace(parts, (nxt, part))
-            if parts:
-                heapq.heapreplace(outer, (parts[0][0], c))
-            else:
-                heapq.heappop(outer)
+        for key in self._walk(None):
+            yield key, reqs[key[3]]
 
     def ordered_below(self, after: PriorityKey, bound: Callable[[], int], floor: int = 0,
                       fresh_bound: Callable[[], float] | None = None) -> Iterator[Request]:
@@ -785,20 +728,24 @@ class SignedDeadlineQueue:
         for key in self._walk(after, lambda: INF, 0, fresh_bound):
             yield key, reqs[key[3]]
 
-    def _walk(self, after: PriorityKey, bound: Callable[[], float], floor: int,
-              fresh_bound: Callable[[], float] | None) -> Iterator[PriorityKey]:
-        """The keys after ``after`` of the classes that may hold a member under the bounds, in
-        order: a merge over those classes (entries ``(least key, class, class floor, started)``;
-        a class is dropped when the bounds pass it), each a merge over its parts (its groups'
-        positive and negative parts, its members without a deadline) built when the class is
-        first reached (as in :meth:`ordered`)."""
-        limit = bound()
+    def _walk(self, after: PriorityKey | None, bound: Callable[[], float] | None = None, floor: int = 0,
+              fresh_bound: Callable[[], float] | None = None) -> Iterator[PriorityKey]:
+        """The keys after ``after`` (all with None) of the classes that may hold a member under
+        the bounds (every class without ``bound``), in order: a merge over those classes (entries
+        ``(least key, class, class floor, started)``; a class is dropped when the bounds pass
+        it), each a merge over its parts (its groups' positive and negative parts, its members
+        without a deadline) built when the class is first reached."""
+        limit = INF if bound is None else bound()
         fresh = limit if fresh_bound is None else min(limit, fresh_bound())
-        outer = []
-        for key, c in self._class_top.to_list():        # sorted: a heap already
-            lo, hi = _filed_range(c)
-            if lo < (fresh if c >= 0 else limit) and hi > floor:
-                outer.append((key, c, lo, c < 0))
+        classes = self._class_top.to_list()             # sorted: a heap already
+        if bound is None:                                 # every class, none ever dropped
+            outer = [(key, c, 0, False) for key, c in classes]
+        else:
+            outer = []
+            for key, c in classes:
+                lo, hi = _filed_range(c)
+                if lo < (fresh if c >= 0 else limit) and hi > floor:
+                    outer.append((key, c, lo, c < 0))
         inner: dict[int, list] = {}
         owner = self._owner
         while outer:
@@ -818,8 +765,9 @@ class SignedDeadlineQueue:
             key, part = parts[0]
             if owner.get(key[3]) is part:                 # not removed during the walk
                 yield key
-                limit = bound()
-                fresh = limit if fresh_bound is None else min(limit, fresh_bound())
+                if bound is not None:
+                    limit = bound()
+                    fresh = limit if fresh_bound is None else min(limit, fresh_bound())
             nxt = part.after(key)
             if nxt is None:
                 heapq.heappop(parts)

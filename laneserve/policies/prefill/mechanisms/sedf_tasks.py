@@ -165,7 +165,7 @@ class PreemptiveTasks:
                 plan, tokens = self.batcher.submit(req, key, walk, now, budget)
                 self.running = PrefillTask(plan, req, tokens, ordering.predict(tokens), run_since=now)
                 return plan
-            bound = ordering.refusal_bound(self.host, req)
+            bound = self.host.refusal_bound(req)
             if bound is not None and bound < refused:
                 if refused == INF:            # walk on without those that cannot be admitted
                     heads = ordering.admissible(walk, key, lambda: refused)  # noqa: B023 (read late)

@@ -75,6 +75,6 @@ class SLOAwareBatching:
                         plan.prefills.append(host.chunk(r, r.remaining_prefill))
                         ordering.unwait(r.request_id)
                         tokens = n
-                    elif (bound := ordering.refusal_bound(host, r)) is not None:
+                    elif (bound := host.refusal_bound(r)) is not None:
                         refused = min(refused, bound)
         return plan, tokens
