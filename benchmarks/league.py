@@ -35,12 +35,16 @@ the *area goodput* (the attainment curve's area over the log-rate range of the c
 shape and mode, as a rate) and mark *plateau* cells (attainment within 0.03 of 90% over a 1.5x
 range of rates); the adaptive-vs-best ratios are given on both figures, and a table lists what
 the area figure changes for adaptive. The curve is the search's own evaluations (octaves from the
-bottom of the range up to the first miss, then the bisection), held flat beyond a cell's last
-point: past the first miss a cell's curve is its attainment there, which on a plateau is right
-and on a cliff overstates the weaker policies (area ratios are then compressed towards 1, never
-inflated). ``--curve-evals k`` follows the curve further on a half-octave grid (up to ``k`` more
-evaluations per search, down to 50% attainment); the committed league does not (with 8 its first
-cells ran about ten times slower on this machine).
+bottom of the range up to the first miss, then the bisection) and its *tail*: up to ``TAIL_EVALS``
+(``--tail-evals``) more evaluations on the half-octave grid above the highest rate the search
+reached, until attainment falls below 50%. Beyond a cell's last point the curve is held flat. Without
+the tail (``--tail-evals 0``, the league before 2026-11-28) a cell's curve past its first miss was
+its attainment there: right on a plateau, but on a cliff it credited the weaker policies with
+near-target attainment at rates only the better ones had been measured at (FCFS on the Azure trace
+at 4P+4D: 0.886 at 109 req/s held up to 218, where adaptive measured 0.78), so area ratios were
+compressed towards 1 and a few read just under 1 against a policy with a third less goodput.
+``--curve-evals k`` also fills the grid below (up to ``k`` more evaluations per search); the
+committed league does not (with 8 its first cells ran about ten times slower on this machine).
 
 Entries (data: ``ENTRIES``; an entry whose policy is not registered is skipped and reported):
 baselines, one entry per paper policy, compositions, routers at 4P held against least-loaded with
@@ -107,6 +111,7 @@ QUICK_SIZES = {"1P+1D": 100, "4P+4D": 200}
 REL_TOL, MAX_EVALS = 0.02, 16
 QUICK_REL_TOL, QUICK_MAX_EVALS = 0.25, 5
 CURVE_EVALS = 0        # more half-octave curve points per search (--curve-evals; 0: the search's own points)
+TAIL_EVALS = 6         # half-octave points above each search's highest rate, down to 50% attainment (--tail-evals)
 HOST_KV_TOKENS = 1_000_000
 TPOT = 0.05
 IDLE_MULTIPLE, IDLE_FLOOR = 3.0, 0.4
@@ -319,6 +324,9 @@ def main() -> None:
     ap.add_argument("--curve-evals", type=int, default=CURVE_EVALS,
                     help="up to this many more evaluations per search follow the attainment curve on a "
                          "half-octave grid for the area goodput (0: the area of the search's own points)")
+    ap.add_argument("--tail-evals", type=int, default=TAIL_EVALS,
+                    help="up to this many more evaluations per search above its highest rate on the half-octave "
+                         "grid, until attainment falls below 50%% (0: the last search point held flat)")
     ap.add_argument("--seed", type=int, default=0,
                     help="workload sample (0: the committed league; see trace_block for the traces)")
     ap.add_argument("--output", type=Path, help="results folder (default benchmarks/results, "
@@ -343,7 +351,7 @@ def main() -> None:
     league = run_league(workloads, entries, cost, sizes=sizes, shapes=shapes, modes=run_modes,
                         jobs=args.jobs, rel_tol=rel_tol, max_evals=max_evals, host_kv_tokens=HOST_KV_TOKENS,
                         duration=duration, max_sizes=MAX_SIZES, curve_evals=curve_evals,
-                        progress=lambda line: print(line, file=sys.stderr, flush=True))
+                        tail_evals=args.tail_evals, progress=lambda line: print(line, file=sys.stderr, flush=True))
     rows = cell_ratios(league["cells"], entries)
     metrics, detail = league_metrics(rows)
     wall = time.perf_counter() - t0
@@ -368,8 +376,10 @@ def main() -> None:
              f"tokens per decode instance; 4P+4D entries use least-loaded unless named (decode side: least-loaded, "
              f"except adaptive decode's own tpot-aware and the entry that names it); predictor modes "
              f"{list(run_modes)}; workload seed {args.seed}; area goodput from the search's own evaluations"
-             + (f" and up to {curve_evals} more per search on a half-octave grid (down to 50% attainment)."
-                if curve_evals else "."))
+             + (f", up to {curve_evals} more per search on a half-octave grid (down to 50% attainment)"
+                if curve_evals else "")
+             + (f", up to {args.tail_evals} more above each search's highest rate on the half-octave grid "
+                "(down to 50% attainment)." if args.tail_evals else "."))
     wl_rows = [{"workload": w.name, "requests": w.description, "slo_rule": w.slo_rule,
                 "shapes": ", ".join(s for s in w.shapes if s in shapes),
                 "tpot_feasible_share": round(tpot_feasible_share(

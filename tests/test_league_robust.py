@@ -71,3 +71,37 @@ def test_a_search_follows_the_curve_down_to_the_floor():
     assert 0 < len(extra) <= 4
     grid = curve_rates(0.5, 64.0)
     assert all(any(abs(x - g) <= 1e-9 * g for g in grid) for x, _ in extra)
+
+
+def test_a_search_tail_follows_the_grid_above_its_highest_rate_down_to_the_floor():
+    cost = make_cost_model("analytic", model="llama-3.1-8b", hardware="h100")
+    wl = make_workload("short_long_mix", n=60, long_share=0.2, seed=0)
+    cfg = ClusterConfig(prefill_policy="fcfs", decode_policy="continuous")
+    plain = search_cell(wl, cfg, cost, 0.5, 64.0, 0.3, 6)
+    tailed = search_cell(wl, cfg, cost, 0.5, 64.0, 0.3, 6, tail_evals=5)
+    assert tailed["goodput"] == plain["goodput"]                 # the crossing is the same search
+    top = max(x for x, _ in plain["points"])
+    extra = sorted(p for p in tailed["points"] if p not in plain["points"])
+    assert 0 < len(extra) <= 5
+    grid = curve_rates(0.5, 64.0)
+    assert all(x > top and any(abs(x - g) <= 1e-9 * g for g in grid) for x, _ in extra)
+    # consecutive grid points above the search, stopping at the first one under the floor
+    above = [g for g in grid if g > top * (1 + 1e-9)]
+    assert [x for x, _ in extra] == pytest.approx(above[:len(extra)])
+    assert all(a >= 0.5 for _, a in extra[:-1])
+    assert extra[-1][1] < 0.5 or len(extra) == 5 or len(extra) == len(above)
+
+
+def test_the_tail_takes_the_area_credit_a_cliff_got_from_its_last_point():
+    """A policy that falls off a cliff just past its crossing, held flat from its last search
+    point, out-scores by area one with a higher crossing measured further; measured above its
+    last point it does not."""
+    cliff = [(1.0, 1.0), (2.0, 1.0), (4.0, 0.95), (4.4, 0.88)]
+    better = [(1.0, 1.0), (2.0, 1.0), (4.0, 1.0), (5.6, 0.93), (6.2, 0.9), (8.0, 0.78)]
+    cells = [_cell("cliff", "baseline", 4.2, cliff), _cell("better", "adaptive", 6.2, better)]
+    held = {r["entry"]: r for r in cell_ratios(cells, [Entry("cliff", "x", "baseline")])}
+    assert held["better"]["area_ratio_vs_best_baseline"] < 1.0       # the artefact
+    tail = cliff + [(5.66, 0.3)]
+    cells = [_cell("cliff", "baseline", 4.2, tail), _cell("better", "adaptive", 6.2, better)]
+    measured = {r["entry"]: r for r in cell_ratios(cells, [Entry("cliff", "x", "baseline")])}
+    assert measured["better"]["area_ratio_vs_best_baseline"] > 1.0

@@ -42,7 +42,11 @@ beside it the league reports, per cell:
   the cells of its workload, shape and mode share, each point weighted ``min(attainment / 0.9,
   1)``, and turned back into a rate: ``lo x exp(area)``, the crossing of a curve that is at
   target up to there and 0 beyond. On a steep curve it sits near the crossing; on a plateau a
-  0.03 attainment difference moves it by a few percent, not by the plateau's width;
+  0.03 attainment difference moves it by a few percent, not by the plateau's width. With
+  ``tail_evals`` > 0 each search also follows the grid *above* its highest rate down to the
+  floor, so no cell's curve is its last search point held flat over rates nobody measured:
+  without it, a policy whose search stopped just past its crossing (attainment 0.88 there) was
+  credited 0.88 up to the top of the range, where the better policies, measured, sat at 0.78;
 - a **plateau** mark: the evaluated rates whose attainment is within :data:`PLATEAU_BAND` of
   the target span a factor of at least :data:`PLATEAU_SPAN` (``plateau_range`` gives them). A
   ratio is marked when either side of it (the entry or the best baseline) sits on a plateau.
@@ -214,13 +218,17 @@ def curve_rates(lo: float, hi: float) -> list[float]:
 
 def search_cell(workload: Workload, config: ClusterConfig, cost: CostModel, lo: float, hi: float,
                 rel_tol: float, max_evals: int, length: RunLength | None = None,
-                curve_evals: int = 0) -> dict[str, Any]:
+                curve_evals: int = 0, tail_evals: int = 0) -> dict[str, Any]:
     """One goodput search (module level: it runs in worker processes). Not met at ``lo``: one
     more search, over ``[lo/16, lo]``. Each evaluation simulates the first ``length.requests(rate)``
     requests of ``workload`` at the rate (all of them without ``length``). With ``curve_evals``,
     up to that many more evaluations follow the attainment curve on the half-octave grid from the
     search's bottom (:func:`curve_rates`), skipping rates already evaluated, until it falls below
-    :data:`CURVE_FLOOR` (for :func:`area_goodput`)."""
+    :data:`CURVE_FLOOR` (for :func:`area_goodput`). With ``tail_evals``, up to that many more
+    follow the same grid *above* the highest rate evaluated so far, until the attainment falls
+    below :data:`CURVE_FLOOR`: the area then integrates measured points up to where the curve has
+    fallen, not the last point of the search held flat (which credits a policy that fell off a
+    cliff just past its crossing with near-target attainment at every higher rate)."""
     t0 = time.perf_counter()
     length = length or RunLength(len(workload))
     sizes: list[int] = []
@@ -250,6 +258,16 @@ def search_cell(workload: Workload, config: ClusterConfig, cost: CostModel, lo: 
             curve += 1
         if value < CURVE_FLOOR:
             break
+    tail = 0
+    while tail < tail_evals:
+        top_rate, top_value = max(points)
+        if top_value < CURVE_FLOOR:
+            break
+        rate = next((r for r in curve_rates(bottom, hi) if r > top_rate * (1 + 1e-9)), None)
+        if rate is None:
+            break
+        points.append((rate, attainment(rate)))
+        tail += 1
     return {"goodput": res.value, "evals": len(points), "saturated": res.saturated,
             "monotone": res.monotone, "points": sorted(points), "wall_s": time.perf_counter() - t0,
             "max_requests": max(sizes)}
@@ -302,12 +320,12 @@ def run_league(workloads: Sequence[LeagueWorkload], entries: Sequence[Entry], co
                sizes: dict[str, int], shapes: Sequence[str] = tuple(SHAPES),
                modes: Sequence[str] | None = None, jobs: int = 1, rel_tol: float = 0.04,
                max_evals: int = 14, host_kv_tokens: int = 1_000_000, duration: float | None = None,
-               max_sizes: dict[str, int] | None = None, curve_evals: int = 0,
+               max_sizes: dict[str, int] | None = None, curve_evals: int = 0, tail_evals: int = 0,
                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every (workload, shape, entry, mode) cell; ``sizes`` gives the requests per evaluation for
     each shape, or with ``duration`` the least of them (:class:`RunLength`: enough requests for
     ``duration`` seconds of arrivals at each evaluated rate, at most ``max_sizes``, whose first
-    requests the workload is built with); ``curve_evals`` as :func:`search_cell`. Returns
+    requests the workload is built with); ``curve_evals`` and ``tail_evals`` as :func:`search_cell`. Returns
     ``{"cells", "skipped", "modes", "ranges", "wall_s"}``."""
     from laneserve.measure.parallel import map_jobs
     if duration is not None and not max_sizes:
@@ -332,7 +350,7 @@ def run_league(workloads: Sequence[LeagueWorkload], entries: Sequence[Entry], co
                     continue
                 for mode in modes:
                     cfg = entry_config(entry, shape, lw, mode, host_kv_tokens=host_kv_tokens)
-                    tasks.append((wl, cfg, cost, lo, hi, rel_tol, max_evals, length, curve_evals))
+                    tasks.append((wl, cfg, cost, lo, hi, rel_tol, max_evals, length, curve_evals, tail_evals))
                     keys.append((lw.name, shape, entry, mode))
     t0 = time.perf_counter()
     done = [0]
