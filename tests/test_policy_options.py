@@ -41,12 +41,13 @@ def test_options_are_frozen():
 
 def test_options_extend_their_parents():
     # adaptive composes S-EDF's mechanisms instead of deriving from the reproduction: its options
-    # extend the generic base and declare S-EDF's fields, with S-EDF's defaults, themselves
+    # extend the generic base and declare S-EDF's fields, with S-EDF's defaults but one, themselves
     assert issubclass(AdaptivePrefillOptions, PrefillOptions)
     assert not issubclass(AdaptivePrefillOptions, SEDFOptions)
     assert not issubclass(AdaptiveDecodeOptions, AlignedServeOptions)
     assert issubclass(AdaptiveDecodeOptions, DecodeOptions)
     flow, adaptive = dataclasses.asdict(SEDFOptions()), dataclasses.asdict(AdaptivePrefillOptions())
+    assert flow.pop("bound_late") is True and adaptive.pop("bound_late") is False   # late parked tasks
     assert flow.items() <= adaptive.items()
     aligned, adaptive = dataclasses.asdict(AlignedServeOptions()), dataclasses.asdict(AdaptiveDecodeOptions())
     assert aligned.items() <= adaptive.items()

@@ -45,12 +45,16 @@ INF = float("inf")
 PriorityKey = tuple[int, float, float, int]
 
 
+#: a key's first element: slack non-negative, no deadline, late (negative slack)
+ON_TIME, NO_DEADLINE, LATE = 0, 1, 2
+
+
 def _signed_key(x: float, deadline: float, arrival: float, rid: int) -> PriorityKey:
     if deadline == INF:
-        return (1, 0.0, arrival, rid)
+        return (NO_DEADLINE, 0.0, arrival, rid)
     if x >= 0:
-        return (0, deadline, arrival, rid)        # +1/d descending == d ascending
-    return (2, -deadline, arrival, rid)           # -1/d descending == d descending
+        return (ON_TIME, deadline, arrival, rid)        # +1/d descending == d ascending
+    return (LATE, -deadline, arrival, rid)              # -1/d descending == d descending
 
 
 def sedf_key(req: Request, now: float, predicted: float) -> PriorityKey:

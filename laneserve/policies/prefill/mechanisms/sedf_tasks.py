@@ -12,7 +12,13 @@ scheduling (Algorithm 2): the component :class:`PreemptiveTasks`, held as ``self
   (:class:`~.slo_batching.SLOAwareBatching`) and submitted.
 - Bound on every suspension (docs/design.md): a task parked for ``max_suspension`` seconds is
   resumed ahead of any priority; :meth:`next_wakeup` names that moment. A task resumed this way
-  is not preempted for priority again (only for another overdue task).
+  is not preempted for priority again (only for another overdue task). With ``bound_late=False``
+  (adaptive prefill's choice) the bound skips a task that is *late at its bound* (its key's slack
+  negative at ``suspended_at + max_suspension``: it can no longer make its TTFT): such a task
+  waits in priority order, as a late waiting request does, and runs when nothing that can still
+  make its target waits, or when no waiting request can be admitted for KV memory (Algorithm 2
+  then resumes the best parked task). Judged at the bound, not at the check, so the rule is a
+  property of the parking episode and :meth:`next_wakeup` names exactly the resumes it forces.
 - ``granularity="chunk"`` or ``"none"``: nothing is preempted inside a step.
 
 The ranking is the ordering's (:class:`~.sedf_ordering.SEDFOrdering`): a task's key is its
@@ -31,7 +37,7 @@ from laneserve.core.plan import StepPlan, StepResult
 from laneserve.core.request import Phase, Request
 from laneserve.policies.options import above, at_least
 from laneserve.policies.prefill.base import PrefillOptions
-from laneserve.policies.prefill.mechanisms.priority import INF, Ordering, PriorityKey
+from laneserve.policies.prefill.mechanisms.priority import INF, LATE, Ordering, PriorityKey
 from laneserve.policies.prefill.mechanisms.sedf_ordering import SEDFOrdering
 from laneserve.policies.prefill.mechanisms.slo_batching import SLOAwareBatching
 
@@ -50,6 +56,7 @@ class SEDFMechanismOptions(PrefillOptions):
     preemption: Granularity = "operator"
     chunk: int = 2048                     # step size with preemption="chunk"
     max_suspension: float = 10.0          # seconds a parked task may wait before it is resumed
+    bound_late: bool = True               # ...also a task already late at its bound (False: it waits in order)
 
     def validate(self) -> None:
         PrefillOptions.validate(self)
@@ -86,12 +93,13 @@ class PreemptiveTasks:
     ``dropped_plans``, its name)."""
 
     def __init__(self, host: Any, ordering: SEDFOrdering, batcher: SLOAwareBatching, *,
-                 granularity: Granularity, max_suspension: float) -> None:
+                 granularity: Granularity, max_suspension: float, bound_late: bool = True) -> None:
         self.host = host
         self.ordering = ordering
         self.batcher = batcher
         self.granularity = granularity
         self.max_suspension = max_suspension
+        self.bound_late = bound_late
         self.parked: dict[int, PrefillTask] = {}       # Q_p: plan_id -> preempted task
         self.running: PrefillTask | None = None        # E
         self.num_preemptions = 0
@@ -115,19 +123,26 @@ class PreemptiveTasks:
                         c.request.phase = Phase.PREFILLING
                         self.ordering.wait(c.request)
 
+    def _bound(self, task: PrefillTask) -> float | None:
+        """When the suspension bound resumes ``task`` (None: never, it is late at its bound and
+        ``bound_late`` is off)."""
+        due = task.suspended_at + self.max_suspension
+        if self.bound_late or self.ordering.task_key(task, due, False)[0] != LATE:
+            return due
+        return None
+
     def _overdue(self, now: float) -> PrefillTask | None:
         """The longest-parked task whose suspension bound has expired."""
         best = None
         for task in self.parked.values():
-            if now >= task.suspended_at + self.max_suspension and (     # same float as next_wakeup
+            due = self._bound(task)
+            if due is not None and now >= due and (     # same float as next_wakeup
                     best is None or task.suspended_at < best.suspended_at):
                 best = task
         return best
 
     def next_wakeup(self) -> float | None:
-        if not self.parked:
-            return None
-        return min(t.suspended_at for t in self.parked.values()) + self.max_suspension
+        return min((due for t in self.parked.values() if (due := self._bound(t)) is not None), default=None)
 
     # ---- Algorithm 2: the arrival event while a task runs ----------------------------------
     def should_preempt(self, running: StepPlan, now: float) -> bool:
@@ -235,7 +250,7 @@ class SEDFWiring:
         self.batcher = SLOAwareBatching(self, self.ordering, enabled=o.batching, granularity=o.preemption,
                                         chunk=o.chunk, lanes=lanes)
         self.tasks = PreemptiveTasks(self, self.ordering, self.batcher, granularity=o.preemption,
-                                     max_suspension=o.max_suspension)
+                                     max_suspension=o.max_suspension, bound_late=o.bound_late)
 
     def bind_cost_model(self, cost_model: Any) -> None:
         """Fit the TTFT polynomial to the instance's cost model unless a predictor was given."""
