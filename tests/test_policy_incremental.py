@@ -27,7 +27,7 @@ from laneserve.policies.routing_laps import LapsPoolRouter, _Stats
 from laneserve.policies import registry
 from laneserve.policies.prefill.adaptive import AdaptivePrefill
 from laneserve.policies.prefill.sedf import SEDFPrefill
-from laneserve.policies.prefill.kairos import KairosPrefill
+from laneserve.policies.prefill.kairos import GuardedKairosPrefill, KairosPrefill
 from laneserve.policies.prefill.laps import LapsPrefill
 from laneserve.policies.prefill.fcfs import FCFSPrefill
 from policy_references import (AdaptivePrefillReference, FCFSPrefillReference, SEDFPrefillReference, KairosPrefillReference,
@@ -495,3 +495,49 @@ def test_laps_controller_signals_match_reference(backlog):
         want = reference_signals(router, inst, stats[1], now, 2.0, pool_rate)
         assert got == want and stats[0].outstanding == stats[1].outstanding
         assert (stats[0].rate, stats[0].busy_seen) == (stats[1].rate, stats[1].busy_seen)
+
+
+class _CountingKairos(GuardedKairosPrefill):
+    """The registered Kairos prefill, counting the requests its ranking hands to the fill."""
+
+    yielded = 0
+
+    def _fill(self, ranked, now, token_budget):
+        def counted(it):
+            for req in it:
+                self.yielded += 1
+                yield req
+        return super()._fill(counted(ranked), now, token_budget)
+
+
+class _KairosWithoutSkip(_CountingKairos):
+    """The same with the ranking's length skip off: every refused request is yielded and passed
+    over by the fill's own check (the form before the skip)."""
+
+    def _refused_bound(self) -> float:
+        return float("inf")
+
+
+@pytest.mark.parametrize("opts", [{}, {"rank": "urgency"}, {"chunk": 8192}], ids=["auto", "urgency", "c8k"])
+def test_kairos_skips_refused_lengths_without_changing_a_decision(opts):
+    """With KV memory short, Kairos' ranking leaves out the not-started requests at or above a
+    refusal's length in one pass: the same plans as passing over each one, fewer requests walked."""
+    made = []
+
+    def make(reference: bool):
+        made.append((_KairosWithoutSkip if reference else _CountingKairos)(KVCacheManager(1, 16), warmup=0, **opts))
+        return made[-1]
+    for seed in range(4):
+        assert lockstep(make, seed, n=300, kv_tokens=12_000) > 20
+    fast = sum(s.yielded for s in made[0::2])
+    slow = sum(s.yielded for s in made[1::2])
+    assert fast < slow
+
+
+@pytest.mark.parametrize("opts", [{}, {"chunk": 2048}], ids=["desc", "c2k"])
+def test_kairos_matches_reference_with_kv_short(opts):
+    def make(reference: bool):
+        cls = KairosPrefillReference if reference else KairosPrefill
+        return cls(KVCacheManager(1, 16), **opts)
+    for seed in range(4):
+        assert lockstep(make, seed, n=300, kv_tokens=12_000) > 20

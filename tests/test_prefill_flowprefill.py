@@ -174,6 +174,36 @@ def test_suspension_bound_forces_resume():
     assert not s.should_preempt(plan, 1.2)
 
 
+def test_a_task_late_at_its_bound_is_not_forced_without_bound_late():
+    """``bound_late=False`` (adaptive's choice): the bound skips a task whose slack is negative at
+    its bound, and the wake-up no longer names it; a task still on time at its bound is forced."""
+    for bound_late in (True, False):
+        s = sched(max_suspension=1.0, bound_late=bound_late)
+        s.add_request(req(0, 0.0, 2000, 2.5), 0.0)        # 2 s of work, deadline 2.5: late from 0.6 parked
+        plan = s.schedule(0.0)
+        s.add_request(req(1, 0.1, 2000, 2.2), 0.1)        # deadline 2.3: ranks first
+        assert s.should_preempt(plan, 0.1)
+        s.update(plan, StepResult(duration=0.1, completed=False), 0.1)
+        p2 = s.schedule(0.1)
+        assert p2.prefills[0].request.request_id == 1
+        # parked at 0.1 with 1.9 s left: at its bound (1.1) its slack is 2.5 - 1.1 - 1.9 < 0
+        if bound_late:
+            assert s.next_wakeup() == pytest.approx(1.1) and s.should_preempt(p2, 1.1)
+        else:
+            assert s.next_wakeup() is None and not s.should_preempt(p2, 1.1)
+            s.update(p2, StepResult(duration=2.0), 2.1)    # the on-time task ends; then the late one
+            assert s.schedule(2.1) is plan and s.num_forced_resumes == 0
+    s = sched(max_suspension=1.0, bound_late=False)        # on time at its bound: forced as before
+    s.add_request(req(0, 0.0, 2000, 30.0), 0.0)
+    plan = s.schedule(0.0)
+    s.add_request(req(1, 0.1, 2000, 3.0), 0.1)
+    s.update(plan, StepResult(duration=0.1, completed=False), 0.1)
+    p2 = s.schedule(0.1)
+    assert s.next_wakeup() == pytest.approx(1.1) and s.should_preempt(p2, 1.1)
+    s.update(p2, StepResult(duration=1.0, completed=False), 1.1)
+    assert s.schedule(1.1) is plan and s.num_forced_resumes == 1
+
+
 def test_chunk_granularity_steps_and_requeues():
     s = sched(preemption="chunk", chunk=512)
     s.add_request(req(0, 0.0, 1200, 30.0), 0.0)
@@ -250,6 +280,50 @@ def test_suspension_bound_and_conservation_on_random_workloads(seed, spec, chunk
     assert all(d <= max_susp + unit + 1e-9 for d in s.suspensions)
     if spec != "sedf-chunk":
         assert s.num_preemptions > 0 and len(s.suspensions) == s.num_preemptions
+    assert not s.parked and s.running is None and s.kv.num_free_blocks == s.kv.num_blocks
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_late_parked_tasks_still_finish_and_only_they_outlast_the_bound(seed, monkeypatch):
+    """Adaptive prefill (``bound_late=False``) on overloaded random workloads: every request
+    finishes, each prompt token is computed once, and a suspension longer than the bound (plus
+    one operator) is always one whose task was late at its bound."""
+    from laneserve.policies.prefill.adaptive import AdaptivePrefill
+    from laneserve.policies.prefill.mechanisms.priority import LATE
+    from laneserve.policies.prefill.mechanisms.sedf_tasks import PreemptiveTasks
+    log, late_at_bound = [], []
+    update, resume = AdaptivePrefill.update, PreemptiveTasks._resume
+
+    def logged_update(self, plan, result, now):
+        if result.completed:
+            log.extend((c.request.request_id, c.start, c.end) for c in plan.prefills)
+        return update(self, plan, result, now)
+
+    def logged_resume(self, task, now, *, forced):
+        due = task.suspended_at + self.max_suspension
+        late_at_bound.append(self.ordering.task_key(task, due, False)[0] == LATE)
+        return resume(self, task, now, forced=forced)
+
+    monkeypatch.setattr(AdaptivePrefill, "update", logged_update)
+    monkeypatch.setattr(PreemptiveTasks, "_resume", logged_resume)
+    max_susp = 0.2
+    specs = random_specs(seed, n=200)
+    sim = Simulator(ClusterConfig(prefill_policy=f"adaptive:max_suspension={max_susp}"), COST)
+    result = sim.run(specs)
+    assert result.unfinished == 0
+    assert all(r.phase is Phase.FINISHED for r in result.requests)
+    tiles: dict[int, list[tuple[int, int]]] = {}
+    for rid, start, end in log:
+        tiles.setdefault(rid, []).append((start, end))
+    for r in result.requests:
+        spans = sorted(tiles[r.request_id])
+        assert spans[0][0] == 0 and spans[-1][1] == r.prompt_len
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    s = sim.front[0].scheduler
+    one_layer = COST.prefill_time([(max(max(x.prompt_len for x in specs), s.token_budget), 0)]) / COST.model.num_layers
+    assert len(late_at_bound) == len(s.suspensions) > 0
+    over = [late for d, late in zip(s.suspensions, late_at_bound) if d > max_susp + one_layer + 1e-9]
+    assert over and all(over)            # some late tasks waited past the bound, and only late ones
     assert not s.parked and s.running is None and s.kv.num_free_blocks == s.kv.num_blocks
 
 

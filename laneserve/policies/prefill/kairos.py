@@ -76,7 +76,7 @@ to the baselines (the figures: docs/design.md, "Kairos: what the league measured
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -124,24 +124,38 @@ def urgency_score(req: Request, finish: float) -> float:
     return ((slo - (finish - req.arrival_time)) / slo) / req.prompt_len
 
 
-def best_first(slots: ArrivalSlots, primary: np.ndarray, mask: np.ndarray) -> Iterator[Request]:
+def best_first(slots: ArrivalSlots, primary: np.ndarray, mask: np.ndarray,
+               skip: Callable[[], float] | None = None) -> Iterator[Request]:
     """The requests of the slots in ``mask`` by ascending ``primary`` (ties: arrival, id), lazily:
-    exact order of the best ``m`` (ties included), ``m`` growing only if the caller asks for more."""
+    exact order of the best ``m`` remaining (ties included), ``m`` growing only if the caller asks
+    for more. ``skip`` (read before each request): a prompt length from a KV refusal; from when it
+    falls, the slots not started (``slots.fresh``) at least that long are left out in one pass,
+    those the caller's :meth:`~.base.PrefillScheduler.refused_by_bound` would pass over one by one."""
     n = slots.n
+    mask = mask.copy()                  # the slots still to yield
     primary = np.where(mask, primary, np.inf)
-    live, m, done = int(np.count_nonzero(mask)), 128, 0
     arr, rid = slots.arr[:n], slots.rid[:n]
-    while done < live:
+    m, bound = 128, INF
+    while (live := int(np.count_nonzero(mask))) > 0:
         if m >= live:
             idx = np.flatnonzero(mask)
         else:
             best = np.argpartition(primary, m - 1)[:m]
             idx = np.flatnonzero(mask & (primary <= primary[best].max()))
         order = idx[np.lexsort((rid[idx], arr[idx], primary[idx]))]
-        for j in order[done:].tolist():
+        for j in order.tolist():
+            if skip is not None and (b := skip()) < bound:
+                bound = b
+                cut = mask & slots.fresh[:n] & (slots.plen[:n] >= b)
+                if cut.any():           # re-rank what is left: the order of the rest is unchanged
+                    mask &= ~cut
+                    primary[cut] = np.inf
+                    break
+            mask[j] = False
+            primary[j] = np.inf
             yield slots.reqs[j]
-        done = len(order)
-        m *= 4
+        else:
+            m *= 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +206,7 @@ class KairosPrefill(PrefillScheduler):
         self._tokens_seen = 0
         self._seconds_seen = 0.0
         self._slots = ArrivalSlots()
+        self._refused = INF                          # the deciding fill's KV refusal bound
         self._dirty: set[int] = set()                # ids whose remaining tokens may have changed
         self.recomputed = 0                          # durations re-read one request at a time
         if cost_model is not None:
@@ -223,6 +238,7 @@ class KairosPrefill(PrefillScheduler):
             slots.append(req)
         else:                                   # out of arrival order: filed at its place
             slots.insert(req)
+        slots.set_fresh(req, req.times.prefill_start is None and req.request_id not in self.kv.tables)
         self._dirty.add(req.request_id)
 
     def _drop_slot(self, req: Request) -> None:
@@ -304,7 +320,8 @@ class KairosPrefill(PrefillScheduler):
         finish = np.cumsum(np.concatenate(([now], self._step_seconds())))[1:]
         arr, slo = slots.arr[:n], slots.slo[:n]
         score = np.where(slots.has_slo[:n], ((slo - (finish - arr)) / slo) / slots.plen[:n], 0.0)
-        yield from best_first(slots, -score if self.order == "descending" else score, slots.alive[:n])
+        yield from best_first(slots, -score if self.order == "descending" else score, slots.alive[:n],
+                              self._refused_bound)
 
     # ---- Algorithm 1 -------------------------------------------------------------------------
     def scores(self, now: float) -> list[tuple[float, Request]]:
@@ -328,22 +345,30 @@ class KairosPrefill(PrefillScheduler):
             return None
         return self._fill(self._ranked(now), now, token_budget)
 
+    def _refused_bound(self) -> float:
+        """The current decision's refusal bound (for :func:`best_first`'s ``skip``)."""
+        return self._refused
+
     def _fill(self, ranked: Iterable[Request], now: float, token_budget: int | None) -> StepPlan | None:
-        """Lines 11-20: whole requests in score order while they fit, then one partial chunk."""
+        """Lines 11-20: whole requests in score order while they fit, then one partial chunk.
+        A KV refusal's bound also reaches the ranking (``best_first``'s ``skip`` reads it): the
+        requests the check below would pass over leave the ranking in one vectorised pass instead
+        of being yielded one by one."""
         budget = self.chunk_size if token_budget is None else min(token_budget, self.chunk_size)
         plan = StepPlan(label=self.name)
         used = 0
-        refused = INF          # a prompt this long found no KV: the not started as long are not asked
+        self._refused = INF    # a prompt this long found no KV: the not started as long are not asked
         for req in ranked:
             if used >= budget or len(plan.prefills) >= self.max_batch_size:
                 break
-            if refused != INF and self.refused_by_bound(req, refused):
+            if self._refused != INF and self.refused_by_bound(req, self._refused):
                 continue
             if not self.admit(req, now):
                 bound = self.refusal_bound(req)
                 if bound is not None:
-                    refused = min(refused, bound)
+                    self._refused = min(self._refused, bound)
                 continue
+            self._slots.set_fresh(req, False)
             self._touch(req)
             n = req.remaining_prefill
             if used + n <= budget:
@@ -457,8 +482,8 @@ class GuardedKairosPrefill(KairosPrefill):
             idx = idx[np.argsort(urgency[idx], kind="stable")]     # slots are in (arrival, id) order
             at_risk = np.zeros(n, dtype=bool)
             at_risk[idx] = now + np.cumsum(step[idx]) > deadline[idx]
-            yield from best_first(slots, deadline, at_risk)
-            yield from best_first(slots, urgency, live & ~at_risk)
+            yield from best_first(slots, deadline, at_risk, self._refused_bound)
+            yield from best_first(slots, urgency, live & ~at_risk, self._refused_bound)
         else:
-            yield from best_first(slots, deadline, live)
-        yield from best_first(slots, deadline, hopeless)
+            yield from best_first(slots, deadline, live, self._refused_bound)
+        yield from best_first(slots, deadline, hopeless, self._refused_bound)

@@ -51,9 +51,11 @@ class ArrivalSlots:
         self.has_slo = np.zeros(capacity, dtype=bool)
         self.alive = np.zeros(capacity, dtype=bool)
         self.rid = np.zeros(capacity, dtype=np.int64)
+        self.fresh = np.zeros(capacity, dtype=bool)  # not started, no KV blocks: a KV refusal's bound applies
 
     def _columns(self) -> tuple[np.ndarray, ...]:
-        return self.rem, self.dur, self.arr, self.slo, self.deadline, self.plen, self.has_slo, self.alive, self.rid
+        return (self.rem, self.dur, self.arr, self.slo, self.deadline, self.plen, self.has_slo, self.alive,
+                self.rid, self.fresh)
 
     def _resize(self, capacity: int, keep: np.ndarray | None = None) -> None:
         old = self._columns()
@@ -109,6 +111,7 @@ class ArrivalSlots:
         self.rid[i] = req.request_id
         self.rem[i] = req.remaining_prefill
         self.dur[i] = 0.0
+        self.fresh[i] = False          # the policy says which are (set_fresh): it knows the KV tables
         if req.arrival_time > self.max_arrival:
             self.max_arrival = req.arrival_time
 
@@ -119,13 +122,20 @@ class ArrivalSlots:
             self.rem[i] = tokens
             self.dur[i] = duration
 
+    def set_fresh(self, req: Request, fresh: bool) -> None:
+        """Whether ``req`` has not started and holds no KV blocks (a length bound from a KV
+        refusal then covers it: :func:`~laneserve.policies.prefill.kairos.best_first`'s ``skip``)."""
+        i = self.slot.get(req.request_id)
+        if i is not None:
+            self.fresh[i] = fresh
+
     def drop(self, req: Request) -> None:
         i = self.slot.pop(req.request_id, None)
         if i is None:
             return
         self.reqs[i] = None
         self.rem[i] = self.dur[i] = 0.0
-        self.alive[i] = False
+        self.alive[i] = self.fresh[i] = False
         self.live -= 1
         if self.n - self.live > self.live + 64:
             self._compact()
