@@ -60,12 +60,17 @@ def test_curve_rates_are_half_octaves():
     assert curve_rates(1.0, 4.0) == pytest.approx([1.0, math.sqrt(2), 2.0, 2 * math.sqrt(2), 4.0])
 
 
-def test_a_search_follows_the_curve_down_to_the_floor():
+def _small_search(**more):
+    """One FCFS goodput search on a small short/long mix over [0.5, 64] req/s."""
     cost = make_cost_model("analytic", model="llama-3.1-8b", hardware="h100")
     wl = make_workload("short_long_mix", n=60, long_share=0.2, seed=0)
     cfg = ClusterConfig(prefill_policy="fcfs", decode_policy="continuous")
-    plain = search_cell(wl, cfg, cost, 0.5, 64.0, 0.3, 6)
-    curved = search_cell(wl, cfg, cost, 0.5, 64.0, 0.3, 6, curve_evals=4)
+    return search_cell(wl, cfg, cost, 0.5, 64.0, 0.3, 6, **more)
+
+
+def test_a_search_follows_the_curve_down_to_the_floor():
+    plain = _small_search()
+    curved = _small_search(curve_evals=4)
     assert curved["goodput"] == plain["goodput"]                 # the crossing is the same search
     extra = [p for p in curved["points"] if p not in plain["points"]]
     assert 0 < len(extra) <= 4
@@ -74,11 +79,8 @@ def test_a_search_follows_the_curve_down_to_the_floor():
 
 
 def test_a_search_tail_follows_the_grid_above_its_highest_rate_down_to_the_floor():
-    cost = make_cost_model("analytic", model="llama-3.1-8b", hardware="h100")
-    wl = make_workload("short_long_mix", n=60, long_share=0.2, seed=0)
-    cfg = ClusterConfig(prefill_policy="fcfs", decode_policy="continuous")
-    plain = search_cell(wl, cfg, cost, 0.5, 64.0, 0.3, 6)
-    tailed = search_cell(wl, cfg, cost, 0.5, 64.0, 0.3, 6, tail_evals=5)
+    plain = _small_search()
+    tailed = _small_search(tail_evals=5)
     assert tailed["goodput"] == plain["goodput"]                 # the crossing is the same search
     top = max(x for x, _ in plain["points"])
     extra = sorted(p for p in tailed["points"] if p not in plain["points"])
