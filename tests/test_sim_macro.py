@@ -108,13 +108,16 @@ def test_prefix_caching_matches():
 def test_exact_time_ties_resolve_alike(config):
     """Dyadic cost and arrivals: step ends, hand-offs and transfers meet at equal times; a run
     caught up at such a time must see the steps the loop has ended by then."""
-    specs = workload(4, tied=True)
-    step = fingerprint(config, specs, TIED, macro=False)
-    macro = fingerprint(config, specs, TIED, macro=True)
-    assert macro[:4] == step[:4]
-    decode_starts = {r[8]["decode_start"] for r in step[0]}
-    transfer_ends = {r[8]["transfer_end"] for r in step[0]}
-    assert len(decode_starts & transfer_ends) > 10    # transfers did land exactly at step ends
+    ties = 0
+    for seed in (4, 7):            # two samples: how many ties one gives depends on the policies' schedule
+        specs = workload(seed, tied=True)
+        step = fingerprint(config, specs, TIED, macro=False)
+        macro = fingerprint(config, specs, TIED, macro=True)
+        assert macro[:4] == step[:4]
+        decode_starts = {r[8]["decode_start"] for r in step[0]}
+        transfer_ends = {r[8]["transfer_end"] for r in step[0]}
+        ties += len(decode_starts & transfer_ends)
+    assert ties > 10                # transfers did land exactly at step ends
 
 
 def test_macro_runs_are_deterministic():
