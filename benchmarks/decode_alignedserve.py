@@ -71,7 +71,7 @@ def run(specs, cost, policy: str, *, swap_link: str, opts: dict | None = None) -
         row.update(switch_share=st.switch_iteration_share, batches=st.batches_formed,
                    full_batches=st.full_batches, starvation_batches=st.starvation_batches,
                    median_batch=float(np.median(st.batch_sizes)), evictions=st.evictions,
-                   max_pool_wait_s=max(st.pool_waits, default=0.0), prefetch_waits=sim.back[0].scheduler.stager.wait_events)
+                   max_pool_wait_s=max(st.pool_waits, default=0.0), prefetch_waits=sim.back[0].scheduler.aligner.stager.wait_events)
     return row
 
 
