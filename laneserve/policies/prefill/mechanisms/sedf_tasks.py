@@ -81,6 +81,7 @@ class PrefillTask:
     executed: float = 0.0            # seconds run before the current run
     suspended_at: float | None = None
     forced: bool = False             # resumed by the suspension bound
+    bound_at: float | None = None    # while parked: when the suspension bound resumes it (None: never)
 
     def remaining(self, now: float, running: bool) -> float:
         done = self.executed + (now - self.run_since if running else 0.0)
@@ -124,8 +125,9 @@ class PreemptiveTasks:
                         self.ordering.wait(c.request)
 
     def _bound(self, task: PrefillTask) -> float | None:
-        """When the suspension bound resumes ``task`` (None: never, it is late at its bound and
-        ``bound_late`` is off)."""
+        """When the suspension bound resumes ``task``, parked now (None: never, it is late at its
+        bound and ``bound_late`` is off). Fixed for the parking episode: a parked task's time
+        left does not change, so neither does its key's sign at the bound."""
         due = task.suspended_at + self.max_suspension
         if self.bound_late or self.ordering.task_key(task, due, False)[0] != LATE:
             return due
@@ -135,14 +137,14 @@ class PreemptiveTasks:
         """The longest-parked task whose suspension bound has expired."""
         best = None
         for task in self.parked.values():
-            due = self._bound(task)
+            due = task.bound_at
             if due is not None and now >= due and (     # same float as next_wakeup
                     best is None or task.suspended_at < best.suspended_at):
                 best = task
         return best
 
     def next_wakeup(self) -> float | None:
-        return min((due for t in self.parked.values() if (due := self._bound(t)) is not None), default=None)
+        return min((t.bound_at for t in self.parked.values() if t.bound_at is not None), default=None)
 
     # ---- Algorithm 2: the arrival event while a task runs ----------------------------------
     def should_preempt(self, running: StepPlan, now: float) -> bool:
@@ -213,6 +215,7 @@ class PreemptiveTasks:
             task.executed += now - task.run_since
             task.suspended_at = now
             task.forced = False
+            task.bound_at = self._bound(task)
             self.parked[plan.plan_id] = task
             self.num_preemptions += 1
             for c in plan.prefills:
