@@ -204,6 +204,32 @@ def test_a_task_late_at_its_bound_is_not_forced_without_bound_late():
     assert s.schedule(1.1) is plan and s.num_forced_resumes == 1
 
 
+def test_past_the_cap_on_parked_tasks_late_ones_are_bounded_again():
+    """``bound_late=False`` exempts late tasks from the bound only while at most
+    ``late_parked_cap`` tasks are parked (each holds its KV and activations)."""
+    for cap in (16, 1):
+        s = sched(max_suspension=1.0, bound_late=False, late_parked_cap=cap)
+        s.add_request(req(0, 0.0, 2000, 2.5), 0.0)
+        p0 = s.schedule(0.0)
+        s.add_request(req(1, 0.1, 2000, 2.2), 0.1)        # deadline 2.3: preempts request 0
+        assert s.should_preempt(p0, 0.1)
+        s.update(p0, StepResult(duration=0.1, completed=False), 0.1)
+        p1 = s.schedule(0.1)
+        s.add_request(req(2, 0.2, 2000, 2.05), 0.2)       # deadline 2.25: preempts request 1
+        assert s.should_preempt(p1, 0.2)
+        s.update(p1, StepResult(duration=0.1, completed=False), 0.2)
+        p2 = s.schedule(0.2)
+        assert p2.prefills[0].request.request_id == 2 and len(s.parked) == 2
+        # both parked tasks are late at their bounds (1.1 and 1.2)
+        if cap == 16:
+            assert s.next_wakeup() is None and not s.should_preempt(p2, 1.1)
+        else:                                              # 2 parked > 1: the oldest is bounded again
+            assert s.next_wakeup() == pytest.approx(1.1) and s.should_preempt(p2, 1.1)
+            s.update(p2, StepResult(duration=0.9, completed=False), 1.1)
+            assert s.schedule(1.1) is p0 and s.num_forced_resumes == 1
+            assert s.next_wakeup() == pytest.approx(1.2)   # still 2 parked (1 and 2): request 1's bound is next
+
+
 def test_chunk_granularity_steps_and_requeues():
     s = sched(preemption="chunk", chunk=512)
     s.add_request(req(0, 0.0, 1200, 30.0), 0.0)

@@ -40,7 +40,9 @@ TTFT for 0.835 of requests, prompts under 2K tokens included (0.96), against 0.9
 prefill, whose late requests simply go last. So adaptive's bound skips a task that is late at its
 bound; the task waits in priority order like a late waiting request and runs when nothing that
 can still make its target waits, or when KV memory is short (Algorithm 2 then resumes the best
-parked task). Tasks that can still make their targets, and those without one, keep the bound.
+parked task). Tasks that can still make their targets, and those without one, keep the bound,
+and so do late tasks while more than ``late_parked_cap`` (16) are parked: each holds its KV
+blocks and, on the engine, its activations.
 """
 
 from __future__ import annotations

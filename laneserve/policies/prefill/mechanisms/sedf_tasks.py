@@ -19,6 +19,9 @@ scheduling (Algorithm 2): the component :class:`PreemptiveTasks`, held as ``self
   make its target waits, or when no waiting request can be admitted for KV memory (Algorithm 2
   then resumes the best parked task). Judged at the bound, not at the check, so the rule is a
   property of the parking episode and :meth:`next_wakeup` names exactly the resumes it forces.
+  Each parked task holds its KV blocks and, on the engine, its activations, so the exemption
+  holds only while at most ``late_parked_cap`` (16) tasks are parked: past that, late tasks past
+  their bound are forced again, the longest-parked first.
 - ``granularity="chunk"`` or ``"none"``: nothing is preempted inside a step.
 
 The ranking is the ordering's (:class:`~.sedf_ordering.SEDFOrdering`): a task's key is its
@@ -57,6 +60,7 @@ class SEDFMechanismOptions(PrefillOptions):
     chunk: int = 2048                     # step size with preemption="chunk"
     max_suspension: float = 10.0          # seconds a parked task may wait before it is resumed
     bound_late: bool = True               # ...also a task already late at its bound (False: it waits in order)
+    late_parked_cap: int = 16             # bound_late=False: past this many parked, late ones are bounded again
 
     def validate(self) -> None:
         PrefillOptions.validate(self)
@@ -64,9 +68,11 @@ class SEDFMechanismOptions(PrefillOptions):
 
 
 def check_sedf_options(o: Any) -> None:
-    """The checks of the options every S-EDF scheduler declares (``chunk``, ``max_suspension``)."""
+    """The checks of the options every S-EDF scheduler declares (``chunk``, ``max_suspension``,
+    ``late_parked_cap``)."""
     at_least(o, "chunk", 1)
     above(o, "max_suspension", 0)
+    at_least(o, "late_parked_cap", 0)
 
 
 @dataclass(slots=True, eq=False)
@@ -94,13 +100,15 @@ class PreemptiveTasks:
     ``dropped_plans``, its name)."""
 
     def __init__(self, host: Any, ordering: SEDFOrdering, batcher: SLOAwareBatching, *,
-                 granularity: Granularity, max_suspension: float, bound_late: bool = True) -> None:
+                 granularity: Granularity, max_suspension: float, bound_late: bool = True,
+                 late_parked_cap: int = 16) -> None:
         self.host = host
         self.ordering = ordering
         self.batcher = batcher
         self.granularity = granularity
         self.max_suspension = max_suspension
         self.bound_late = bound_late
+        self.late_parked_cap = late_parked_cap
         self.parked: dict[int, PrefillTask] = {}       # Q_p: plan_id -> preempted task
         self.running: PrefillTask | None = None        # E
         self.num_preemptions = 0
@@ -133,18 +141,27 @@ class PreemptiveTasks:
             return due
         return None
 
+    def _due(self, task: PrefillTask, capped: bool) -> float | None:
+        """When the bound resumes ``task``: its own bound, or, while more than
+        ``late_parked_cap`` tasks are parked (``capped``), the plain bound for a late one too."""
+        if task.bound_at is None and capped:
+            return task.suspended_at + self.max_suspension
+        return task.bound_at
+
     def _overdue(self, now: float) -> PrefillTask | None:
         """The longest-parked task whose suspension bound has expired."""
         best = None
+        capped = len(self.parked) > self.late_parked_cap
         for task in self.parked.values():
-            due = task.bound_at
+            due = self._due(task, capped)
             if due is not None and now >= due and (     # same float as next_wakeup
                     best is None or task.suspended_at < best.suspended_at):
                 best = task
         return best
 
     def next_wakeup(self) -> float | None:
-        return min((t.bound_at for t in self.parked.values() if t.bound_at is not None), default=None)
+        capped = len(self.parked) > self.late_parked_cap
+        return min((due for t in self.parked.values() if (due := self._due(t, capped)) is not None), default=None)
 
     # ---- Algorithm 2: the arrival event while a task runs ----------------------------------
     def should_preempt(self, running: StepPlan, now: float) -> bool:
@@ -253,7 +270,8 @@ class SEDFWiring:
         self.batcher = SLOAwareBatching(self, self.ordering, enabled=o.batching, granularity=o.preemption,
                                         chunk=o.chunk, lanes=lanes)
         self.tasks = PreemptiveTasks(self, self.ordering, self.batcher, granularity=o.preemption,
-                                     max_suspension=o.max_suspension, bound_late=o.bound_late)
+                                     max_suspension=o.max_suspension, bound_late=o.bound_late,
+                                     late_parked_cap=o.late_parked_cap)
 
     def bind_cost_model(self, cost_model: Any) -> None:
         """Fit the TTFT polynomial to the instance's cost model unless a predictor was given."""
