@@ -332,6 +332,10 @@ def main() -> None:
     ap.add_argument("--output", type=Path, help="results folder (default benchmarks/results, "
                                                 "--quick: out/league-quick)")
     args = ap.parse_args()
+    for flag in ("curve_evals", "tail_evals", "jobs"):
+        if getattr(args, flag) < (1 if flag == "jobs" else 0):
+            ap.error(f"--{flag.replace('_', '-')} must be at least {1 if flag == 'jobs' else 0}, "
+                     f"got {getattr(args, flag)}")
     workloads = seeded([w for w in WORKLOADS if not args.workloads or w.name in args.workloads.split(",")],
                        args.seed)
     shapes = [s for s in SHAPES if s in args.shapes.split(",")]

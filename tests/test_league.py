@@ -181,6 +181,20 @@ def test_benchmark_workload_seeds_draw_fresh_samples_and_seed_0_is_the_league(co
         bench.trace_block("azure_conv", 40, 3)
 
 
+@pytest.mark.parametrize("argv,why", [(["--tail-evals", "-1"], "--tail-evals must be at least 0"),
+                                      (["--curve-evals", "-2"], "--curve-evals must be at least 0"),
+                                      (["--jobs", "0"], "--jobs must be at least 1")])
+def test_benchmark_refuses_negative_counts_before_running(argv, why, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("league_bench", ROOT / "benchmarks" / "league.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "run_league", lambda *a, **k: pytest.fail("ran with a bad count"))
+    monkeypatch.setattr("sys.argv", ["league.py", *argv])
+    with pytest.raises(SystemExit) as refused:
+        bench.main()
+    assert refused.value.code == 2 and why in capsys.readouterr().err
+
+
 # ---- the demo ----------------------------------------------------------------------------------
 def test_summary_line_with_the_default():
     line = summary_line({BASELINE: 10.0, "sedf+continuous": 30.0, DEFAULT: 25.0})

@@ -258,16 +258,12 @@ def search_cell(workload: Workload, config: ClusterConfig, cost: CostModel, lo: 
             curve += 1
         if value < CURVE_FLOOR:
             break
-    tail = 0
-    while tail < tail_evals:
-        top_rate, top_value = max(points)
-        if top_value < CURVE_FLOOR:
+    top_rate, value = max(points)
+    for rate in [r for r in curve_rates(bottom, hi) if r > top_rate * (1 + 1e-9)][:tail_evals]:
+        if value < CURVE_FLOOR:
             break
-        rate = next((r for r in curve_rates(bottom, hi) if r > top_rate * (1 + 1e-9)), None)
-        if rate is None:
-            break
-        points.append((rate, attainment(rate)))
-        tail += 1
+        value = attainment(rate)
+        points.append((rate, value))
     return {"goodput": res.value, "evals": len(points), "saturated": res.saturated,
             "monotone": res.monotone, "points": sorted(points), "wall_s": time.perf_counter() - t0,
             "max_requests": max(sizes)}

@@ -143,18 +143,19 @@ def best_first(slots: ArrivalSlots, primary: np.ndarray, mask: np.ndarray,
             best = np.argpartition(primary, m - 1)[:m]
             idx = np.flatnonzero(mask & (primary <= primary[best].max()))
         order = idx[np.lexsort((rid[idx], arr[idx], primary[idx]))]
-        for j in order.tolist():
+        for k, j in enumerate(order.tolist()):
             if skip is not None and (b := skip()) < bound:
                 bound = b
                 cut = mask & slots.fresh[:n] & (slots.plen[:n] >= b)
                 if cut.any():           # re-rank what is left: the order of the rest is unchanged
+                    cut[order[:k]] = True               # ...and what was yielded goes too
                     mask &= ~cut
                     primary[cut] = np.inf
                     break
-            mask[j] = False
-            primary[j] = np.inf
             yield slots.reqs[j]
         else:
+            mask[order] = False
+            primary[order] = np.inf
             m *= 4
 
 

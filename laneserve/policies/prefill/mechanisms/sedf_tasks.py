@@ -87,7 +87,7 @@ class PrefillTask:
     executed: float = 0.0            # seconds run before the current run
     suspended_at: float | None = None
     forced: bool = False             # resumed by the suspension bound
-    bound_at: float | None = None    # while parked: when the suspension bound resumes it (None: never)
+    exempt: bool = False             # while parked: late at its bound, exempt from it (bound_late=False)
 
     def remaining(self, now: float, running: bool) -> float:
         done = self.executed + (now - self.run_since if running else 0.0)
@@ -132,21 +132,11 @@ class PreemptiveTasks:
                         c.request.phase = Phase.PREFILLING
                         self.ordering.wait(c.request)
 
-    def _bound(self, task: PrefillTask) -> float | None:
-        """When the suspension bound resumes ``task``, parked now (None: never, it is late at its
-        bound and ``bound_late`` is off). Fixed for the parking episode: a parked task's time
-        left does not change, so neither does its key's sign at the bound."""
-        due = task.suspended_at + self.max_suspension
-        if self.bound_late or self.ordering.task_key(task, due, False)[0] != LATE:
-            return due
-        return None
-
     def _due(self, task: PrefillTask, capped: bool) -> float | None:
-        """When the bound resumes ``task``: its own bound, or, while more than
-        ``late_parked_cap`` tasks are parked (``capped``), the plain bound for a late one too."""
-        if task.bound_at is None and capped:
-            return task.suspended_at + self.max_suspension
-        return task.bound_at
+        """When the suspension bound resumes ``task``: never while it is exempt (late at its
+        bound, ``bound_late`` off), unless more than ``late_parked_cap`` tasks are parked
+        (``capped``)."""
+        return None if task.exempt and not capped else task.suspended_at + self.max_suspension
 
     def _overdue(self, now: float) -> PrefillTask | None:
         """The longest-parked task whose suspension bound has expired."""
@@ -232,7 +222,10 @@ class PreemptiveTasks:
             task.executed += now - task.run_since
             task.suspended_at = now
             task.forced = False
-            task.bound_at = self._bound(task)
+            # fixed for the parking episode: a parked task's time left does not change, so
+            # neither does its key's sign at the bound
+            task.exempt = not self.bound_late and self.ordering.task_key(
+                task, now + self.max_suspension, False)[0] == LATE
             self.parked[plan.plan_id] = task
             self.num_preemptions += 1
             for c in plan.prefills:
